@@ -1,0 +1,3 @@
+from ganscale.cli import main
+
+main()

@@ -1,0 +1,90 @@
+"""Command line: `ganscale train | recipes | export`.
+
+Configuration errors exit with code 2 and one message naming the key and the fix, before any
+process starts or anything is written.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ganscale import config as config_mod
+from ganscale.config import ConfigError
+
+EXIT_CONFIG = 2
+
+
+def _fail(error: Exception) -> None:
+    click.echo(f"ganscale: {error}", err=True)
+    sys.exit(EXIT_CONFIG)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Train GANs on one process or many, with the same config and the same result."""
+
+
+@main.command()
+@click.argument("recipe", required=False)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config value, e.g. --set train.steps=500 (repeatable).")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Start N local worker processes through torch's elastic launcher.")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Run directory (default: runs/<recipe>-<time>).")
+@click.option("--resume", default=None, metavar="auto|PATH",
+              help="Continue from the newest checkpoint ('auto') or a given checkpoint/run directory.")
+def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run_dir: str | None,
+          resume: str | None) -> None:
+    """Train RECIPE (a shipped recipe name or a YAML file; default: digits)."""
+    import torch
+
+    from ganscale import launch
+    from ganscale.runtime import environment_world_size
+
+    worker = launch.under_launcher()
+    try:
+        cfg = config_mod.load(recipe, overrides)
+        world = environment_world_size() if worker else (nproc or 1)
+        config_mod.check(cfg, world, torch.cuda.is_available())
+        resolved_dir, resume_from = launch.resolve_run(cfg, run_dir, resume)
+    except ConfigError as e:
+        _fail(e)
+    if nproc and not worker:
+        args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), []),
+                "--run-dir", str(resolved_dir), *(["--resume", str(resume_from)] if resume_from else [])]
+        sys.exit(launch.launch_local(nproc, args))
+    try:
+        summary = launch.run_worker(cfg, resolved_dir, resume_from)
+    except ConfigError as e:
+        _fail(e)
+    if launch.rank_from_environment() == 0:
+        click.echo(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
+
+
+@main.command()
+def recipes() -> None:
+    """List the shipped recipes."""
+    for name in config_mod.recipe_names():
+        cfg = config_mod.load(name)
+        marker = " (default)" if name == config_mod.DEFAULT_RECIPE else ""
+        click.echo(f"{name:<12} {cfg.description}{marker}")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output .safetensors file.")
+@click.option("--checkpoint", "checkpoint_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A specific checkpoint (default: the newest in RUN_DIR).")
+def export(run_dir: str, out: str, checkpoint_path: str | None) -> None:
+    """Write G and G_ema weights of a run to a safetensors file."""
+    from ganscale.export import export_generator
+
+    try:
+        written = export_generator(Path(run_dir), Path(out), Path(checkpoint_path) if checkpoint_path else None)
+    except (ConfigError, RuntimeError) as e:
+        _fail(e)
+    click.echo(f"wrote {written}")

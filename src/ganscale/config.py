@@ -1,0 +1,281 @@
+"""Typed, validated configuration.
+
+A run is described by one `Config`: a shipped recipe or a YAML file, then `--set dotted.key=value`
+overrides. Everything is checked before any process starts or anything is written; a bad value
+raises `ConfigError`, which the CLI turns into exit code 2 with one message naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: names the key and how to fix it."""
+
+    def __init__(self, key: str, problem: str, fix: str):
+        self.key, self.problem, self.fix = key, problem, fix
+        super().__init__(f"config error at '{key}': {problem}. Fix: {fix}")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    kind: Literal["dcgan", "mlp"] = "dcgan"
+    """Architecture family of G and D."""
+    z_dim: int = Field(64, gt=0)
+    """Latent dimension."""
+    g_width: int = Field(64, gt=0)
+    """DCGAN: channels of G's last hidden layer (doubled per lower resolution). MLP: hidden units."""
+    d_width: int = Field(64, gt=0)
+    """DCGAN: channels of D's first layer. MLP: hidden units."""
+    g_layers: int = Field(4, gt=0)
+    """MLP only: hidden layers of G."""
+    d_layers: int = Field(3, gt=0)
+    """MLP only: hidden layers of D."""
+    g_batchnorm: bool = True
+    """BatchNorm in G (the DCGAN and PacGAN-style MLP default)."""
+    d_spectral_norm: bool = False
+    """Spectral normalisation on D's layers."""
+
+
+class DataConfig(Section):
+    kind: Literal["digits", "ring8", "grid25", "folder"] = "digits"
+    """digits: scikit-learn's bundled 8x8 digits; ring8/grid25: 2D Gaussian mixtures; folder: images."""
+    path: str | None = None
+    """folder only: directory of images (searched recursively)."""
+    resolution: int = Field(8, ge=4)
+    """Image side length (images are resized to it). Ignored for 2D mixtures."""
+    channels: int = Field(1, ge=1, le=4)
+    """Image channels (1 grey, 3 RGB). Ignored for 2D mixtures."""
+    size: int = Field(100_000, gt=0)
+    """ring8/grid25: number of training points drawn once from the mixture."""
+    workers: int = Field(0, ge=0)
+    """DataLoader worker processes per rank (0: load in the training process)."""
+
+
+class LossConfig(Section):
+    kind: Literal["nonsaturating", "hinge", "wgan-gp", "lsgan"] = "nonsaturating"
+    """Adversarial objective."""
+    n_critic: int = Field(1, ge=1)
+    """D steps per G step (each on a fresh global batch)."""
+    r1_gamma: float = Field(0.0, ge=0)
+    """R1 penalty weight on real data (0: off)."""
+    r1_interval: int = Field(1, ge=1)
+    """Lazy R1: apply every k steps, scaled by k; D's lr and betas corrected by k/(k+1)."""
+    gp_weight: float = Field(10.0, ge=0)
+    """wgan-gp only: gradient-penalty weight."""
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(2e-4, gt=0)
+    betas: tuple[float, float] = (0.5, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class OptimConfig(Section):
+    g: OptimizerConfig = OptimizerConfig()
+    """Adam for G."""
+    d: OptimizerConfig = OptimizerConfig()
+    """Adam for D."""
+
+
+class TrainConfig(Section):
+    batch_size: int = Field(64, gt=0)
+    """Global batch per optimizer step, the same whatever the world size."""
+    micro_batch: int | None = Field(None, gt=0)
+    """Samples per rank per micro-step; accumulation steps = batch_size / (world * micro_batch).
+    Default: batch_size / world (no accumulation)."""
+    steps: int = Field(2000, gt=0)
+    """G optimizer steps."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = Field(0, ge=0)
+    grad_clip: float = Field(0.0, ge=0)
+    """Clip each network's gradient norm to this value (0: no clipping; the norm is logged anyway)."""
+    ema_half_life_images: float = Field(10_000.0, ge=0)
+    """EMA of G: images after which an old weight counts half (0: no averaging, G_ema = G)."""
+    ema_rampup: float = Field(0.05, ge=0)
+    """EMA half-life ramp-up: at most this fraction of the images seen so far (0: off)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class ParallelConfig(Section):
+    sync_bn: bool = False
+    """Batch statistics over the global micro-batch (all ranks) instead of each rank's."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Process-group timeout for a collective."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(500, ge=0)
+    """Write a checkpoint every this many steps (0: only at the end)."""
+    keep: int = Field(3, ge=1)
+    """Keep the newest k checkpoints."""
+    check_replicas: bool = True
+    """At each checkpoint, check that every parameter and buffer is bitwise identical across ranks."""
+
+
+class LogConfig(Section):
+    every: int = Field(50, ge=1)
+    """Log metrics every this many steps."""
+    sample_every: int = Field(500, ge=0)
+    """Write a G_ema sample grid every this many steps (0: only at the end)."""
+    samples: int = Field(64, ge=1)
+    """Images in a sample grid (fixed noise)."""
+    tensorboard: bool = True
+
+
+class Config(Section):
+    name: str = "run"
+    """Recipe name, used for the default run directory."""
+    description: str = ""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+    def accumulation_steps(self, world_size: int) -> int:
+        return self.train.batch_size // (world_size * self.micro_batch(world_size))
+
+    def micro_batch(self, world_size: int) -> int:
+        return self.train.micro_batch or self.train.batch_size // world_size
+
+
+DEFAULT_RECIPE = "digits"
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("ganscale.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def _recipe_text(name: str) -> str:
+    return resources.files("ganscale.recipes").joinpath(f"{name}.yaml").read_text()
+
+
+def load_raw(source: str | None) -> dict[str, Any]:
+    """A recipe name or a YAML file path -> plain dict (not yet validated)."""
+    source = source or DEFAULT_RECIPE
+    if source in recipe_names():
+        return yaml.safe_load(_recipe_text(source)) or {}
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError("recipe", f"'{source}' is neither a shipped recipe nor a YAML file",
+                          f"use one of {', '.join(recipe_names())} (see `ganscale recipes`) or a path to a .yaml file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), f"not valid YAML ({e})", "correct the file's YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "the top level is not a mapping", "write sections such as 'train:' at the top level")
+    raw.setdefault("name", path.stem)
+    return raw
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `dotted.key=value` (value parsed as YAML) to a raw config dict."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(assignment, "an override must look like dotted.key=value", "e.g. --set train.steps=1000")
+    node = raw
+    *parents, leaf = key.strip().split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(key, f"'{part}' is a value, not a section", f"drop the part after '{part}'")
+        node = child
+    node[leaf] = yaml.safe_load(value) if value.strip() else None
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _explain(error: dict) -> ConfigError:
+    loc = tuple(p for p in error["loc"] if not isinstance(p, int))
+    key = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        known = _known_keys(loc)
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'? " if close else ""
+        return ConfigError(key, "unknown key", f"{hint}known keys here: {', '.join(known)}")
+    got = error.get("input")
+    return ConfigError(key, f"{error['msg'].lower()} (got {got!r})",
+                       f"set a valid value, e.g. --set {key}=... (see the recipe files for examples)")
+
+
+def build(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise _explain(e.errors()[0]) from None
+
+
+def load(source: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    raw = load_raw(source)
+    raw.setdefault("name", source or DEFAULT_RECIPE)
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return build(raw)
+
+
+def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
+    """Combinations that cannot be right, checked once the world size is known."""
+    t = cfg.train
+    if t.micro_batch is not None and t.batch_size % (world_size * t.micro_batch):
+        raise ConfigError("train.batch_size",
+                          f"global batch {t.batch_size} is not divisible by world size {world_size} x micro_batch {t.micro_batch}",
+                          f"make train.batch_size a multiple of {world_size * t.micro_batch}, or change train.micro_batch")
+    if t.micro_batch is None and t.batch_size % world_size:
+        raise ConfigError("train.batch_size", f"global batch {t.batch_size} is not divisible by world size {world_size}",
+                          f"make train.batch_size a multiple of {world_size}")
+    on_cuda = t.device == "cuda" or (t.device == "auto" and cuda_available)
+    if t.device == "cuda" and not cuda_available:
+        raise ConfigError("train.device", "cuda requested but no CUDA device is visible", "set train.device=cpu or auto")
+    if t.precision == "fp16" and not on_cuda:
+        raise ConfigError("train.precision", "fp16 with a GradScaler needs a CUDA device; this run is on the CPU",
+                          "use train.precision=bf16 (or fp32) on the CPU")
+    if cfg.parallel.backend == "nccl" and not on_cuda:
+        raise ConfigError("parallel.backend", "nccl runs only on CUDA devices; this run is on the CPU",
+                          "use parallel.backend=gloo or auto")
+    micro = cfg.micro_batch(world_size)
+    if cfg.model.g_batchnorm and micro == 1 and not (cfg.parallel.sync_bn and world_size > 1):
+        raise ConfigError("train.micro_batch", "BatchNorm in G with one sample per rank has no batch statistics",
+                          "raise train.micro_batch, set parallel.sync_bn=true, or model.g_batchnorm=false")
+    if cfg.data.kind == "folder" and not cfg.data.path:
+        raise ConfigError("data.path", "data.kind=folder needs a directory", "set data.path=/path/to/images")
+    if cfg.data.kind == "folder" and not Path(cfg.data.path).is_dir():
+        raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
+    if cfg.loss.kind == "wgan-gp" and cfg.loss.gp_weight == 0:
+        raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
+                          "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
+    is_2d = cfg.data.kind in ("ring8", "grid25")
+    if is_2d != (cfg.model.kind == "mlp"):
+        raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
+                          "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
+    if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
+        raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
+                          "use 8, 16, 32, 64, ...")
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,42 @@
+"""A folder of images (any PIL-readable format, searched recursively), resized and centre-cropped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from ganscale.config import ConfigError
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
+
+
+class ImageFolder(Dataset):
+    def __init__(self, root: str | Path, resolution: int, channels: int = 3):
+        self.root = Path(root)
+        self.files = sorted(p for p in self.root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not self.files:
+            raise ConfigError("data.path", f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {self.root}",
+                              "point data.path at a folder that holds them")
+        self.resolution, self.channels = resolution, channels
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        path = self.files[index]
+        try:
+            with Image.open(path) as image:
+                image = image.convert("L" if self.channels == 1 else "RGB")
+                side = min(image.size)
+                left, top = (image.width - side) // 2, (image.height - side) // 2
+                image = image.crop((left, top, left + side, top + side))
+                image = image.resize((self.resolution, self.resolution), Image.Resampling.BICUBIC)
+                array = np.asarray(image, dtype=np.float32)
+        except OSError as e:
+            raise OSError(f"cannot read image {path}: {e}; remove or replace the file") from None
+        pixels = torch.from_numpy(array).reshape(self.resolution, self.resolution, -1).permute(2, 0, 1)
+        return (pixels / 127.5 - 1.0,)

@@ -1,0 +1,88 @@
+"""Which samples each rank gets at each micro-step: a pure function of (seed, batch index, rank).
+
+The stream is the concatenation of per-epoch permutations of the data set; global batch i is
+positions [i*B, (i+1)*B) of it. Within a global batch, micro-step m of rank r takes the slice
+starting at (m * world + r) * micro_batch. Resuming needs only the batch index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+
+
+@dataclass(frozen=True)
+class Slicing:
+    """How a global batch is cut into micro-batches over ranks."""
+
+    rank: int
+    world: int
+    micro_batch: int
+    accumulation: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.micro_batch * self.accumulation
+
+    def offset(self, micro_step: int) -> int:
+        """First position, within the global batch, of this rank's micro-batch `micro_step`."""
+        return (micro_step * self.world + self.rank) * self.micro_batch
+
+    def take(self, global_tensor: torch.Tensor, micro_step: int) -> torch.Tensor:
+        start = self.offset(micro_step)
+        return global_tensor[start:start + self.micro_batch]
+
+
+class _RankSampler(Sampler[list[int]]):
+    """Yields this rank's index list for every micro-step, forever, from global batch `start`."""
+
+    def __init__(self, size: int, slicing: Slicing, seed: int, start: int):
+        self.size, self.slicing, self.seed, self.start = size, slicing, seed, start
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms[epoch] = torch.randperm(self.size, generator=generator)
+        return self._perms[epoch]
+
+    def indices(self, batch: int, micro_step: int) -> list[int]:
+        first = batch * self.slicing.global_batch + self.slicing.offset(micro_step)
+        positions = torch.arange(first, first + self.slicing.micro_batch)
+        epochs, offsets = positions // self.size, positions % self.size
+        return [int(self._perm(int(e))[int(o)]) for e, o in zip(epochs, offsets)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch = self.start
+        while True:
+            for micro_step in range(self.slicing.accumulation):
+                yield self.indices(batch, micro_step)
+            batch += 1
+
+
+class GlobalBatches:
+    """Iterator over global batches; each item is this rank's list of micro-batches on `device`."""
+
+    def __init__(self, dataset: Dataset, slicing: Slicing, seed: int, device: torch.device,
+                 workers: int = 0, start: int = 0):
+        self.slicing, self.device, self.position = slicing, device, start
+        sampler = _RankSampler(len(dataset), slicing, seed, start)
+        if isinstance(dataset, TensorDataset) and workers == 0:
+            # In-memory data: index the tensor directly, no per-sample collation.
+            data = dataset.tensors[0]
+            self._micro = (data[torch.tensor(idx)] for idx in sampler)
+        else:
+            loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+            self._micro = (batch[0] for batch in loader)
+
+    def __iter__(self) -> GlobalBatches:
+        return self
+
+    def __next__(self) -> list[torch.Tensor]:
+        self.position += 1
+        return [next(self._micro).to(self.device, non_blocking=True) for _ in range(self.slicing.accumulation)]

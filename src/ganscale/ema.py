@@ -1,0 +1,37 @@
+"""Exponential moving average of G with a half-life counted in images.
+
+Counting in images (not steps) keeps the average the same whatever the world size or batch; the
+ramp-up limits the half-life to a fraction of the images seen so far (StyleGAN2-ADA). Every rank
+holds identical G weights, so every rank's G_ema is identical without communication.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def make_ema(generator: nn.Module) -> nn.Module:
+    ema = copy.deepcopy(generator).eval()
+    ema.requires_grad_(False)
+    return ema
+
+
+def ema_beta(global_batch: int, images_seen: int, half_life_images: float, rampup: float) -> float:
+    half_life = half_life_images
+    if rampup > 0:
+        half_life = min(half_life, images_seen * rampup)
+    if half_life <= 0:
+        return 0.0
+    return 0.5 ** (global_batch / half_life)
+
+
+@torch.no_grad()
+def update_ema(ema: nn.Module, generator: nn.Module, beta: float) -> None:
+    ema_params = list(ema.parameters())
+    params = [p.detach() for p in generator.parameters()]
+    torch._foreach_lerp_(ema_params, params, 1.0 - beta)
+    for ema_buffer, buffer in zip(ema.buffers(), generator.buffers()):
+        ema_buffer.copy_(buffer)

@@ -1,0 +1,99 @@
+"""Starting workers: `--nproc N` through PyTorch's elastic launcher (the machinery behind torchrun),
+or the current process when it already is a worker (plain run, or started by torchrun).
+
+Also decides the run directory and what to resume from, before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ganscale import checkpoint
+from ganscale.config import Config, ConfigError
+
+RUNS_ROOT = Path("runs")
+
+
+def under_launcher() -> bool:
+    """True in a worker started by torchrun / the elastic launcher."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def rank_from_environment() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, Path | None]:
+    """(run directory, checkpoint to resume from or None). Raises ConfigError; writes nothing."""
+    if resume not in (None, "auto"):
+        source = Path(resume)
+        found = checkpoint.latest(source) if source.is_dir() else source if source.is_file() else None
+        if found is None:
+            raise ConfigError("--resume", f"no checkpoint at '{resume}'",
+                              "pass a checkpoint file, a run directory holding checkpoints/, or 'auto'")
+        return (Path(run_dir) if run_dir else (source if source.is_dir() else source.parent.parent)), found
+    if run_dir is None and resume == "auto":
+        candidates = sorted((p for p in RUNS_ROOT.glob(f"{cfg.name}-*") if checkpoint.latest(p)),
+                            key=lambda p: checkpoint.latest(p).stat().st_mtime)
+        run_dir = str(candidates[-1]) if candidates else None
+    if run_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = RUNS_ROOT / f"{cfg.name}-{stamp}"
+        suffix = 1
+        while path.exists():
+            path, suffix = RUNS_ROOT / f"{cfg.name}-{stamp}-{suffix}", suffix + 1
+        return path, None
+    path = Path(run_dir)
+    found = checkpoint.latest(path)
+    if found is not None and resume is None:
+        raise ConfigError("--run-dir", f"'{path}' already holds a run (checkpoints/{found.name})",
+                          "pass --resume auto to continue it, or choose a new --run-dir")
+    return path, found
+
+
+def agree_on_run(run_dir: Path, resume: Path | None) -> tuple[Path, Path | None]:
+    """Collective: every rank takes rank 0's run directory and resume point (timestamps differ per node)."""
+    chosen = [str(run_dir), str(resume) if resume else None]
+    dist.broadcast_object_list(chosen, src=0)
+    return Path(chosen[0]), (Path(chosen[1]) if chosen[1] else None)
+
+
+def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> int:
+    """Start `nproc` workers running `python -m ganscale <worker_args>` via torch's elastic agent."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+                          monitor_interval=0.5)
+    try:
+        elastic_launch(config, sys.executable)("-m", "ganscale", *worker_args)
+    except ChildFailedError as e:
+        codes = {failure.exitcode for failure in e.failures.values()}
+        first_rank, first = min(e.failures.items())
+        print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
+              f" (see its output above)", file=sys.stderr)
+        return 2 if codes == {2} else 1
+    return 0
+
+
+def run_worker(cfg: Config, run_dir: Path, resume: Path | None) -> dict:
+    """Train in this process as one rank of the group described by the environment."""
+    from ganscale import runtime as rt
+    from ganscale.trainer import Trainer
+
+    runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    try:
+        run_dir, resume = agree_on_run(run_dir, resume)
+        return Trainer(cfg, runtime, run_dir, resume).fit()
+    finally:
+        runtime.close()

@@ -1,0 +1,65 @@
+"""What a run leaves behind for people: metrics.jsonl, TensorBoard, progress, samples, summary.
+
+Only rank 0 writes. Values handed in here are already global (reduced by the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, enabled: bool):
+        self.enabled, self.run_dir = enabled, Path(run_dir)
+        self.writer = self.bar = None
+        if not enabled:
+            return
+        self.metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self._last_step, self._last_time = start_step, time.perf_counter()
+
+    def log(self, step: int, values: dict[str, float], images_per_step: int) -> dict[str, float]:
+        if not self.enabled:
+            return values
+        now = time.perf_counter()
+        steps = max(step - self._last_step, 1)
+        record = {"step": step, **values, "img_per_s": images_per_step * steps / max(now - self._last_time, 1e-9)}
+        self._last_step, self._last_time = step, now
+        self.metrics.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, step)
+        line = " ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step")
+        if self.bar is not None:
+            self.bar.set_postfix_str(line, refresh=False)
+        else:
+            print(f"step {step} {line}", flush=True)
+        return record
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def add_image(self, tag: str, image_hwc, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_image(tag, image_hwc, step, dataformats="HWC")
+
+    def close(self, summary: dict) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.metrics.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,55 @@
+"""PNG pictures of G's output: image grids, or scatter plots for 2D data."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+
+def image_grid(images: torch.Tensor, min_cell: int = 32) -> np.ndarray:
+    """(N, C, H, W) in [-1, 1] -> (H', W', 3) uint8 grid, cells upscaled to at least `min_cell` pixels."""
+    n, c, h, w = images.shape
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    if c == 1:
+        pixels = pixels.expand(-1, 3, -1, -1)
+    pixels = pixels[:, :3]
+    zoom = max(1, math.ceil(min_cell / max(h, w)))
+    pixels = pixels.repeat_interleave(zoom, 2).repeat_interleave(zoom, 3)
+    h, w = h * zoom, w * zoom
+    grid = torch.zeros(3, rows * (h + 2) + 2, cols * (w + 2) + 2, dtype=torch.uint8)
+    for i in range(n):
+        r, col = divmod(i, cols)
+        grid[:, 2 + r * (h + 2):2 + r * (h + 2) + h, 2 + col * (w + 2):2 + col * (w + 2) + w] = pixels[i]
+    return grid.permute(1, 2, 0).numpy()
+
+
+def scatter(points: torch.Tensor, reference: torch.Tensor | None = None, size: int = 384) -> np.ndarray:
+    """2D points (N, 2) as a white PNG canvas; optional reference points (mode centres) in red."""
+    pts = points.float().cpu()
+    extent = float(pts.abs().max().clamp(min=1.0)) * 1.15
+    if reference is not None:
+        extent = max(extent, float(reference.abs().max()) * 1.15)
+    canvas = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(canvas)
+
+    def to_px(p: torch.Tensor) -> tuple[float, float]:
+        return ((float(p[0]) / extent + 1) * size / 2, (1 - float(p[1]) / extent) * size / 2)
+
+    for p in pts:
+        x, y = to_px(p)
+        draw.point((x, y), fill=(30, 60, 160))
+    for p in reference if reference is not None else []:
+        x, y = to_px(p)
+        draw.ellipse((x - 3, y - 3, x + 3, y + 3), outline=(200, 30, 30))
+    return np.asarray(canvas)
+
+
+def write_png(array: np.ndarray, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array).save(path)

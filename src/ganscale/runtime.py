@@ -1,0 +1,66 @@
+"""Process group, device and seeds of one worker.
+
+Under torchrun or `--nproc`, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* come from the elastic launcher;
+a plain `ganscale train` runs as a one-process group so the trainer has a single code path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def environment_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> Runtime:
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)  # one GPU per rank; without it every rank lands on GPU 0
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    owns = not dist.is_initialized()
+    if owns:
+        chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(chosen, timeout=timeout, device_id=dev if use_cuda else None)
+        else:
+            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns)
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (seed, step, phase, ...), the same on every machine."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def seed_rank_streams(seed: int, runtime: Runtime) -> None:
+    """Per-rank RNG (dropout, augmentation): seed * world + rank, so ranks differ and runs repeat."""
+    torch.manual_seed(seed * runtime.world + runtime.rank)
+    np.random.seed((seed * runtime.world + runtime.rank) % 2**32)

@@ -1,0 +1,281 @@
+"""The training loop, top to bottom: global batch -> D step(s) -> G step -> EMA -> logs, samples, checkpoints.
+
+Every rank runs exactly this control flow. The only decisions taken from data (skip a step with a
+non-finite loss or gradient) are agreed in one all-reduce per optimizer step; everything else
+(penalty steps, logging, checkpoints) is a function of the step counter, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ganscale import checkpoint, objectives
+from ganscale.config import Config, to_yaml
+from ganscale.data import GlobalBatches, Slicing, build_dataset
+from ganscale.data.mixtures import grid25_modes, ring8_modes
+from ganscale.ema import ema_beta, make_ema, update_ema
+from ganscale.models import build_networks
+from ganscale.observe import RunLog
+from ganscale.observe.samples import image_grid, scatter, write_png
+from ganscale.parallel import Wrapped, average_batchnorm_stats, data_parallel
+from ganscale.precision import Precision
+from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
+
+# Noise streams: each phase of each step draws the whole global batch's latents from its own seed,
+# and each rank keeps its slice. Ranks get different noise, and the union over ranks is the same
+# whatever the world size, so 1 x 2b and 2 x b train identically.
+PHASE_G, PHASE_D, PHASE_SAMPLES = 0, 1, 2**20
+
+
+class ReplicaDivergence(RuntimeError):
+    """Parameters or buffers differ across ranks where they must be identical."""
+
+
+class Trainer:
+    def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path, resume: Path | None = None):
+        self.cfg, self.runtime, self.run_dir = cfg, runtime, Path(run_dir)
+        world, device = runtime.world, runtime.device
+        self.slicing = Slicing(runtime.rank, world, cfg.micro_batch(world), cfg.accumulation_steps(world))
+        self.global_batch = cfg.train.batch_size
+
+        generator, discriminator = build_networks(cfg)  # same seed on every rank: identical init
+        self.G: Wrapped = data_parallel(generator, runtime, cfg.parallel.sync_bn)
+        self.D: Wrapped = data_parallel(discriminator, runtime, cfg.parallel.sync_bn)
+        self.G_ema = make_ema(self.G.module)
+        self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1)
+        lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
+        self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy)
+        self.precision = Precision(cfg.train.precision, device)
+
+        self.step, self.skipped_steps = 0, 0
+        seed_rank_streams(cfg.train.seed, runtime)
+        if resume is not None:
+            self._load(resume)
+        self.dataset = build_dataset(cfg)
+        self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
+                                     start=self.step * cfg.loss.n_critic)
+        self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
+        if runtime.is_main:  # only now: a bad data set or checkpoint leaves nothing behind
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            resolved = to_yaml(cfg)
+            config_file = self.run_dir / "config.yaml"
+            if config_file.exists() and config_file.read_text() != resolved:
+                config_file = self.run_dir / f"config.resumed-{self.step:08d}.yaml"  # never overwrite the original
+            config_file.write_text(resolved)
+        self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
+
+    @staticmethod
+    def _adam(net: Wrapped, opt_cfg, lazy_interval: int) -> torch.optim.Adam:
+        # Lazy regularisation (StyleGAN2): a penalty every k steps, scaled by k, with lr and betas
+        # corrected by k/(k+1) so the effective optimiser matches applying it every step.
+        c = lazy_interval / (lazy_interval + 1) if lazy_interval > 1 else 1.0
+        betas = (opt_cfg.betas[0] ** c, opt_cfg.betas[1] ** c)
+        return torch.optim.Adam(net.parameters(), lr=opt_cfg.lr * c, betas=betas, weight_decay=opt_cfg.weight_decay)
+
+    # ----------------------------------------------------------------------------------- noise
+    def _global_latents(self, step: int, phase: int, n: int | None = None) -> Tensor:
+        """Latents for the whole global batch (or `n` samples): the same on every rank."""
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase))
+        return torch.randn(n or self.global_batch, self.cfg.model.z_dim, generator=gen).to(self.runtime.device)
+
+    def _global_uniform(self, step: int, phase: int) -> Tensor:
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase, 1))
+        return torch.rand(self.global_batch, generator=gen).to(self.runtime.device)
+
+    # ----------------------------------------------------------------------------------- loop
+    def fit(self) -> dict:
+        cfg, started = self.cfg, time.perf_counter()
+        start_step = self.step
+        record: dict[str, float] = {}
+        while self.step < cfg.train.steps:
+            step = self.step
+            d_stats = {}
+            for critic in range(cfg.loss.n_critic):
+                d_stats = self.discriminator_step(next(self.batches), step, critic)
+                if critic < cfg.loss.n_critic - 1:
+                    self.precision.update()
+            g_stats = self.generator_step(step)
+            self.precision.update()  # once per iteration, after both networks stepped
+            self.step = step + 1
+            beta = ema_beta(self.global_batch, self.step * self.global_batch, cfg.train.ema_half_life_images,
+                            cfg.train.ema_rampup)
+            update_ema(self.G_ema, self.G.module, beta)
+            self.log.advance()
+
+            final = self.step == cfg.train.steps
+            if self.step % cfg.log.every == 0 or final:
+                record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps},
+                                      self.global_batch)
+            if (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final:
+                self.write_samples()
+            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final:
+                self.save_checkpoint()
+
+        wall = time.perf_counter() - started
+        summary = {"steps": self.step, "world_size": self.runtime.world, "global_batch": self.global_batch,
+                   "micro_batch": self.slicing.micro_batch, "accumulation_steps": self.slicing.accumulation,
+                   "skipped_steps": self.skipped_steps, "wall_s": wall,
+                   "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
+                   "final": record, "checkpoint": str(checkpoint.latest(self.run_dir))}
+        self.log.close(summary)
+        return summary
+
+    def discriminator_step(self, reals: list[Tensor], step: int, critic: int) -> dict[str, float]:
+        cfg, loss_cfg = self.cfg, self.cfg.loss
+        self.D.trainable(True)
+        phase = PHASE_D + critic
+        z_all = self._global_latents(step, phase)
+        alpha_all = self._global_uniform(step, phase) if loss_cfg.kind == "wgan-gp" else None
+        with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
+        accumulation = len(reals)
+        totals = torch.zeros(2, device=self.runtime.device)  # adversarial loss, penalty
+        for micro, real in enumerate(reals):
+            z = self.slicing.take(z_all, micro)
+            with self.D.gradient_sync(micro == accumulation - 1):  # no_sync covers forward and backward
+                with torch.no_grad(), self.precision.autocast():
+                    fake = self.G(z)
+                alpha = self.slicing.take(alpha_all, micro) if alpha_all is not None else None
+                adversarial, penalty = self._d_objective(real, fake.float(), with_r1, alpha)
+                self.precision.scale((adversarial + penalty) / accumulation).backward()
+            totals += torch.stack([adversarial.detach(), penalty.detach()]) / accumulation
+        loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, totals)
+        return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
+
+    def _d_objective(self, real: Tensor, fake: Tensor, with_r1: bool, alpha: Tensor | None) -> tuple[Tensor, Tensor]:
+        """D's loss on one micro-batch: one D forward over [real, fake, (interpolates)]."""
+        loss_cfg, b = self.cfg.loss, real.shape[0]
+        if with_r1:
+            real = real.detach().requires_grad_(True)
+        parts = [real, fake]
+        if alpha is not None:
+            shape = [b] + [1] * (real.dim() - 1)
+            interp = (alpha.view(shape) * real.detach() + (1 - alpha.view(shape)) * fake).requires_grad_(True)
+            parts.append(interp)
+        with self.precision.autocast():
+            logits = self.D(torch.cat(parts))
+        real_logits, fake_logits, *interp_logits = logits.split(b)
+        adversarial = objectives.d_loss(loss_cfg.kind, real_logits, fake_logits)
+        penalty = torch.zeros((), device=real.device)
+        scale = self.precision.loss_scale
+        if with_r1:
+            r1 = objectives.r1_penalty(real_logits, real, scale)
+            penalty = penalty + 0.5 * loss_cfg.r1_gamma * loss_cfg.r1_interval * r1
+        if alpha is not None:
+            penalty = penalty + loss_cfg.gp_weight * objectives.gradient_penalty(interp_logits[0], interp, scale)
+        return adversarial, penalty
+
+    def generator_step(self, step: int) -> dict[str, float]:
+        self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
+        z_all = self._global_latents(step, PHASE_G)
+        accumulation = self.slicing.accumulation
+        total = torch.zeros(1, device=self.runtime.device)
+        for micro in range(accumulation):
+            z = self.slicing.take(z_all, micro)
+            with self.G.gradient_sync(micro == accumulation - 1):
+                with self.precision.autocast():
+                    loss = objectives.g_loss(self.cfg.loss.kind, self.D(self.G(z)))
+                self.precision.scale(loss / accumulation).backward()
+            total += loss.detach() / accumulation
+        self.D.trainable(True)
+        (loss_g, grad_norm) = self._finish_step(self.G, self.opt_g, total)
+        return {"loss_g": loss_g, "grad_norm_g": grad_norm}
+
+    def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer, local_losses: Tensor) -> tuple[float, ...]:
+        """Clip, agree on skipping, step. Returns the global mean losses and the pre-clip grad norm."""
+        self.precision.unscale_(optimizer)
+        grad_norm = net.grad_norm(self.cfg.train.grad_clip)  # gradients are already averaged: same on all ranks
+        bad = ~(torch.isfinite(local_losses).all() & torch.isfinite(grad_norm))
+        packed = torch.cat([local_losses, bad.float().view(1)])
+        dist.all_reduce(packed)  # one collective: global mean losses and the skip decision
+        skip = bool(packed[-1] > 0)
+        if skip:
+            self.skipped_steps += 1
+        else:
+            self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        means = (packed[:-1] / self.runtime.world).tolist()
+        return (*means, float(grad_norm))
+
+    # ----------------------------------------------------------------------------------- outputs
+    def synchronise_buffers(self) -> None:
+        """Collective: make per-rank BatchNorm statistics one (before sampling, evaluating, saving)."""
+        average_batchnorm_stats(self.G.module, self.D.module, self.G_ema)
+
+    def write_samples(self) -> None:
+        self.synchronise_buffers()
+        if not self.runtime.is_main:
+            return
+        with torch.no_grad():
+            out = self.G_ema(self.sample_z).float().cpu()  # the EMA copy is never wrapped: no collective
+        if out.dim() == 2:
+            modes = {"ring8": ring8_modes, "grid25": grid25_modes}.get(self.cfg.data.kind)
+            n = max(len(out), 1000)
+            z = self._global_latents(1, PHASE_SAMPLES, n)
+            with torch.no_grad():
+                picture = scatter(self.G_ema(z).float().cpu(), modes() if modes else None)
+        else:
+            picture = image_grid(out)
+        write_png(picture, self.run_dir / "samples" / f"step-{self.step:08d}.png")
+        self.log.add_image("samples", picture, self.step)
+
+    def state_dict(self, rng_states: list[dict]) -> dict:
+        return {"step": self.step, "data_position": self.batches.position, "skipped_steps": self.skipped_steps,
+                "world_size": self.runtime.world, "G": self.G.module.state_dict(), "D": self.D.module.state_dict(),
+                "G_ema": self.G_ema.state_dict(), "opt_g": self.opt_g.state_dict(), "opt_d": self.opt_d.state_dict(),
+                "scaler": self.precision.state_dict(), "rng": rng_states, "config": to_yaml(self.cfg)}
+
+    def save_checkpoint(self) -> Path | None:
+        self.synchronise_buffers()
+        if self.cfg.checkpoint.check_replicas:
+            check_replicas({"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema})
+        rng_states = checkpoint.gather_rng_states()  # collective
+        if self.runtime.is_main:
+            return checkpoint.save(self.state_dict(rng_states), self.run_dir, self.step, self.cfg.checkpoint.keep)
+        return None
+
+    def _load(self, path: Path) -> None:
+        state = checkpoint.load(path)
+        self.G.module.load_state_dict(state["G"])
+        self.D.module.load_state_dict(state["D"])
+        self.G_ema.load_state_dict(state["G_ema"])
+        self.opt_g.load_state_dict(state["opt_g"])
+        self.opt_d.load_state_dict(state["opt_d"])
+        self.precision.load_state_dict(state["scaler"])
+        self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+        if state["data_position"] != self.step * self.cfg.loss.n_critic:
+            raise RuntimeError(f"checkpoint {path} was written with another loss.n_critic; resume with the same config")
+        if len(state["rng"]) == self.runtime.world:
+            checkpoint.set_rng_state(state["rng"][self.runtime.rank])
+        else:  # another world size: per-rank streams cannot carry over; reseed them deterministically
+            seed_rank_streams(derive_seed(self.cfg.train.seed, self.step), self.runtime)
+
+
+def fingerprint(tensor: Tensor) -> Tensor:
+    """A bitwise fingerprint of a tensor (int64): equal tensors give equal fingerprints."""
+    flat = tensor.detach().contiguous().view(-1)
+    ints = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    weights = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=flat.device) % 1_000_003
+    return torch.stack([(ints.long() * weights).sum(), ints.long().sum()])
+
+
+def check_replicas(modules: dict[str, torch.nn.Module]) -> None:
+    """Collective: every parameter and buffer bitwise identical across ranks, or name the first that is not."""
+    if dist.get_world_size() == 1:
+        return
+    names, prints = [], []
+    for prefix, module in modules.items():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            names.append(f"{prefix}.{name}")
+            prints.append(fingerprint(tensor))
+    local = torch.stack(prints)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    for rank, other in enumerate(gathered):
+        differs = (other != gathered[0]).any(1).nonzero()
+        if len(differs):
+            raise ReplicaDivergence(f"{names[int(differs[0])]} differs between rank 0 and rank {rank}")
