@@ -176,7 +176,9 @@ class Trainer:
         total = torch.zeros(1, device=self.runtime.device)
         for micro in range(accumulation):
             z = self.slicing.take(z_all, micro)
-            with self.G.gradient_sync(micro == accumulation - 1):
+            # D is frozen here: its DDP must not arm a gradient reduction it would then fire during
+            # the next D step's first no_sync micro-step (an extra all-reduce per iteration).
+            with self.G.gradient_sync(micro == accumulation - 1), self.D.gradient_sync(False):
                 with self.precision.autocast():
                     loss = objectives.g_loss(self.cfg.loss.kind, self.D(self.G(z)))
                 self.precision.scale(loss / accumulation).backward()

@@ -1,0 +1,71 @@
+"""Run a function on N real processes (gloo on CPU) and collect each rank's return value.
+
+Each rank is a fresh spawned process with one thread (so 1-rank references and N-rank runs do
+the same arithmetic), MASTER_ADDR/PORT set as a launcher would.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
+    """fn(rank, world, *args) on `world` processes; returns the list of results by rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_entry, args=(world, _free_port(), out_dir, fn, args), nprocs=world, join=True,
+                           start_method="spawn")
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, steps_hook: Callable | None = None) -> dict:
+    """Train a config (dict of dotted overrides on the default recipe) and return the final weights."""
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    config.check(cfg, world, False)
+    trainer = Trainer(cfg, start("cpu"), Path(run_dir))
+    extra = steps_hook(trainer) if steps_hook else None
+    summary = trainer.fit()
+    return {"G": {k: v.clone() for k, v in trainer.G.module.state_dict().items()},
+            "D": {k: v.clone() for k, v in trainer.D.module.state_dict().items()},
+            "G_ema": {k: v.clone() for k, v in trainer.G_ema.state_dict().items()},
+            "summary": summary, "extra": extra() if callable(extra) else extra}
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max |a - b| over all floating tensors, relative to the largest |a| of that tensor."""
+    worst = 0.0
+    assert a.keys() == b.keys()
+    for key in a:
+        if a[key].is_floating_point():
+            scale = a[key].abs().max().clamp_min(1e-12)
+            worst = max(worst, float((a[key] - b[key]).abs().max() / scale))
+    return worst
