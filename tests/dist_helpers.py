@@ -30,6 +30,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
+        dist.barrier()  # nobody tears down its connections while a peer still uses them
     finally:
         dist.destroy_process_group()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
