@@ -30,7 +30,7 @@ class ImageFolder(Dataset):
         path = self.files[index]
         try:
             with Image.open(path) as image:
-                image = image.convert("L" if self.channels == 1 else "RGB")
+                image = image.convert({1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}[self.channels])  # config allows 1..4
                 side = min(image.size)
                 left, top = (image.width - side) // 2, (image.height - side) // 2
                 image = image.crop((left, top, left + side, top + side))

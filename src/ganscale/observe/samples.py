@@ -16,8 +16,8 @@ def image_grid(images: torch.Tensor, min_cell: int = 32) -> np.ndarray:
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
     pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    if c == 1:
-        pixels = pixels.expand(-1, 3, -1, -1)
+    if c < 3:  # grey (and grey + alpha): show the grey channel
+        pixels = pixels[:, :1].expand(-1, 3, -1, -1)
     pixels = pixels[:, :3]
     zoom = max(1, math.ceil(min_cell / max(h, w)))
     pixels = pixels.repeat_interleave(zoom, 2).repeat_interleave(zoom, 3)

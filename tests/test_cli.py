@@ -1,0 +1,212 @@
+"""The command line end to end, through `python -m ganscale` in a subprocess (CPU only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from ganscale import config
+
+METRIC_KEYS = {"step", "loss_d", "loss_g", "grad_norm_d", "grad_norm_g", "img_per_s"}
+SHORT_RUN = ["--set", "train.steps=20", "--set", "log.every=5", "--set", "checkpoint.every=10",
+             "--set", "log.sample_every=10"]
+
+
+def ganscale(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only, whatever the machine has
+    return subprocess.run([sys.executable, "-m", "ganscale", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def explain(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def checkpoint_steps(run: Path) -> list[int]:
+    return sorted(int(p.name[5:13]) for p in (run / "checkpoints").glob("step-*.pt"))
+
+
+# ------------------------------------------------------------------------------ rejected configs
+@pytest.mark.parametrize("override, key, hint", [
+    ("train.batch_size=63", "train.batch_size", None),
+    ("train.stpes=3", "train.stpes", "train.steps"),
+    ("train.precision=fp16", "train.precision", None),
+])
+def test_bad_config_exits_2_and_writes_nothing(tmp_path, override, key, hint):
+    result = ganscale("train", "--set", override, "--nproc", "2", "--run-dir", "X", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert key in result.stderr
+    if hint:
+        assert hint in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "X").exists()
+    assert list(tmp_path.iterdir()) == []  # no runs/ either
+
+
+def test_missing_recipe_exits_2(tmp_path):
+    result = ganscale("train", "no-such-recipe", "--run-dir", "X", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert "no-such-recipe" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recipes_lists_each_with_its_description(tmp_path):
+    result = ganscale("recipes", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
+    for name in ("digits", "ring8", "grid25"):
+        assert name in lines
+        description = config.load(name).description
+        assert description and description in lines[name]
+    assert "(default)" in lines[config.DEFAULT_RECIPE]
+
+
+def test_export_of_a_dir_without_checkpoints_exits_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = ganscale("export", "empty", "--out", "W.safetensors", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert "checkpoint" in result.stderr
+    assert not (tmp_path / "W.safetensors").exists()
+
+
+# ------------------------------------------------------------------------ default recipe, 2 ranks
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """The default recipe for 20 steps on 2 processes; tests read it, never change it."""
+    cwd = tmp_path_factory.mktemp("cli")
+    result = ganscale("train", "--nproc", "2", *SHORT_RUN, "--run-dir", "RUN", cwd=cwd)
+    assert result.returncode == 0, explain(result)
+    return cwd / "RUN"
+
+
+@pytest.mark.slow
+def test_run_directory_contents(trained_run):
+    run = trained_run
+    saved = config.build(yaml.safe_load((run / "config.yaml").read_text()))
+    assert saved.name == config.DEFAULT_RECIPE
+    assert (saved.train.steps, saved.log.every, saved.checkpoint.every) == (20, 5, 10)
+
+    records = metrics(run)
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    for record in records:
+        assert METRIC_KEYS <= set(record)
+        assert all(math.isfinite(record[k]) for k in METRIC_KEYS)
+        assert record["img_per_s"] > 0
+
+    events = list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events)
+
+    samples = sorted((run / "samples").glob("*.png"))
+    assert [p.name for p in samples] == ["step-00000010.png", "step-00000020.png"]
+    with Image.open(samples[-1]) as picture:
+        assert picture.mode == "RGB" and min(picture.size) >= 8 * 8
+
+    assert checkpoint_steps(run) == [10, 20]  # keep 3: nothing pruned yet
+    assert (run / "checkpoints" / "step-00000020.pt").is_file()
+    assert not list((run / "checkpoints").glob(".*"))  # no temporary files left behind
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 20
+    assert summary["world_size"] == 2
+    assert summary["global_batch"] == saved.train.batch_size
+    assert summary["micro_batch"] * 2 * summary["accumulation_steps"] == saved.train.batch_size
+    assert summary["final"]["step"] == 20
+
+
+@pytest.mark.slow
+def test_tensorboard_has_the_logged_scalars(trained_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(trained_run / "tensorboard"))
+    events.Reload()
+    assert METRIC_KEYS - {"step"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("loss_d")] == [5, 10, 15, 20]
+    assert "samples" in events.Tags()["images"]
+
+
+@pytest.mark.slow
+def test_rerun_without_resume_is_refused_then_resume_continues(trained_run, tmp_path):
+    run = tmp_path / "RUN"
+    shutil.copytree(trained_run, run)
+    before = {p.name: p.read_bytes() for p in [run / "metrics.jsonl", run / "summary.json", run / "config.yaml"]}
+
+    refused = ganscale("train", "--nproc", "2", *SHORT_RUN, "--run-dir", "RUN", cwd=tmp_path)
+    assert refused.returncode == 2, explain(refused)
+    assert "--run-dir" in refused.stderr
+    assert "--resume" in refused.stderr  # the fix
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert checkpoint_steps(run) == [10, 20]
+
+    resumed = ganscale("train", "--nproc", "2", *SHORT_RUN, "--set", "train.steps=30", "--run-dir", "RUN",
+                       "--resume", "auto", cwd=tmp_path)
+    assert resumed.returncode == 0, explain(resumed)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 30
+    assert summary["world_size"] == 2
+    assert [r["step"] for r in metrics(run)] == [5, 10, 15, 20, 25, 30]  # appended, nothing repeated
+    assert checkpoint_steps(run) == [10, 20, 30]
+    # the original config stays; the changed one is kept beside it
+    assert (run / "config.yaml").read_bytes() == before["config.yaml"]
+    resumed_cfg = yaml.safe_load((run / "config.resumed-00000020.yaml").read_text())
+    assert resumed_cfg["train"]["steps"] == 30
+
+
+@pytest.mark.slow
+def test_export_writes_g_and_g_ema(trained_run, tmp_path):
+    from safetensors import safe_open
+
+    out = tmp_path / "W.safetensors"
+    result = ganscale("export", str(trained_run), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert out.is_file()
+    state = torch.load(trained_run / "checkpoints" / "step-00000020.pt", map_location="cpu", weights_only=True)
+    with safe_open(str(out), "pt") as f:
+        keys = set(f.keys())
+        assert f.metadata()["step"] == "20"
+        g_keys = {k[len("G."):] for k in keys if k.startswith("G.")}
+        ema_keys = {k[len("G_ema."):] for k in keys if k.startswith("G_ema.")}
+        assert keys == {f"G.{k}" for k in g_keys} | {f"G_ema.{k}" for k in ema_keys}
+        assert g_keys == set(state["G"]) and ema_keys == set(state["G_ema"])
+        assert g_keys  # not empty
+        for k in g_keys:
+            assert torch.equal(f.get_tensor(f"G.{k}"), state["G"][k])
+        for k in ema_keys:
+            assert torch.equal(f.get_tensor(f"G_ema.{k}"), state["G_ema"][k])
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+# --------------------------------------------------------------------------------- ring8, 1 rank
+@pytest.mark.slow
+def test_ring8_trains_in_one_process_and_draws_a_scatter(tmp_path):
+    result = ganscale("train", "ring8", "--set", "train.steps=50", "--run-dir", "R", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    run = tmp_path / "R"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"], summary["world_size"]) == (50, 1)
+    assert [r["step"] for r in metrics(run)] == [50]  # log.every 250 > steps: only the final step
+    assert checkpoint_steps(run) == [50]
+    samples = list((run / "samples").glob("*.png"))
+    assert [p.name for p in samples] == ["step-00000050.png"]
+    with Image.open(samples[0]) as picture:
+        pixels = np.asarray(picture.convert("RGB"))
+    assert pixels.shape[0] == pixels.shape[1]  # a square scatter canvas, not an image grid
+    colours = {tuple(c) for c in pixels.reshape(-1, 3).tolist()}
+    assert {(255, 255, 255), (30, 60, 160), (200, 30, 30)} <= colours  # background, points, mode markers
+    assert not (tmp_path / "runs").exists()  # --run-dir given: nothing under the default root

@@ -1,0 +1,235 @@
+"""Config loading, overrides and the cross-field checks, in process (no training)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from ganscale import config
+from ganscale.config import Config, ConfigError
+
+
+# ------------------------------------------------------------------------------------------ recipes
+def test_there_are_shipped_recipes_and_the_default_is_one_of_them():
+    names = config.recipe_names()
+    assert {"digits", "ring8", "grid25"} <= set(names)
+    assert config.DEFAULT_RECIPE in names
+
+
+@pytest.mark.parametrize("name", config.recipe_names())
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_shipped_recipe_loads_and_passes_check(name, world):
+    cfg = config.load(name)
+    assert isinstance(cfg, Config)
+    assert cfg.name == name
+    assert cfg.description, f"recipe {name} has no description"
+    config.check(cfg, world, False)  # raises on any bad combination
+    # the derived batch split is consistent for the world size the check accepted
+    assert cfg.micro_batch(world) * world * cfg.accumulation_steps(world) == cfg.train.batch_size
+
+
+def test_recipe_yaml_round_trips_through_to_yaml():
+    for name in config.recipe_names():
+        cfg = config.load(name)
+        assert config.build(yaml.safe_load(config.to_yaml(cfg))) == cfg
+
+
+def test_no_source_means_the_default_recipe():
+    assert config.load(None) == config.load(config.DEFAULT_RECIPE)
+
+
+# ---------------------------------------------------------------------------------------- overrides
+def test_override_sets_nested_value_parsed_as_yaml():
+    cfg = config.load(None, ["train.steps=3", "optim.g.betas=[0.1, 0.2]", "parallel.sync_bn=true"])
+    assert cfg.train.steps == 3
+    assert cfg.optim.g.betas == (0.1, 0.2)
+    assert cfg.parallel.sync_bn is True
+    assert cfg.optim.d.betas == config.load(None).optim.d.betas  # sibling untouched
+
+
+def test_apply_override_on_raw_dict():
+    raw: dict = {"train": {"steps": 1}}
+    config.apply_override(raw, "train.seed=7")
+    config.apply_override(raw, "log.every=3")
+    assert raw == {"train": {"steps": 1, "seed": 7}, "log": {"every": 3}}
+
+
+def test_unknown_key_names_it_and_suggests_the_close_one():
+    with pytest.raises(ConfigError) as info:
+        config.load(None, ["train.stpes=3"])
+    assert info.value.key == "train.stpes"
+    assert "train.steps" in str(info.value)
+    assert "train.steps" in info.value.fix
+
+
+def test_unknown_key_via_apply_override_then_build():
+    raw = config.load_raw(None)
+    config.apply_override(raw, "train.stpes=3")
+    with pytest.raises(ConfigError) as info:
+        config.build(raw)
+    assert info.value.key == "train.stpes"
+    assert "train.steps" in info.value.fix
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError) as info:
+        config.load(None, ["train.steps=abc"])
+    assert info.value.key == "train.steps"
+    assert "train.steps" in str(info.value)
+    assert "abc" in info.value.problem
+
+
+def test_out_of_range_value_names_the_key():
+    with pytest.raises(ConfigError) as info:
+        config.load(None, ["train.steps=0"])
+    assert info.value.key == "train.steps"
+
+
+@pytest.mark.parametrize("assignment", ["train.steps", "=3"])
+def test_malformed_override_is_a_config_error(assignment):
+    with pytest.raises(ConfigError):
+        config.load(None, [assignment])
+
+
+def test_override_through_a_value_is_a_config_error():
+    with pytest.raises(ConfigError) as info:
+        config.load(None, ["train.steps.x=1"])
+    assert "steps" in info.value.problem
+
+
+# ------------------------------------------------------------------------------------------- checks
+def test_batch_not_divisible_by_world():
+    cfg = config.load(None, ["train.batch_size=63"])
+    config.check(cfg, 1, False)  # fine on one process
+    with pytest.raises(ConfigError) as info:
+        config.check(cfg, 2, False)
+    assert info.value.key == "train.batch_size"
+
+
+def test_batch_not_divisible_by_world_times_micro_batch():
+    cfg = config.load(None, ["train.batch_size=64", "train.micro_batch=5"])
+    with pytest.raises(ConfigError) as info:
+        config.check(cfg, 2, False)
+    assert info.value.key == "train.batch_size"
+    # the same micro-batch fits a batch that is a multiple of world x micro
+    config.check(config.load(None, ["train.batch_size=60", "train.micro_batch=5"]), 2, False)
+
+
+def test_fp16_on_cpu_is_rejected_but_allowed_with_cuda():
+    cfg = config.load(None, ["train.precision=fp16"])
+    with pytest.raises(ConfigError) as info:
+        config.check(cfg, 1, False)
+    assert info.value.key == "train.precision"
+    config.check(cfg, 1, True)  # device auto with a visible GPU: fine
+    config.check(config.load(None, ["train.precision=bf16"]), 1, False)  # bf16 is fine on the CPU
+
+
+def test_cuda_device_without_cuda_is_rejected():
+    with pytest.raises(ConfigError) as info:
+        config.check(config.load(None, ["train.device=cuda"]), 1, False)
+    assert info.value.key == "train.device"
+
+
+def test_mlp_model_with_image_data_is_rejected():
+    cfg = config.load(None, ["model.kind=mlp"])
+    assert cfg.data.kind == "digits"
+    with pytest.raises(ConfigError) as info:
+        config.check(cfg, 1, False)
+    assert info.value.key == "model.kind"
+
+
+def test_dcgan_model_with_2d_data_is_rejected():
+    with pytest.raises(ConfigError) as info:
+        config.check(config.load("ring8", ["model.kind=dcgan"]), 1, False)
+    assert info.value.key == "model.kind"
+
+
+def test_batchnorm_with_one_sample_per_rank_is_rejected_unless_sync_bn():
+    cfg = config.load(None, ["train.batch_size=2"])
+    with pytest.raises(ConfigError) as info:
+        config.check(cfg, 2, False)
+    assert info.value.key == "train.micro_batch"
+    config.check(config.load(None, ["train.batch_size=2", "parallel.sync_bn=true"]), 2, False)
+
+
+def test_folder_data_needs_an_existing_directory(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        config.check(config.load(None, ["data.kind=folder"]), 1, False)
+    assert info.value.key == "data.path"
+    with pytest.raises(ConfigError) as info:
+        config.check(config.load(None, ["data.kind=folder", f"data.path={tmp_path / 'nope'}"]), 1, False)
+    assert info.value.key == "data.path"
+    config.check(config.load(None, ["data.kind=folder", f"data.path={tmp_path}"]), 1, False)
+
+
+def test_dcgan_needs_power_of_two_resolution():
+    with pytest.raises(ConfigError) as info:
+        config.check(config.load(None, ["data.resolution=12"]), 1, False)
+    assert info.value.key == "data.resolution"
+
+
+# ------------------------------------------------------------------------------------ YAML sources
+def test_yaml_file_source(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("train:\n  steps: 7\n  batch_size: 32\nlog:\n  every: 2\n")
+    cfg = config.load(str(path), ["train.seed=5"])
+    assert cfg.name == "mine"  # the file's stem names the run
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.log.every, cfg.train.seed) == (7, 32, 2, 5)
+    assert cfg.model == Config().model  # everything unspecified takes the defaults
+    config.check(cfg, 2, False)
+
+
+def test_yaml_file_with_explicit_name_keeps_it(tmp_path):
+    path = tmp_path / "file.yaml"
+    path.write_text("name: explicit\n")
+    assert config.load(str(path)).name == "explicit"
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        config.load(str(tmp_path / "absent.yaml"))
+    assert "absent.yaml" in info.value.problem
+    assert "digits" in info.value.fix  # lists the shipped recipes
+
+
+def test_non_mapping_yaml_is_a_config_error(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert "mapping" in info.value.problem
+
+
+def test_invalid_yaml_is_a_config_error(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train: {steps: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert info.value.key == str(path)
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("model:\n  z_dimm: 3\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert info.value.key == "model.z_dimm"
+    assert "model.z_dim" in info.value.fix
+
+
+# ------------------------------------------------------------------------------ batch derivation
+def test_accumulation_from_explicit_micro_batch():
+    cfg = config.load(None, ["train.batch_size=64", "train.micro_batch=8"])
+    assert cfg.micro_batch(2) == 8
+    assert cfg.accumulation_steps(2) == 4
+    assert cfg.micro_batch(1) == 8
+    assert cfg.accumulation_steps(1) == 8
+
+
+def test_default_micro_batch_splits_the_batch_over_ranks():
+    cfg = config.load(None, ["train.batch_size=64"])
+    assert cfg.train.micro_batch is None
+    assert cfg.micro_batch(2) == 32
+    assert cfg.accumulation_steps(2) == 1
+    assert cfg.micro_batch(1) == 64
+    assert cfg.accumulation_steps(1) == 1
