@@ -44,7 +44,8 @@ def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, steps_hook: Callable | None = None) -> dict:
+def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, steps_hook: Callable | None = None,
+                      resume: Path | None = None) -> dict:
     """Train a config (dict of dotted overrides on the default recipe) and return the final weights."""
     from ganscale import config
     from ganscale.runtime import start
@@ -52,7 +53,7 @@ def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, step
 
     cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
     config.check(cfg, world, False)
-    trainer = Trainer(cfg, start("cpu"), Path(run_dir))
+    trainer = Trainer(cfg, start("cpu"), Path(run_dir), resume)
     extra = steps_hook(trainer) if steps_hook else None
     summary = trainer.fit()
     return {"G": {k: v.clone() for k, v in trainer.G.module.state_dict().items()},

@@ -94,6 +94,8 @@ def run_worker(cfg: Config, run_dir: Path, resume: Path | None) -> dict:
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
         run_dir, resume = agree_on_run(run_dir, resume)
-        return Trainer(cfg, runtime, run_dir, resume).fit()
+        summary = Trainer(cfg, runtime, run_dir, resume).fit()
+        dist.barrier()  # no rank tears down its connections while a peer still uses them
+        return summary
     finally:
         runtime.close()

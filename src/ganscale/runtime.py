@@ -29,7 +29,6 @@ class Runtime:
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
-            dist.barrier()  # no rank tears down its connections while a peer still uses them
             dist.destroy_process_group()
 
 
