@@ -197,3 +197,60 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, world):
         for net in ("G", "D", "G_ema"):
             for key, value in result["straight"][net].items():
                 assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
+
+
+def _nan_on_rank1(trainer):
+    from ganscale import trainer as trainer_module
+
+    original = trainer_module.objectives.d_loss
+
+    def poisoned(kind, real, fake):
+        loss = original(kind, real, fake)
+        if trainer.runtime.rank == 1 and trainer.step == 2:
+            return loss * float("nan")
+        return loss
+
+    trainer_module.objectives.d_loss = poisoned
+    return None
+
+
+def _train_with_nan(rank, world, overrides, run_dir):
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=_nan_on_rank1)
+
+
+def test_non_finite_loss_on_one_rank_makes_every_rank_skip(tmp_path):
+    ranks = run_ranks(_train_with_nan, 2, {**SMALL_MLP, "log.every": 1}, str(tmp_path))
+    assert [r["summary"]["skipped_steps"] for r in ranks] == [1, 1]
+    for net in ("G", "D", "G_ema"):
+        for key, value in ranks[0][net].items():
+            assert torch.isfinite(value).all(), f"{net}.{key} not finite"
+            assert torch.equal(value, ranks[1][net][key]), f"{net}.{key} differs across ranks"
+    import json
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
+
+
+def _batchnorm_probe(rank, world, x_full, w_full):
+    from ganscale.parallel.syncbn import CrossRankBatchNorm
+
+    bn = CrossRankBatchNorm(x_full.shape[1])
+    half = x_full.shape[0] // world
+    x = x_full[rank * half:(rank + 1) * half].clone().requires_grad_(True)
+    (bn(x) * w_full[rank * half:(rank + 1) * half]).sum().backward()
+    return {"x_grad": x.grad, "weight_grad": bn.weight.grad, "bias_grad": bn.bias.grad,
+            "running_mean": bn.running_mean, "running_var": bn.running_var}
+
+
+def test_cross_rank_batchnorm_forward_and_backward_match_one_big_batch():
+    torch.manual_seed(0)
+    x_full, w_full = torch.randn(8, 3, 4, 4) * 2 + 1, torch.randn(8, 3, 4, 4)
+    ranks = run_ranks(_batchnorm_probe, 2, x_full, w_full)
+    bn = torch.nn.BatchNorm2d(3)
+    x = x_full.clone().requires_grad_(True)
+    (bn(x) * w_full).sum().backward()
+    assert torch.allclose(torch.cat([r["x_grad"] for r in ranks]), x.grad, atol=1e-5)
+    assert torch.allclose(ranks[0]["weight_grad"] + ranks[1]["weight_grad"], bn.weight.grad, atol=1e-4)
+    assert torch.allclose(ranks[0]["bias_grad"] + ranks[1]["bias_grad"], bn.bias.grad, atol=1e-4)
+    for r in ranks:
+        assert torch.allclose(r["running_mean"], bn.running_mean, atol=1e-6)
+        assert torch.allclose(r["running_var"], bn.running_var, atol=1e-6)

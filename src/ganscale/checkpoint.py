@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ganscale.config import ConfigError
+
 PATTERN = re.compile(r"^step-(\d{8})\.pt$")
 
 
@@ -80,5 +82,5 @@ def load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise RuntimeError(f"cannot read checkpoint {path}: {e}. Resume from another file with --resume PATH, "
-                           f"or start a new run with a different --run-dir") from None
+        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})",
+                          "resume from another file with --resume PATH, or start a new --run-dir") from None

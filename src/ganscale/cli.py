@@ -85,6 +85,6 @@ def export(run_dir: str, out: str, checkpoint_path: str | None) -> None:
 
     try:
         written = export_generator(Path(run_dir), Path(out), Path(checkpoint_path) if checkpoint_path else None)
-    except (ConfigError, RuntimeError) as e:
+    except ConfigError as e:
         _fail(e)
     click.echo(f"wrote {written}")

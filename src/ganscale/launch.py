@@ -7,6 +7,7 @@ Also decides the run directory and what to resume from, before anything is writt
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import uuid
@@ -40,7 +41,8 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
                               "pass a checkpoint file, a run directory holding checkpoints/, or 'auto'")
         return (Path(run_dir) if run_dir else (source if source.is_dir() else source.parent.parent)), found
     if run_dir is None and resume == "auto":
-        candidates = sorted((p for p in RUNS_ROOT.glob(f"{cfg.name}-*") if checkpoint.latest(p)),
+        own = re.compile(rf"^{re.escape(cfg.name)}-\d{{8}}-\d{{6}}(-\d+)?$")  # not another recipe's prefix
+        candidates = sorted((p for p in RUNS_ROOT.glob(f"{cfg.name}-*") if own.match(p.name) and checkpoint.latest(p)),
                             key=lambda p: checkpoint.latest(p).stat().st_mtime)
         run_dir = str(candidates[-1]) if candidates else None
     if run_dir is None:

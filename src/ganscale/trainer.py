@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ganscale import checkpoint, objectives
-from ganscale.config import Config, to_yaml
+from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.ema import ema_beta, make_ema, update_ema
@@ -242,15 +242,20 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         state = checkpoint.load(path)
-        self.G.module.load_state_dict(state["G"])
-        self.D.module.load_state_dict(state["D"])
-        self.G_ema.load_state_dict(state["G_ema"])
-        self.opt_g.load_state_dict(state["opt_g"])
-        self.opt_d.load_state_dict(state["opt_d"])
+        try:
+            self.G.module.load_state_dict(state["G"])
+            self.D.module.load_state_dict(state["D"])
+            self.G_ema.load_state_dict(state["G_ema"])
+            self.opt_g.load_state_dict(state["opt_g"])
+            self.opt_d.load_state_dict(state["opt_d"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({e})",
+                              "resume with the config the checkpoint was written with (its config.yaml)") from None
         self.precision.load_state_dict(state["scaler"])
         self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
         if state["data_position"] != self.step * self.cfg.loss.n_critic:
-            raise RuntimeError(f"checkpoint {path} was written with another loss.n_critic; resume with the same config")
+            raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
+                              "resume with the loss.n_critic the checkpoint was written with")
         if len(state["rng"]) == self.runtime.world:
             checkpoint.set_rng_state(state["rng"][self.runtime.rank])
         else:  # another world size: per-rank streams cannot carry over; reseed them deterministically

@@ -19,7 +19,10 @@ class RunLog:
         self.writer = self.bar = None
         if not enabled:
             return
-        self.metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        metrics_file = self.run_dir / "metrics.jsonl"
+        if start_step > 0 and metrics_file.exists():
+            _drop_records_after(metrics_file, start_step)  # steps logged after the checkpoint are redone
+        self.metrics = open(metrics_file, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
@@ -63,3 +66,10 @@ class RunLog:
             self.writer.close()
         self.metrics.close()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)

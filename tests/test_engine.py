@@ -1,0 +1,100 @@
+"""Single-process pieces of the engine: objectives, EMA, clipping, precision, cross-rank BN fallbacks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ganscale import objectives
+from ganscale.ema import ema_beta, make_ema, update_ema
+from ganscale.parallel import Wrapped
+from ganscale.precision import Precision
+
+
+@pytest.mark.parametrize("kind", ["nonsaturating", "hinge", "wgan-gp", "lsgan"])
+def test_losses_reward_d_for_separating_and_g_for_fooling(kind):
+    confident_real, confident_fake = torch.full((8, 1), 3.0), torch.full((8, 1), -3.0)
+    assert objectives.d_loss(kind, confident_real, confident_fake) < objectives.d_loss(kind, confident_fake, confident_real)
+    assert objectives.g_loss(kind, confident_real) < objectives.g_loss(kind, confident_fake)
+
+
+def test_nonsaturating_matches_bce_with_logits():
+    real, fake = torch.randn(16, 1), torch.randn(16, 1)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    expected = bce(real, torch.ones_like(real)) + bce(fake, torch.zeros_like(fake))
+    assert torch.allclose(objectives.d_loss("nonsaturating", real, fake), expected)
+
+
+def test_r1_is_squared_input_gradient_and_unscales_fp16_factor():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.tensor([1.0, -2.0, 0.5])
+    out = (x * w).sum(1) ** 2  # d/dx = 2 (x.w) w
+    expected = ((2 * (x.detach() @ w)).unsqueeze(1) * w).square().sum(1).mean()
+    assert torch.allclose(objectives.r1_penalty(out, x), expected)
+    assert torch.allclose(objectives.r1_penalty(out, x, grad_scale=1024.0), expected)
+    # differentiable: the penalty has a gradient w.r.t. the network's parameters (here x)
+    assert objectives.r1_penalty(out, x).requires_grad
+
+
+def test_ema_half_life_is_counted_in_images_not_steps():
+    half_life = 10_000
+    for batch in (32, 64, 256):
+        steps = half_life // batch
+        decay = ema_beta(batch, 10**9, half_life, rampup=0) ** steps
+        assert math.isclose(decay, 0.5, rel_tol=0.05), batch
+
+
+def test_ema_rampup_limits_half_life_early():
+    assert ema_beta(64, 640, 10_000, rampup=0.05) < ema_beta(64, 640, 10_000, rampup=0)
+    assert ema_beta(64, 0, 10_000, rampup=0.05) == 0.0  # first step: G_ema = G
+    assert ema_beta(64, 10**9, 0, rampup=0) == 0.0
+
+
+def test_update_ema_lerps_parameters_and_copies_buffers():
+    g = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    ema = make_ema(g)
+    with torch.no_grad():
+        for p in g.parameters():
+            p.add_(1.0)
+        g[1].running_mean.fill_(3.0)
+    before = [p.clone() for p in ema.parameters()]
+    update_ema(ema, g, beta=0.75)
+    for old, new, live in zip(before, ema.parameters(), g.parameters()):
+        assert torch.allclose(new, 0.75 * old + 0.25 * live)
+    assert torch.equal(ema[1].running_mean, g[1].running_mean)
+    assert not any(p.requires_grad for p in ema.parameters())
+
+
+def test_grad_norm_returns_pre_clip_norm_and_clips():
+    layer = torch.nn.Linear(4, 1)
+    layer.weight.grad = torch.full_like(layer.weight, 3.0)
+    layer.bias.grad = torch.full_like(layer.bias, 4.0)
+    wrapped = Wrapped(layer, layer)
+    expected = math.sqrt(4 * 9 + 16)
+    assert math.isclose(float(wrapped.grad_norm(max_norm=0)), expected, rel_tol=1e-6)  # 0: no clipping
+    assert math.isclose(float(wrapped.grad_norm(max_norm=1.0)), expected, rel_tol=1e-6)
+    assert math.isclose(float(torch.nn.utils.get_total_norm([layer.weight.grad, layer.bias.grad])), 1.0, rel_tol=1e-4)
+
+
+def test_bf16_autocast_on_cpu_and_no_scaler():
+    precision = Precision("bf16", torch.device("cpu"))
+    with precision.autocast():
+        y = torch.nn.Linear(4, 4)(torch.randn(2, 4))
+    assert y.dtype == torch.bfloat16
+    assert precision.loss_scale == 1.0 and not precision.scaler.is_enabled()
+
+
+def test_cross_rank_batchnorm_is_plain_batchnorm_in_one_process():
+    from ganscale.parallel.syncbn import CrossRankBatchNorm, convert_batchnorm
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.BatchNorm2d(3))
+    reference = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.BatchNorm2d(3))
+    reference.load_state_dict(net.state_dict())
+    converted = convert_batchnorm(net, use_cuda=False)
+    assert isinstance(converted[1], CrossRankBatchNorm)
+    x = torch.randn(4, 1, 6, 6)
+    assert torch.allclose(converted(x), reference(x))
+    assert converted.state_dict().keys() == reference.state_dict().keys()
