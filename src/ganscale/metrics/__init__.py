@@ -1,0 +1,1 @@
+"""Quality measures for generated samples."""
