@@ -34,6 +34,10 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
     finally:
         dist.destroy_process_group()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    # Seen about once in 12 runs: after all work, teardown, and the result are done, the interpreter's
+    # exit aborted in C++ ("terminate called without an active exception"). What is tested is saved
+    # by now, so leave without the interpreter teardown rather than fail a finished test.
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:

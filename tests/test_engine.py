@@ -98,3 +98,28 @@ def test_cross_rank_batchnorm_is_plain_batchnorm_in_one_process():
     x = torch.randn(4, 1, 6, 6)
     assert torch.allclose(converted(x), reference(x))
     assert converted.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_fp16_scaler_path_backs_off_and_keeps_training(tmp_path):
+    """The fp16 path (GradScaler, scaled R1, one update per iteration) on CPU autocast.
+
+    Users are refused fp16 on a CPU by the config check; the code path is the same as on CUDA.
+    """
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    cfg = config.load(None, ["train.precision=fp16", "train.steps=12", "log.every=4", "log.tensorboard=false",
+                             "model.g_width=16", "model.d_width=16", "train.batch_size=16",
+                             "loss.r1_gamma=1", "loss.r1_interval=2", "loss.n_critic=2"])
+    runtime = start("cpu")
+    try:
+        trainer = Trainer(cfg, runtime, tmp_path)
+        initial_scale = trainer.precision.loss_scale
+        summary = trainer.fit()
+    finally:
+        runtime.close()
+    assert trainer.precision.scaler.is_enabled()
+    assert trainer.precision.loss_scale < initial_scale  # overflowed at first, backed off
+    assert summary["skipped_steps"] < 12
+    assert all(math.isfinite(summary["final"][k]) for k in ("loss_d", "loss_g", "grad_norm_d", "grad_norm_g"))
