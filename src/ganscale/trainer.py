@@ -18,6 +18,7 @@ from ganscale import checkpoint, objectives
 from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
+from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.ema import ema_beta, make_ema, update_ema
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
@@ -30,6 +31,7 @@ from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
 # and each rank keeps its slice. Ranks get different noise, and the union over ranks is the same
 # whatever the world size, so 1 x 2b and 2 x b train identically.
 PHASE_G, PHASE_D, PHASE_SAMPLES = 0, 1, 2**20
+MIXTURE_MODES = {"ring8": ring8_modes, "grid25": grid25_modes}
 
 
 class ReplicaDivergence(RuntimeError):
@@ -92,6 +94,7 @@ class Trainer:
         cfg, started = self.cfg, time.perf_counter()
         start_step = self.step
         record: dict[str, float] = {}
+        quality: dict[str, float] = {}
         while self.step < cfg.train.steps:
             step = self.step
             d_stats = {}
@@ -112,7 +115,7 @@ class Trainer:
                 record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps},
                                       self.global_batch)
             if (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final:
-                self.write_samples()
+                quality = self.write_samples()
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final:
                 self.save_checkpoint()
 
@@ -121,7 +124,7 @@ class Trainer:
                    "micro_batch": self.slicing.micro_batch, "accumulation_steps": self.slicing.accumulation,
                    "skipped_steps": self.skipped_steps, "wall_s": wall,
                    "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
-                   "final": record, "checkpoint": str(checkpoint.latest(self.run_dir))}
+                   "final": record, "quality": quality, "checkpoint": str(checkpoint.latest(self.run_dir))}
         self.log.close(summary)
         return summary
 
@@ -208,22 +211,28 @@ class Trainer:
         """Collective: make per-rank BatchNorm statistics one (before sampling, evaluating, saving)."""
         average_batchnorm_stats(self.G.module, self.D.module, self.G_ema)
 
-    def write_samples(self) -> None:
+    def write_samples(self) -> dict[str, float]:
+        """Rank 0 draws from G_ema (never wrapped, so no collective) after a collective buffer sync.
+
+        For the 2D mixtures it also scores 2,500 samples with the VEEGAN/PacGAN measures and returns them.
+        """
         self.synchronise_buffers()
         if not self.runtime.is_main:
-            return
-        with torch.no_grad():
-            out = self.G_ema(self.sample_z).float().cpu()  # the EMA copy is never wrapped: no collective
-        if out.dim() == 2:
-            modes = {"ring8": ring8_modes, "grid25": grid25_modes}.get(self.cfg.data.kind)
-            n = max(len(out), 1000)
-            z = self._global_latents(1, PHASE_SAMPLES, n)
+            return {}
+        quality: dict[str, float] = {}
+        if self.cfg.data.kind in MIXTURE_MODES:
+            z = self._global_latents(0, PHASE_SAMPLES, PROTOCOL_SAMPLES)
             with torch.no_grad():
-                picture = scatter(self.G_ema(z).float().cpu(), modes() if modes else None)
+                points = self.G_ema(z).float().cpu()
+            quality = score_named(self.cfg.data.kind, points).as_dict()
+            self.log.add_scalars("quality", quality, self.step)
+            picture = scatter(points, MIXTURE_MODES[self.cfg.data.kind]())
         else:
-            picture = image_grid(out)
+            with torch.no_grad():
+                picture = image_grid(self.G_ema(self.sample_z).float().cpu())
         write_png(picture, self.run_dir / "samples" / f"step-{self.step:08d}.png")
         self.log.add_image("samples", picture, self.step)
+        return quality
 
     def state_dict(self, rng_states: list[dict]) -> dict:
         return {"step": self.step, "data_position": self.batches.position, "skipped_steps": self.skipped_steps,

@@ -53,6 +53,11 @@ class RunLog:
         if self.bar is not None:
             self.bar.update(steps)
 
+    def add_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+
     def add_image(self, tag: str, image_hwc, step: int) -> None:
         if self.writer is not None:
             self.writer.add_image(tag, image_hwc, step, dataformats="HWC")
