@@ -23,11 +23,16 @@ SHORT_RUN = ["--set", "train.steps=20", "--set", "log.every=5", "--set", "checkp
              "--set", "log.sample_every=10"]
 
 
-def ganscale(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def clean_env() -> dict[str, str]:
+    """This environment minus any launcher variables, CPU only whatever the machine has."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only, whatever the machine has
-    return subprocess.run([sys.executable, "-m", "ganscale", *args], cwd=cwd, env=env, capture_output=True,
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def ganscale(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ganscale", *args], cwd=cwd, env=clean_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -210,3 +215,26 @@ def test_ring8_trains_in_one_process_and_draws_a_scatter(tmp_path):
     colours = {tuple(c) for c in pixels.reshape(-1, 3).tolist()}
     assert {(255, 255, 255), (30, 60, 160), (200, 30, 30)} <= colours  # background, points, mode markers
     assert not (tmp_path / "runs").exists()  # --run-dir given: nothing under the default root
+
+
+@pytest.mark.slow
+def test_same_command_runs_under_torchrun(tmp_path):
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "ganscale", "train", "--set", "train.steps=10", "--set", "log.every=5",
+                             "--run-dir", str(run)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 10
+
+
+def test_corrupt_checkpoint_on_resume_exits_2_naming_the_file(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    bad = run / "checkpoints" / "step-00000010.pt"
+    bad.write_bytes(b"not a checkpoint")
+    result = ganscale("train", "--run-dir", str(run), "--resume", "auto", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert "step-00000010.pt" in result.stderr and "Traceback" not in result.stderr
+    assert bad.read_bytes() == b"not a checkpoint"  # nothing already written is touched
