@@ -13,8 +13,7 @@ import click
 
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
-
-EXIT_CONFIG = 2
+from ganscale.fault import EXIT_CONFIG, NonFiniteTraining, Preempted
 
 
 def _fail(error: Exception) -> None:
@@ -61,6 +60,9 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         summary = launch.run_worker(cfg, resolved_dir, resume_from)
     except ConfigError as e:
         _fail(e)
+    except (Preempted, NonFiniteTraining) as e:
+        click.echo(f"ganscale: {e}", err=True)
+        sys.exit(e.exit_code)
     if launch.rank_from_environment() == 0:
         click.echo(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
 

@@ -135,6 +135,11 @@ class LogConfig(Section):
     tensorboard: bool = True
 
 
+class FaultConfig(Section):
+    max_consecutive_skips: int = Field(10, ge=1)
+    """Stop (exit 4) after this many consecutive steps in which D or G was skipped for non-finite values."""
+
+
 class Config(Section):
     name: str = "run"
     """Recipe name, used for the default run directory."""
@@ -147,6 +152,7 @@ class Config(Section):
     parallel: ParallelConfig = ParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    fault: FaultConfig = FaultConfig()
 
     def accumulation_steps(self, world_size: int) -> int:
         return self.train.batch_size // (world_size * self.micro_batch(world_size))

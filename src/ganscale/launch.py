@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError
+from ganscale.fault import EXIT_CONFIG, EXIT_NON_FINITE, EXIT_PREEMPTED
 
 RUNS_ROOT = Path("runs")
 
@@ -69,6 +70,7 @@ def agree_on_run(run_dir: Path, resume: Path | None) -> tuple[Path, Path | None]
 
 def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> int:
     """Start `nproc` workers running `python -m ganscale <worker_args>` via torch's elastic agent."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -79,12 +81,18 @@ def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> i
                           monitor_interval=0.5)
     try:
         elastic_launch(config, sys.executable)("-m", "ganscale", *worker_args)
+    except SignalException as e:
+        # The agent forwarded the signal; workers finished their step and checkpointed before exiting.
+        print(f"ganscale: {e.sigval.name} received; workers were asked to checkpoint. Continue with --resume auto",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
         first_rank, first = min(e.failures.items())
         print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
               f" (see its output above)", file=sys.stderr)
-        return 2 if codes == {2} else 1
+        named = {EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE}
+        return codes.pop() if len(codes) == 1 and codes <= named else 1
     return 0
 
 

@@ -19,6 +19,7 @@ from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
+from ganscale.fault import NonFiniteTraining, Preempted, StopSignals
 from ganscale.ema import ema_beta, make_ema, update_ema
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
@@ -54,7 +55,10 @@ class Trainer:
         self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy)
         self.precision = Precision(cfg.train.precision, device)
 
-        self.step, self.skipped_steps = 0, 0
+        self.step, self.skipped_steps, self.consecutive_skips = 0, 0, 0
+        self.stop_signal: str | None = None  # set by a signal on this rank
+        self.stop_agreed = False             # set when any rank had a stop signal (agreed in _finish_step)
+        self.saved_step = -1
         seed_rank_streams(cfg.train.seed, runtime)
         if resume is not None:
             self._load(resume)
@@ -91,12 +95,20 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict:
+        """Train to `train.steps`. Raises `Preempted` after a stop signal, `NonFiniteTraining` after too many skips."""
+        with StopSignals(self._request_stop):
+            return self._fit()
+
+    def _request_stop(self, signal_name: str) -> None:
+        self.stop_signal = signal_name
+
+    def _fit(self) -> dict:
         cfg, started = self.cfg, time.perf_counter()
         start_step = self.step
         record: dict[str, float] = {}
         quality: dict[str, float] = {}
         while self.step < cfg.train.steps:
-            step = self.step
+            step, skipped_before = self.step, self.skipped_steps
             d_stats = {}
             for critic in range(cfg.loss.n_critic):
                 d_stats = self.discriminator_step(next(self.batches), step, critic)
@@ -104,6 +116,7 @@ class Trainer:
                     self.precision.update()
             g_stats = self.generator_step(step)
             self.precision.update()  # once per iteration, after both networks stepped
+            self.consecutive_skips = self.consecutive_skips + 1 if self.skipped_steps > skipped_before else 0
             self.step = step + 1
             beta = ema_beta(self.global_batch, self.step * self.global_batch, cfg.train.ema_half_life_images,
                             cfg.train.ema_rampup)
@@ -114,19 +127,32 @@ class Trainer:
             if self.step % cfg.log.every == 0 or final:
                 record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps},
                                       self.global_batch)
+            # Both decisions below come from values every rank agreed on in _finish_step's collective.
+            if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
+                self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
+                raise NonFiniteTraining(
+                    f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients (last: {record or g_stats}); "
+                    f"the last good checkpoint is kept. Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32")
             if (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final:
                 quality = self.write_samples()
-            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final:
+            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed:
                 self.save_checkpoint()
+            if self.stop_agreed and not final:
+                self.log.close(self._summary(start_step, started, record, quality, stopped="preempted"))
+                raise Preempted(f"stopped at step {self.step} on request ({self.stop_signal or 'another rank'}); "
+                                f"checkpoint written; continue with --resume auto")
 
-        wall = time.perf_counter() - started
-        summary = {"steps": self.step, "world_size": self.runtime.world, "global_batch": self.global_batch,
-                   "micro_batch": self.slicing.micro_batch, "accumulation_steps": self.slicing.accumulation,
-                   "skipped_steps": self.skipped_steps, "wall_s": wall,
-                   "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
-                   "final": record, "quality": quality, "checkpoint": str(checkpoint.latest(self.run_dir))}
+        summary = self._summary(start_step, started, record, quality)
         self.log.close(summary)
         return summary
+
+    def _summary(self, start_step: int, started: float, record: dict, quality: dict, stopped: str | None = None) -> dict:
+        wall = time.perf_counter() - started
+        return {"steps": self.step, "world_size": self.runtime.world, "global_batch": self.global_batch,
+                "micro_batch": self.slicing.micro_batch, "accumulation_steps": self.slicing.accumulation,
+                "skipped_steps": self.skipped_steps, "stopped": stopped, "wall_s": wall,
+                "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
+                "final": record, "quality": quality, "checkpoint": str(checkpoint.latest(self.run_dir))}
 
     def discriminator_step(self, reals: list[Tensor], step: int, critic: int) -> dict[str, float]:
         cfg, loss_cfg = self.cfg, self.cfg.loss
@@ -191,19 +217,20 @@ class Trainer:
         return {"loss_g": loss_g, "grad_norm_g": grad_norm}
 
     def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer, local_losses: Tensor) -> tuple[float, ...]:
-        """Clip, agree on skipping, step. Returns the global mean losses and the pre-clip grad norm."""
+        """Clip, agree on skipping and stopping, step. Returns the global mean losses and the pre-clip grad norm."""
         self.precision.unscale_(optimizer)
         grad_norm = net.grad_norm(self.cfg.train.grad_clip)  # gradients are already averaged: same on all ranks
         bad = ~(torch.isfinite(local_losses).all() & torch.isfinite(grad_norm))
-        packed = torch.cat([local_losses, bad.float().view(1)])
-        dist.all_reduce(packed)  # one collective: global mean losses and the skip decision
-        skip = bool(packed[-1] > 0)
+        stop = torch.tensor([float(self.stop_signal is not None)], device=local_losses.device)
+        packed = torch.cat([local_losses, bad.float().view(1), stop])
+        dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
+        skip, self.stop_agreed = bool(packed[-2] > 0), self.stop_agreed or bool(packed[-1] > 0)
         if skip:
             self.skipped_steps += 1
         else:
             self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        means = (packed[:-1] / self.runtime.world).tolist()
+        means = (packed[:-2] / self.runtime.world).tolist()
         return (*means, float(grad_norm))
 
     # ----------------------------------------------------------------------------------- outputs
@@ -241,6 +268,9 @@ class Trainer:
                 "scaler": self.precision.state_dict(), "rng": rng_states, "config": to_yaml(self.cfg)}
 
     def save_checkpoint(self) -> Path | None:
+        if self.saved_step == self.step:
+            return None
+        self.saved_step = self.step
         self.synchronise_buffers()
         if self.cfg.checkpoint.check_replicas:
             check_replicas({"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema})

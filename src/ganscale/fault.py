@@ -1,0 +1,54 @@
+"""Named ways a run ends early, and their exit codes.
+
+Every rank reaches these together: the decisions behind them are agreed in the trainer's per-step
+collective, so no rank is left waiting in a collective the others have abandoned.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+
+EXIT_CONFIG = 2       # bad config, data or checkpoint: nothing was written
+EXIT_PREEMPTED = 3    # SIGTERM/SIGINT: the current step finished, a checkpoint was written; --resume auto
+EXIT_NON_FINITE = 4   # too many consecutive non-finite steps: stopped, the last good checkpoint is kept
+
+
+class Preempted(Exception):
+    """A stop was requested by a signal on some rank; every rank checkpointed and stopped."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+class NonFiniteTraining(Exception):
+    """Losses or gradients stayed non-finite for `fault.max_consecutive_skips` steps."""
+
+    exit_code = EXIT_NON_FINITE
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set a flag; the trainer agrees on it with the other ranks."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, on_signal: Callable[[str], None]):
+        self.on_signal = on_signal
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        try:
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread (e.g. embedded use): leave signals alone
+            self.previous.clear()
+        return self
+
+    def _handle(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        print(f"ganscale: {name} received; finishing this step, then checkpointing", file=sys.stderr, flush=True)
+        self.on_signal(name)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,121 @@
+"""Named early stops: preemption by a signal and persistent non-finite values (gloo, 2 ranks, and the CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_helpers import run_ranks, train_and_collect
+from test_cli import clean_env
+from test_distributed import SMALL_MLP
+
+pytestmark = pytest.mark.slow
+
+
+def _sigterm_rank1_at_step(step: int):
+    def hook(trainer):
+        original = trainer.generator_step
+
+        def generator_step(current):
+            if trainer.runtime.rank == 1 and current == step:
+                os.kill(os.getpid(), signal.SIGTERM)  # delivered to this rank only, mid-step
+            return original(current)
+        trainer.generator_step = generator_step
+    return hook
+
+
+def _preempt_then_resume(rank, world, overrides, root):
+    from ganscale import checkpoint
+    from ganscale.fault import Preempted
+    from ganscale.launch import agree_on_run
+
+    root = Path(root)
+    straight = train_and_collect(rank, world, overrides, str(root / "straight"))
+    try:
+        train_and_collect(rank, world, overrides, str(root / "preempted"), steps_hook=_sigterm_rank1_at_step(4))
+        stopped = None
+    except Preempted as e:
+        stopped = str(e)
+    _, latest = agree_on_run(root / "preempted", checkpoint.latest(root / "preempted"))
+    resumed = train_and_collect(rank, world, overrides, str(root / "preempted"), resume=latest)
+    return {"stopped": stopped, "latest": latest.name, "straight": straight, "resumed": resumed}
+
+
+def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_matches(tmp_path):
+    overrides = {**SMALL_MLP, "train.steps": 12, "checkpoint.every": 100}
+    ranks = run_ranks(_preempt_then_resume, 2, overrides, str(tmp_path))
+    for result in ranks:
+        assert result["stopped"] is not None and "step 5" in result["stopped"]
+        assert result["latest"] == "step-00000005.pt"  # the step in flight finished, then a checkpoint
+        for net in ("G", "D", "G_ema"):
+            for key, value in result["straight"][net].items():
+                assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
+
+
+def _nan_from_step(first_bad: int):
+    def hook(trainer):
+        from ganscale import trainer as trainer_module
+
+        original = trainer_module.objectives.d_loss
+
+        def poisoned(kind, real, fake):
+            loss = original(kind, real, fake)
+            return loss * float("nan") if trainer.runtime.rank == 1 and trainer.step >= first_bad else loss
+        trainer_module.objectives.d_loss = poisoned
+    return hook
+
+
+def _persistent_nan(rank, world, overrides, run_dir):
+    from ganscale.fault import NonFiniteTraining
+
+    try:
+        train_and_collect(rank, world, overrides, run_dir, steps_hook=_nan_from_step(3))
+    except NonFiniteTraining as e:
+        return str(e)
+    return None
+
+
+def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(tmp_path):
+    overrides = {**SMALL_MLP, "train.steps": 20, "checkpoint.every": 2, "fault.max_consecutive_skips": 3}
+    messages = run_ranks(_persistent_nan, 2, overrides, str(tmp_path))
+    assert all(m is not None and "3 consecutive steps" in m for m in messages)
+    # Steps 4, 5 and 6 were skipped; the run stops at 6 without writing a checkpoint there. The newest
+    # checkpoint (step 4, taken inside the streak) holds only weights from good steps: skipped steps never update.
+    from ganscale import checkpoint
+    latest = checkpoint.latest(tmp_path)
+    assert latest.name == "step-00000004.pt"
+    state = checkpoint.load(latest)
+    assert all(torch.isfinite(t).all() for net in ("G", "D", "G_ema") for t in state[net].values())
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == "non-finite"
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
+    run = tmp_path / "run"
+    base = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
+            "--set", "log.every=10", "--set", "checkpoint.every=100000", "--set", "model.g_width=32",
+            "--set", "model.d_width=32", "--set", "log.tensorboard=false"]
+    command = [*base, "--set", "train.steps=100000"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and launcher.poll() is None, "training never started"
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=90)
+    assert launcher.returncode == 3, stderr[-3000:]
+    checkpoints = list((run / "checkpoints").glob("step-*.pt"))
+    assert len(checkpoints) == 1
+    stopped_at = int(checkpoints[0].stem.split("-")[1])
+    resumed = subprocess.run([*base, "--resume", "auto", "--set", f"train.steps={stopped_at + 5}"],
+                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == stopped_at + 5
