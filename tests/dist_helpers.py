@@ -75,3 +75,17 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
             scale = a[key].abs().max().clamp_min(1e-12)
             worst = max(worst, float((a[key] - b[key]).abs().max() / scale))
     return worst
+
+
+def poison_d_loss_on_rank1(bad_step: Callable[[int], bool]) -> Callable:
+    """A steps_hook: on rank 1 only, D's loss becomes NaN at the steps where bad_step(step) is true."""
+    def hook(trainer):
+        from ganscale import trainer as trainer_module
+
+        original = trainer_module.objectives.d_loss
+
+        def poisoned(kind, real, fake):
+            loss = original(kind, real, fake)
+            return loss * float("nan") if trainer.runtime.rank == 1 and bad_step(trainer.step) else loss
+        trainer_module.objectives.d_loss = poisoned
+    return hook

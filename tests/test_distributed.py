@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_helpers import max_relative_difference, run_ranks, train_and_collect
+from dist_helpers import max_relative_difference, poison_d_loss_on_rank1, run_ranks, train_and_collect
 
 pytestmark = pytest.mark.slow
 
@@ -199,23 +199,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, world):
                 assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
 
 
-def _nan_on_rank1(trainer):
-    from ganscale import trainer as trainer_module
-
-    original = trainer_module.objectives.d_loss
-
-    def poisoned(kind, real, fake):
-        loss = original(kind, real, fake)
-        if trainer.runtime.rank == 1 and trainer.step == 2:
-            return loss * float("nan")
-        return loss
-
-    trainer_module.objectives.d_loss = poisoned
-    return None
-
-
 def _train_with_nan(rank, world, overrides, run_dir):
-    return train_and_collect(rank, world, overrides, run_dir, steps_hook=_nan_on_rank1)
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=poison_d_loss_on_rank1(lambda step: step == 2))
 
 
 def test_non_finite_loss_on_one_rank_makes_every_rank_skip(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import run_ranks, train_and_collect
+from dist_helpers import poison_d_loss_on_rank1, run_ranks, train_and_collect
 from test_cli import clean_env
 from test_distributed import SMALL_MLP
 
@@ -60,24 +60,11 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_matches(tmp_path)
                 assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
 
 
-def _nan_from_step(first_bad: int):
-    def hook(trainer):
-        from ganscale import trainer as trainer_module
-
-        original = trainer_module.objectives.d_loss
-
-        def poisoned(kind, real, fake):
-            loss = original(kind, real, fake)
-            return loss * float("nan") if trainer.runtime.rank == 1 and trainer.step >= first_bad else loss
-        trainer_module.objectives.d_loss = poisoned
-    return hook
-
-
 def _persistent_nan(rank, world, overrides, run_dir):
     from ganscale.fault import NonFiniteTraining
 
     try:
-        train_and_collect(rank, world, overrides, run_dir, steps_hook=_nan_from_step(3))
+        train_and_collect(rank, world, overrides, run_dir, steps_hook=poison_d_loss_on_rank1(lambda step: step >= 3))
     except NonFiniteTraining as e:
         return str(e)
     return None
