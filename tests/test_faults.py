@@ -106,3 +106,29 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
                              cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == stopped_at + 5
+
+
+def test_exception_on_one_rank_stops_all_fast_with_its_traceback(tmp_path):
+    env = {**clean_env(), "GANSCALE_INJECT_FAULT": "raise@1:3"}
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", "--nproc", "2", "--run-dir", str(tmp_path / "r"),
+                             "--set", "train.steps=100000", "--set", "log.tensorboard=false"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.time() - started
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "InjectedFault: injected fault on rank 1 at step 3" in result.stderr
+    assert "worker rank 1 failed" in result.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s to stop"
+
+
+def test_injection_spec_is_parsed_and_fires_only_where_asked():
+    from ganscale.fault import InjectedFault, injected_fault
+
+    fire = injected_fault({"GANSCALE_INJECT_FAULT": "raise@1:3"})
+    fire(3, 0)
+    fire(2, 1)
+    with pytest.raises(InjectedFault):
+        fire(3, 1)
+    injected_fault({})(3, 1)  # unset: never fires
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        injected_fault({"GANSCALE_INJECT_FAULT": "explode@1:3"})

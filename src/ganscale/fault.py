@@ -52,3 +52,37 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+# ----------------------------------------------------------------------------------- fault injection
+# Test-only: GANSCALE_INJECT_FAULT="raise@RANK:STEP" makes rank RANK raise at the start of step STEP.
+# Used by the fault-injection tests; read once per process, checked once per step.
+INJECT_ENV = "GANSCALE_INJECT_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault injection."""
+
+
+def _parse_injection(spec: str | None) -> tuple[int, int] | None:
+    if not spec:
+        return None
+    kind, _, where = spec.partition("@")
+    if kind != "raise":
+        raise ValueError(f"{INJECT_ENV}: unknown fault kind {kind!r} (known: raise)")
+    rank, step = where.split(":")
+    return int(rank), int(step)
+
+
+def injected_fault(environ: dict | None = None) -> Callable[[int, int], None]:
+    """A per-step hook (step, rank) that fires the configured fault, or does nothing."""
+    import os
+
+    parsed = _parse_injection((environ if environ is not None else os.environ).get(INJECT_ENV))
+    if parsed is None:
+        return lambda step, rank: None
+
+    def fire(step: int, rank: int) -> None:
+        if (rank, step) == parsed:
+            raise InjectedFault(f"injected fault on rank {rank} at step {step}")
+    return fire

@@ -88,7 +88,9 @@ def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> i
         return EXIT_PREEMPTED
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
-        first_rank, first = min(e.failures.items())
+        # The root cause is a worker that exited on its own (code > 0), not one the agent then stopped
+        # with a signal (code < 0); among those, the earliest.
+        first_rank, first = min(e.failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp))
         print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
               f" (see its output above)", file=sys.stderr)
         named = {EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE}

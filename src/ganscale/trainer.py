@@ -19,7 +19,7 @@ from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
-from ganscale.fault import NonFiniteTraining, Preempted, StopSignals
+from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault
 from ganscale.ema import ema_beta, make_ema, update_ema
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
@@ -59,6 +59,7 @@ class Trainer:
         self.stop_signal: str | None = None  # set by a signal on this rank
         self.stop_agreed = False             # set when any rank had a stop signal (agreed in _finish_step)
         self.saved_step = -1
+        self.inject_fault = injected_fault()  # test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set
         seed_rank_streams(cfg.train.seed, runtime)
         if resume is not None:
             self._load(resume)
@@ -109,6 +110,7 @@ class Trainer:
         quality: dict[str, float] = {}
         while self.step < cfg.train.steps:
             step, skipped_before = self.step, self.skipped_steps
+            self.inject_fault(step, self.runtime.rank)
             d_stats = {}
             for critic in range(cfg.loss.n_critic):
                 d_stats = self.discriminator_step(next(self.batches), step, critic)
