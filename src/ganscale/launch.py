@@ -13,7 +13,6 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from ganscale import checkpoint

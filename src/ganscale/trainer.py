@@ -157,7 +157,7 @@ class Trainer:
                 "final": record, "quality": quality, "checkpoint": str(checkpoint.latest(self.run_dir))}
 
     def discriminator_step(self, reals: list[Tensor], step: int, critic: int) -> dict[str, float]:
-        cfg, loss_cfg = self.cfg, self.cfg.loss
+        loss_cfg = self.cfg.loss
         self.D.trainable(True)
         phase = PHASE_D + critic
         z_all = self._global_latents(step, phase)

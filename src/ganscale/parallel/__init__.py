@@ -40,9 +40,6 @@ class Wrapped:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
-    def train(self, mode: bool = True) -> None:
-        self.module.train(mode)
-
     def grad_norm(self, max_norm: float) -> Tensor:
         """The gradient norm before clipping; clips to `max_norm` when it is > 0."""
         params = [p for p in self.module.parameters() if p.grad is not None]
