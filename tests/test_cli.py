@@ -238,3 +238,16 @@ def test_corrupt_checkpoint_on_resume_exits_2_naming_the_file(tmp_path):
     assert result.returncode == 2, explain(result)
     assert "step-00000010.pt" in result.stderr and "Traceback" not in result.stderr
     assert bad.read_bytes() == b"not a checkpoint"  # nothing already written is touched
+
+
+@pytest.mark.slow
+def test_resume_auto_passes_over_a_corrupted_newest_checkpoint(tmp_path, trained_run):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = run / "checkpoints" / "step-00000020.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])  # truncated, as by a crash mid-copy
+    result = ganscale("train", "--run-dir", str(run), "--resume", "auto", "--nproc", "2", *SHORT_RUN[:-4],
+                      "--set", "train.steps=25", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert f"skipping checkpoint {newest}" in result.stderr and "truncated" in result.stderr
+    assert [r["step"] for r in metrics(run)] == [5, 10, 15, 20, 25]  # redone from step 10

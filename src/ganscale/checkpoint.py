@@ -1,14 +1,18 @@
-"""Full training state on disk: atomic writes, keep-latest-k, resume.
+"""Full training state on disk: atomic writes, checksums, keep-latest-k, resume.
 
 A checkpoint holds G, D, G_ema, both optimizers, the loss scaler, the step, the data position and
-every rank's RNG state. It is written by rank 0 under a temporary name and renamed into place, so a
-crash mid-write never leaves a half file under a real name.
+every rank's RNG state. Rank 0 writes `step-N.pt` under a temporary name and renames it into place,
+then writes `step-N.json` (size and SHA-256) the same way: that manifest is the completion marker.
+A checkpoint without its manifest, or whose bytes do not match it, is reported and passed over.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +36,47 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def latest(run_dir: Path) -> Path | None:
+    """The newest checkpoint file, complete or not (cheap: no checksum)."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def manifest_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def problem(path: Path) -> str | None:
+    """Why this checkpoint cannot be trusted, or None when it is complete and intact."""
+    marker = manifest_path(path)
+    if not marker.is_file():
+        return "incomplete: no completion marker (the write was interrupted)"
+    try:
+        manifest = json.loads(marker.read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable completion marker {marker.name} ({e})"
+    if path.stat().st_size != manifest.get("bytes"):
+        return f"truncated: {path.stat().st_size} bytes, {manifest.get('bytes')} expected"
+    if _sha256(path) != manifest.get("sha256"):
+        return "corrupted: SHA-256 does not match its completion marker"
+    return None
+
+
+def newest_valid(run_dir: Path) -> Path | None:
+    """The newest intact checkpoint; every newer bad one is reported on stderr, naming the file and why."""
+    for path in reversed(list_checkpoints(run_dir)):
+        reason = problem(path)
+        if reason is None:
+            return path
+        print(f"ganscale: warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+    return None
 
 
 def rng_state() -> dict:
@@ -62,23 +105,34 @@ def gather_rng_states() -> list[dict]:
     return states  # type: ignore[return-value]
 
 
-def save(state: dict, run_dir: Path, step: int, keep: int) -> Path:
-    """Write atomically and prune to the newest `keep`. Called on rank 0 only."""
-    folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{step:08d}.pt"
-    tmp = folder / f".{path.name}.tmp-{os.getpid()}"
+def _write_atomically(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        torch.save(state, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def save(state: dict, run_dir: Path, step: int, keep: int) -> Path:
+    """Write atomically, then the completion marker; prune to the newest `keep`. Called on rank 0 only."""
+    folder = checkpoint_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:08d}.pt"
+    _write_atomically(path, lambda f: torch.save(state, f))
+    manifest = {"step": step, "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    _write_atomically(manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
+        manifest_path(old).unlink(missing_ok=True)
     return path
 
 
 def load(path: Path) -> dict:
+    reason = problem(path)
+    if reason is not None:
+        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})",
+                          "resume from an intact one with --resume PATH, or start a new --run-dir")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message

@@ -35,10 +35,12 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
     """(run directory, checkpoint to resume from or None). Raises ConfigError; writes nothing."""
     if resume not in (None, "auto"):
         source = Path(resume)
-        found = checkpoint.latest(source) if source.is_dir() else source if source.is_file() else None
-        if found is None:
+        if not source.exists():
             raise ConfigError("--resume", f"no checkpoint at '{resume}'",
                               "pass a checkpoint file, a run directory holding checkpoints/, or 'auto'")
+        found = _resumable(source) if source.is_dir() else source
+        if source.is_file() and checkpoint.problem(source):
+            raise ConfigError("--resume", f"{source}: {checkpoint.problem(source)}", "pass an intact checkpoint")
         return (Path(run_dir) if run_dir else (source if source.is_dir() else source.parent.parent)), found
     if run_dir is None and resume == "auto":
         own = re.compile(rf"^{re.escape(cfg.name)}-\d{{8}}-\d{{6}}(-\d+)?$")  # not another recipe's prefix
@@ -53,11 +55,22 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
             path, suffix = RUNS_ROOT / f"{cfg.name}-{stamp}-{suffix}", suffix + 1
         return path, None
     path = Path(run_dir)
-    found = checkpoint.latest(path)
-    if found is not None and resume is None:
-        raise ConfigError("--run-dir", f"'{path}' already holds a run (checkpoints/{found.name})",
+    newest = checkpoint.latest(path)
+    if newest is not None and resume is None:
+        raise ConfigError("--run-dir", f"'{path}' already holds a run (checkpoints/{newest.name})",
                           "pass --resume auto to continue it, or choose a new --run-dir")
-    return path, found
+    return path, (_resumable(path) if newest is not None else None)
+
+
+def _resumable(run_dir: Path) -> Path:
+    """The newest intact checkpoint of a run (newer bad ones are reported), or a ConfigError."""
+    found = checkpoint.newest_valid(run_dir)
+    if found is None:
+        newest = checkpoint.latest(run_dir)
+        raise ConfigError("--resume", f"no intact checkpoint under {run_dir}/checkpoints"
+                          + (f" (newest: {newest.name}, {checkpoint.problem(newest)})" if newest else ""),
+                          "pass a checkpoint file, a run directory holding intact checkpoints, or start a new --run-dir")
+    return found
 
 
 def agree_on_run(run_dir: Path, resume: Path | None) -> tuple[Path, Path | None]:
