@@ -132,3 +132,33 @@ def test_injection_spec_is_parsed_and_fires_only_where_asked():
     injected_fault({})(3, 1)  # unset: never fires
     with pytest.raises(ValueError, match="unknown fault kind"):
         injected_fault({"GANSCALE_INJECT_FAULT": "explode@1:3"})
+
+
+def _worker_pids(launcher_pid: int) -> list[int]:
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children")
+    return [int(pid) for pid in children.read_text().split()] if children.exists() else []
+
+
+def test_kill_9_of_a_worker_with_max_restarts_resumes_and_finishes(tmp_path):
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--max-restarts", "1",
+               "--run-dir", str(run), "--set", "train.steps=400", "--set", "checkpoint.every=50",
+               "--set", "log.every=10", "--set", "model.g_width=32", "--set", "model.d_width=32",
+               "--set", "log.tensorboard=false", "--set", "log.sample_every=0"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list((run / "checkpoints").glob("step-*.json")):
+        assert time.time() < deadline and launcher.poll() is None, "no checkpoint appeared"
+        time.sleep(0.1)
+    workers = _worker_pids(launcher.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    killed_after = max(r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
+    _, stderr = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["steps"] == 400  # the elastic agent restarted the group once
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 400  # the redone steps replaced, not duplicated
+    assert killed_after >= 50  # the kill came after the first checkpoint: at most one interval was redone

@@ -36,15 +36,23 @@ def main() -> None:
               help="Run directory (default: runs/<recipe>-<time>).")
 @click.option("--resume", default=None, metavar="auto|PATH",
               help="Continue from the newest checkpoint ('auto') or a given checkpoint/run directory.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0,
+              help="Restart all workers up to N times after one dies; they resume from the newest intact checkpoint.")
 def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run_dir: str | None,
-          resume: str | None) -> None:
+          resume: str | None, max_restarts: int) -> None:
     """Train RECIPE (a shipped recipe name or a YAML file; default: digits)."""
+    import os
+
     import torch
 
     from ganscale import launch
     from ganscale.runtime import environment_world_size
 
     worker = launch.under_launcher()
+    if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"  # a restarted group continues from its run directory's newest intact checkpoint
+    if max_restarts and not nproc and not worker:
+        nproc = 1  # restarts need the elastic agent
     try:
         cfg = config_mod.load(recipe, overrides)
         world = environment_world_size() if worker else (nproc or 1)
@@ -55,7 +63,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     if nproc and not worker:
         args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), []),
                 "--run-dir", str(resolved_dir), *(["--resume", str(resume_from)] if resume_from else [])]
-        sys.exit(launch.launch_local(nproc, args))
+        sys.exit(launch.launch_local(nproc, args, max_restarts))
     try:
         summary = launch.run_worker(cfg, resolved_dir, resume_from)
     except ConfigError as e:

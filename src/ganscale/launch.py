@@ -88,6 +88,10 @@ def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> i
 
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if max_restarts:
+        # torch 2.13: restarted gloo workers hang in connectFullMesh when they share the agent's
+        # rendezvous TCP store (pytorch issues 135712, 167288).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           monitor_interval=0.5)

@@ -7,6 +7,7 @@ non-finite loss or gradient) are agreed in one all-reduce per optimizer step; ev
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -153,6 +154,7 @@ class Trainer:
         return {"steps": self.step, "world_size": self.runtime.world, "global_batch": self.global_batch,
                 "micro_batch": self.slicing.micro_batch, "accumulation_steps": self.slicing.accumulation,
                 "skipped_steps": self.skipped_steps, "stopped": stopped, "wall_s": wall,
+                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
                 "final": record, "quality": quality, "checkpoint": str(checkpoint.latest(self.run_dir))}
 
