@@ -132,6 +132,11 @@ def test_injection_spec_is_parsed_and_fires_only_where_asked():
     injected_fault({})(3, 1)  # unset: never fires
     with pytest.raises(ValueError, match="unknown fault kind"):
         injected_fault({"GANSCALE_INJECT_FAULT": "explode@1:3"})
+    import time as clock
+    nap = injected_fault({"GANSCALE_INJECT_FAULT": "sleep@0:2:0.2"})
+    started = clock.monotonic()
+    nap(2, 0)
+    assert clock.monotonic() - started >= 0.2
 
 
 def _worker_pids(launcher_pid: int) -> list[int]:
@@ -162,3 +167,21 @@ def test_kill_9_of_a_worker_with_max_restarts_resumes_and_finishes(tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 400  # the redone steps replaced, not duplicated
     assert killed_after >= 50  # the kill came after the first checkpoint: at most one interval was redone
+
+
+def test_hang_on_one_rank_is_named_with_diagnostics_and_exits_fast(tmp_path):
+    run = tmp_path / "run"
+    env = {**clean_env(), "GANSCALE_INJECT_FAULT": "sleep@1:3:120"}
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", "--nproc", "2", "--run-dir", str(run),
+                             "--set", "train.steps=100000", "--set", "log.tensorboard=false",
+                             "--set", "fault.hang_timeout_s=4"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    elapsed = time.time() - started
+    assert result.returncode == 5, result.stderr[-3000:]
+    assert "hang detected on rank 0" in result.stderr
+    assert "rank(s) 1 did not arrive (rank 1 last at 'step 3: start')" in result.stderr
+    assert elapsed < 4 + 30 + 15, f"took {elapsed:.0f} s"  # timeout + 30 s, plus start-up
+    for rank in (0, 1):
+        assert "File" in (run / "diagnostics" / f"rank{rank}-stacks.txt").read_text()
+        assert "step 3" in (run / "diagnostics" / f"rank{rank}-collectives.txt").read_text()

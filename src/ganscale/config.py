@@ -136,6 +136,8 @@ class LogConfig(Section):
 
 
 class FaultConfig(Section):
+    hang_timeout_s: float = Field(300.0, gt=0)
+    """No progress on a rank for this long: write diagnostics/, name the ranks that did not arrive, exit 5."""
     max_consecutive_skips: int = Field(10, ge=1)
     """Stop (exit 4) after this many consecutive steps in which D or G was skipped for non-finite values."""
 

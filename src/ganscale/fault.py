@@ -13,6 +13,7 @@ from collections.abc import Callable
 EXIT_CONFIG = 2       # bad config, data or checkpoint: nothing was written
 EXIT_PREEMPTED = 3    # SIGTERM/SIGINT: the current step finished, a checkpoint was written; --resume auto
 EXIT_NON_FINITE = 4   # too many consecutive non-finite steps: stopped, the last good checkpoint is kept
+EXIT_HANG = 5         # a rank made no progress for fault.hang_timeout_s: diagnostics/ written, ranks named
 
 
 class Preempted(Exception):
@@ -55,7 +56,8 @@ class StopSignals:
 
 
 # ----------------------------------------------------------------------------------- fault injection
-# Test-only: GANSCALE_INJECT_FAULT="raise@RANK:STEP" makes rank RANK raise at the start of step STEP.
+# Test-only: GANSCALE_INJECT_FAULT="KIND@RANK:STEP[:SECONDS]" makes rank RANK misbehave at the start of
+# step STEP: `raise` an exception, or `sleep` SECONDS (a hang, for the watchdog).
 # Used by the fault-injection tests; read once per process, checked once per step.
 INJECT_ENV = "GANSCALE_INJECT_FAULT"
 
@@ -64,25 +66,30 @@ class InjectedFault(RuntimeError):
     """Raised by the test-only fault injection."""
 
 
-def _parse_injection(spec: str | None) -> tuple[int, int] | None:
+def _parse_injection(spec: str | None) -> tuple[str, int, int, float] | None:
     if not spec:
         return None
     kind, _, where = spec.partition("@")
-    if kind != "raise":
-        raise ValueError(f"{INJECT_ENV}: unknown fault kind {kind!r} (known: raise)")
-    rank, step = where.split(":")
-    return int(rank), int(step)
+    if kind not in ("raise", "sleep"):
+        raise ValueError(f"{INJECT_ENV}: unknown fault kind {kind!r} (known: raise, sleep)")
+    rank, step, *seconds = where.split(":")
+    return kind, int(rank), int(step), float(seconds[0]) if seconds else 3600.0
 
 
 def injected_fault(environ: dict | None = None) -> Callable[[int, int], None]:
     """A per-step hook (step, rank) that fires the configured fault, or does nothing."""
     import os
+    import time
 
     parsed = _parse_injection((environ if environ is not None else os.environ).get(INJECT_ENV))
     if parsed is None:
         return lambda step, rank: None
+    kind, bad_rank, bad_step, seconds = parsed
 
     def fire(step: int, rank: int) -> None:
-        if (rank, step) == parsed:
+        if (rank, step) != (bad_rank, bad_step):
+            return
+        if kind == "raise":
             raise InjectedFault(f"injected fault on rank {rank} at step {step}")
+        time.sleep(seconds)
     return fire

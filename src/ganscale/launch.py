@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError
-from ganscale.fault import EXIT_CONFIG, EXIT_NON_FINITE, EXIT_PREEMPTED
+from ganscale.fault import EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PREEMPTED
 
 RUNS_ROOT = Path("runs")
 
@@ -103,14 +103,12 @@ def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> i
               file=sys.stderr)
         return EXIT_PREEMPTED
     except ChildFailedError as e:
-        codes = {failure.exitcode for failure in e.failures.values()}
         # The root cause is a worker that exited on its own (code > 0), not one the agent then stopped
         # with a signal (code < 0); among those, the earliest.
         first_rank, first = min(e.failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp))
         print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
               f" (see its output above)", file=sys.stderr)
-        named = {EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE}
-        return codes.pop() if len(codes) == 1 and codes <= named else 1
+        return first.exitcode if first.exitcode in (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE, EXIT_HANG) else 1
     return 0
 
 

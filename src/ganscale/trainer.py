@@ -28,6 +28,7 @@ from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.parallel import Wrapped, average_batchnorm_stats, data_parallel
 from ganscale.precision import Precision
 from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
+from ganscale.watchdog import Watchdog
 
 # Noise streams: each phase of each step draws the whole global batch's latents from its own seed,
 # and each rank keeps its slice. Ranks get different noise, and the union over ranks is the same
@@ -61,6 +62,7 @@ class Trainer:
         self.stop_agreed = False             # set when any rank had a stop signal (agreed in _finish_step)
         self.saved_step = -1
         self.inject_fault = injected_fault()  # test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set
+        self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics")
         seed_rank_streams(cfg.train.seed, runtime)
         if resume is not None:
             self._load(resume)
@@ -98,7 +100,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict:
         """Train to `train.steps`. Raises `Preempted` after a stop signal, `NonFiniteTraining` after too many skips."""
-        with StopSignals(self._request_stop):
+        with StopSignals(self._request_stop), self.watchdog:
             return self._fit()
 
     def _request_stop(self, signal_name: str) -> None:
@@ -111,6 +113,7 @@ class Trainer:
         quality: dict[str, float] = {}
         while self.step < cfg.train.steps:
             step, skipped_before = self.step, self.skipped_steps
+            self.watchdog.mark(f"step {step}: start")
             self.inject_fault(step, self.runtime.rank)
             d_stats = {}
             for critic in range(cfg.loss.n_critic):
@@ -160,6 +163,7 @@ class Trainer:
 
     def discriminator_step(self, reals: list[Tensor], step: int, critic: int) -> dict[str, float]:
         loss_cfg = self.cfg.loss
+        self.watchdog.mark(f"step {step}: D step {critic} (DDP all-reduce in backward)")
         self.D.trainable(True)
         phase = PHASE_D + critic
         z_all = self._global_latents(step, phase)
@@ -203,6 +207,7 @@ class Trainer:
         return adversarial, penalty
 
     def generator_step(self, step: int) -> dict[str, float]:
+        self.watchdog.mark(f"step {step}: G step (DDP all-reduce in backward)")
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
         z_all = self._global_latents(step, PHASE_G)
         accumulation = self.slicing.accumulation
@@ -227,6 +232,7 @@ class Trainer:
         bad = ~(torch.isfinite(local_losses).all() & torch.isfinite(grad_norm))
         stop = torch.tensor([float(self.stop_signal is not None)], device=local_losses.device)
         packed = torch.cat([local_losses, bad.float().view(1), stop])
+        self.watchdog.mark(f"step {self.step}: all-reduce of losses and skip/stop flags")
         dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
         skip, self.stop_agreed = bool(packed[-2] > 0), self.stop_agreed or bool(packed[-1] > 0)
         if skip:
@@ -240,6 +246,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------- outputs
     def synchronise_buffers(self) -> None:
         """Collective: make per-rank BatchNorm statistics one (before sampling, evaluating, saving)."""
+        self.watchdog.mark(f"step {self.step}: all-reduce of BatchNorm statistics")
         average_batchnorm_stats(self.G.module, self.D.module, self.G_ema)
 
     def write_samples(self) -> dict[str, float]:
@@ -278,6 +285,7 @@ class Trainer:
         self.synchronise_buffers()
         if self.cfg.checkpoint.check_replicas:
             check_replicas({"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema})
+        self.watchdog.mark(f"step {self.step}: replica check and RNG all-gather for the checkpoint")
         rng_states = checkpoint.gather_rng_states()  # collective
         if self.runtime.is_main:
             return checkpoint.save(self.state_dict(rng_states), self.run_dir, self.step, self.cfg.checkpoint.keep)

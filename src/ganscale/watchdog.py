@@ -1,0 +1,105 @@
+"""Hang detection: a per-rank thread that turns "no progress" into a named, fast failure.
+
+The trainer marks progress (`mark`) at each phase and right before each of its own collectives; a
+mark is one counter increment and a tuple, nothing more. The watchdog thread publishes the rank's
+latest mark to the process group's store every few seconds. When a rank has made no progress for
+`fault.hang_timeout_s`, its watchdog writes that rank's Python stacks and its last marks (the
+record of ganscale's collectives) to RUN_DIR/diagnostics/, reads every rank's published progress,
+names the ranks that are behind (they never arrived at the collective the others wait in), and
+exits with code 5. The elastic agent then stops the remaining workers.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ganscale.fault import EXIT_HANG
+
+KEY = "ganscale/progress/{rank}"
+
+
+class Watchdog:
+    def __init__(self, rank: int, world: int, timeout_s: float, diagnostics_dir: Path):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.diagnostics_dir = Path(diagnostics_dir)
+        self.count, self.where, self.last_progress = 0, "start", time.monotonic()
+        self.history: deque[tuple[float, int, str]] = deque(maxlen=64)
+        self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ganscale-watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def mark(self, where: str) -> None:
+        """Progress: called by the training loop's own thread (cheap: no I/O, no locks)."""
+        self.count += 1
+        self.where = where
+        self.last_progress = time.monotonic()
+        self.history.append((time.time(), self.count, where))
+
+    # ------------------------------------------------------------------ watchdog thread
+    def _run(self) -> None:
+        period = max(0.2, min(5.0, self.timeout_s / 4))
+        while not self._stop.wait(period):
+            self._publish()
+            if time.monotonic() - self.last_progress > self.timeout_s:
+                self._diagnose_and_exit()
+
+    def _publish(self) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(KEY.format(rank=self.rank), f"{self.count}|{self.where}")
+        except Exception:  # noqa: BLE001 - the store may be gone while the job is torn down
+            pass
+
+    def _others(self) -> dict[int, tuple[int, str]]:
+        progress: dict[int, tuple[int, str]] = {}
+        for rank in range(self.world):
+            key = KEY.format(rank=rank)
+            try:
+                if self.store is not None and self.store.check([key]):
+                    count, where = self.store.get(key).decode().split("|", 1)
+                    progress[rank] = (int(count), where)
+            except Exception:  # noqa: BLE001
+                pass
+        return progress
+
+    def _diagnose_and_exit(self) -> None:
+        self.diagnostics_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.diagnostics_dir / f"rank{self.rank}-stacks.txt", "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        with open(self.diagnostics_dir / f"rank{self.rank}-collectives.txt", "w") as f:
+            f.write("time\tmark\twhere (ganscale's phases and collectives, oldest first)\n")
+            for stamp, count, where in self.history:
+                f.write(f"{stamp:.3f}\t{count}\t{where}\n")
+        progress = self._others()
+        progress[self.rank] = (self.count, self.where)
+        ahead = max(count for count, _ in progress.values())
+        behind = sorted(rank for rank in range(self.world) if progress.get(rank, (-1, ""))[0] < ahead)
+        if self.rank in behind:
+            # Let a rank that did arrive report first (it names us); exit a little later.
+            time.sleep(2 * max(0.2, min(5.0, self.timeout_s / 4)) + 1)
+        if behind:
+            where = "; ".join(f"rank {r} last at '{progress[r][1]}'" if r in progress else f"rank {r} never reported"
+                              for r in behind)
+            verdict = f"rank(s) {', '.join(map(str, behind))} did not arrive ({where})"
+        else:
+            verdict = f"all ranks stopped at the same point ('{self.where}'): a hang inside it"
+        print(f"ganscale: hang detected on rank {self.rank}: no progress for {self.timeout_s:.0f} s. {verdict}. "
+              f"Stacks and each rank's last collectives: {self.diagnostics_dir}/", file=sys.stderr, flush=True)
+        os._exit(EXIT_HANG)
