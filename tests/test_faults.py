@@ -185,3 +185,16 @@ def test_hang_on_one_rank_is_named_with_diagnostics_and_exits_fast(tmp_path):
     for rank in (0, 1):
         assert "File" in (run / "diagnostics" / f"rank{rank}-stacks.txt").read_text()
         assert "step 3" in (run / "diagnostics" / f"rank{rank}-collectives.txt").read_text()
+
+
+def test_a_data_set_that_does_not_divide_by_ranks_times_batch_does_not_hang(tmp_path):
+    # 101 points, global batch 64 on 2 ranks: every rank still gets exactly one micro-batch per step.
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2",
+                             "--run-dir", str(tmp_path / "run"), "--set", "data.size=101", "--set", "train.batch_size=64",
+                             "--set", "train.steps=12", "--set", "log.every=4", "--set", "log.tensorboard=false",
+                             "--set", "fault.hang_timeout_s=20"],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 12
+    assert time.time() - started < 60

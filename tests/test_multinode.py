@@ -1,0 +1,73 @@
+"""Two nodes on one machine: two network namespaces joined by a veth pair, torchrun's c10d rendezvous.
+
+Needs root and iproute2 (`ip netns`); skipped with the reason when the machine does not allow it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from test_cli import clean_env
+
+pytestmark = pytest.mark.slow
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_nodes():
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 (`ip`) is not installed")
+    tag = f"gs{os.getpid() % 100000}"
+    nodes = [(f"{tag}a", f"{tag}v0", "10.77.0.1"), (f"{tag}b", f"{tag}v1", "10.77.0.2")]
+    created = []
+    try:
+        for ns, _, _ in nodes:
+            result = _ip("netns", "add", ns)
+            if result.returncode != 0:
+                pytest.skip(f"cannot create network namespaces here: {result.stderr.strip()}")
+            created.append(ns)
+        steps = [("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])]
+        for ns, veth, address in nodes:
+            steps += [("link", "set", veth, "netns", ns),
+                      ("netns", "exec", ns, "ip", "addr", "add", f"{address}/24", "dev", veth),
+                      ("netns", "exec", ns, "ip", "link", "set", veth, "up"),
+                      ("netns", "exec", ns, "ip", "link", "set", "lo", "up")]
+        for step in steps:
+            result = _ip(*step)
+            if result.returncode != 0:
+                pytest.skip(f"cannot set up the veth pair here ({' '.join(step)}): {result.stderr.strip()}")
+        yield nodes
+    finally:
+        for ns in created:
+            _ip("netns", "del", ns)
+
+
+def test_two_nodes_over_c10d_rendezvous_train_as_one_world(tmp_path, two_nodes):
+    run = tmp_path / "run"
+    endpoint = f"{two_nodes[0][2]}:29555"
+    processes = []
+    for node_rank, (ns, veth, address) in enumerate(two_nodes):
+        command = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={veth}",
+                   sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", f"test-{os.getpid()}",
+                   # In a namespace the endpoint is not the hostname's address: say which node hosts it.
+                   "--rdzv-conf", f"is_host={int(node_rank == 0)}", "--local-addr", address,
+                   "-m", "ganscale", "train", "--set", "train.steps=10", "--set", "log.every=5",
+                   "--set", "log.tensorboard=false", "--run-dir", str(run)]
+        processes.append(subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=240) for p in processes]
+    for p, (_, err) in zip(processes, outputs):
+        assert p.returncode == 0, err[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 10
