@@ -108,6 +108,10 @@ class TrainConfig(Section):
 
 
 class ParallelConfig(Section):
+    generator: Literal["ddp", "zero1"] = "ddp"
+    """G's strategy: ddp (full replica per rank) or zero1 (ddp + optimizer state sharded over ranks)."""
+    discriminator: Literal["ddp", "zero1"] = "ddp"
+    """D's strategy, chosen independently of G's."""
     sync_bn: bool = False
     """Batch statistics over the global micro-batch (all ranks) instead of each rank's."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -25,7 +25,7 @@ from ganscale.ema import ema_beta, make_ema, update_ema
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
-from ganscale.parallel import Wrapped, average_batchnorm_stats, data_parallel
+from ganscale.parallel import Wrapped, average_batchnorm_stats, parallelize
 from ganscale.precision import Precision
 from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
 from ganscale.watchdog import Watchdog
@@ -49,8 +49,8 @@ class Trainer:
         self.global_batch = cfg.train.batch_size
 
         generator, discriminator = build_networks(cfg)  # same seed on every rank: identical init
-        self.G: Wrapped = data_parallel(generator, runtime, cfg.parallel.sync_bn)
-        self.D: Wrapped = data_parallel(discriminator, runtime, cfg.parallel.sync_bn)
+        self.G: Wrapped = parallelize(generator, cfg.parallel.generator, runtime, cfg.parallel.sync_bn)
+        self.D: Wrapped = parallelize(discriminator, cfg.parallel.discriminator, runtime, cfg.parallel.sync_bn)
         self.G_ema = make_ema(self.G.module)
         self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1)
         lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
@@ -80,12 +80,12 @@ class Trainer:
         self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
 
     @staticmethod
-    def _adam(net: Wrapped, opt_cfg, lazy_interval: int) -> torch.optim.Adam:
+    def _adam(net: Wrapped, opt_cfg, lazy_interval: int) -> torch.optim.Optimizer:
         # Lazy regularisation (StyleGAN2): a penalty every k steps, scaled by k, with lr and betas
         # corrected by k/(k+1) so the effective optimiser matches applying it every step.
         c = lazy_interval / (lazy_interval + 1) if lazy_interval > 1 else 1.0
         betas = (opt_cfg.betas[0] ** c, opt_cfg.betas[1] ** c)
-        return torch.optim.Adam(net.parameters(), lr=opt_cfg.lr * c, betas=betas, weight_decay=opt_cfg.weight_decay)
+        return net.make_optimizer(torch.optim.Adam, lr=opt_cfg.lr * c, betas=betas, weight_decay=opt_cfg.weight_decay)
 
     # ----------------------------------------------------------------------------------- noise
     def _global_latents(self, step: int, phase: int, n: int | None = None) -> Tensor:
@@ -272,10 +272,10 @@ class Trainer:
         self.log.add_image("samples", picture, self.step)
         return quality
 
-    def state_dict(self, rng_states: list[dict]) -> dict:
+    def state_dict(self, rng_states: list[dict], opt_g: dict, opt_d: dict) -> dict:
         return {"step": self.step, "data_position": self.batches.position, "skipped_steps": self.skipped_steps,
                 "world_size": self.runtime.world, "G": self.G.module.state_dict(), "D": self.D.module.state_dict(),
-                "G_ema": self.G_ema.state_dict(), "opt_g": self.opt_g.state_dict(), "opt_d": self.opt_d.state_dict(),
+                "G_ema": self.G_ema.state_dict(), "opt_g": opt_g, "opt_d": opt_d,
                 "scaler": self.precision.state_dict(), "rng": rng_states, "config": to_yaml(self.cfg)}
 
     def save_checkpoint(self) -> Path | None:
@@ -287,8 +287,10 @@ class Trainer:
             check_replicas({"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema})
         self.watchdog.mark(f"step {self.step}: replica check and RNG all-gather for the checkpoint")
         rng_states = checkpoint.gather_rng_states()  # collective
+        opt_g, opt_d = self.G.optimizer_state(self.opt_g), self.D.optimizer_state(self.opt_d)  # collective if sharded
         if self.runtime.is_main:
-            return checkpoint.save(self.state_dict(rng_states), self.run_dir, self.step, self.cfg.checkpoint.keep)
+            state = self.state_dict(rng_states, opt_g, opt_d)
+            return checkpoint.save(state, self.run_dir, self.step, self.cfg.checkpoint.keep)
         return None
 
     def _load(self, path: Path) -> None:

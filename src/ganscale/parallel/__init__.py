@@ -1,7 +1,12 @@
 """Parallel strategies: functions that take a single-device network and return it wrapped.
 
 The training loop sees only `Wrapped`: call it, switch gradient sync off for all but the last
-micro-step, freeze or unfreeze it, take its gradient norm. It never asks which strategy it has.
+micro-step, freeze or unfreeze it, take its gradient norm, build its optimizer, gather that
+optimizer's state for a checkpoint. It never asks which strategy it has.
+
+Strategies (per network, `parallel.generator` / `parallel.discriminator`):
+  ddp    full replica per rank, gradients all-reduced (DistributedDataParallel).
+  zero1  ddp + optimizer state sharded over ranks (ZeroRedundancyOptimizer, ZeRO stage 1).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ganscale.parallel.syncbn import average_batchnorm_stats, convert_batchnorm
@@ -40,6 +46,13 @@ class Wrapped:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        return optimizer_class(self.module.parameters(), **kwargs)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """The full optimizer state for a checkpoint (collective for sharded optimizers; valid on rank 0)."""
+        return optimizer.state_dict()
+
     def grad_norm(self, max_norm: float) -> Tensor:
         """The gradient norm before clipping; clips to `max_norm` when it is > 0."""
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -47,6 +60,33 @@ class Wrapped:
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
+
+
+class ShardedOptimizerState(Wrapped):
+    """ZeRO-1: each rank keeps the optimizer state (Adam's moments) of its share of the parameters,
+    steps that share, and broadcasts the updated parameters; gradients are still all-reduced by DDP."""
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        return ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=optimizer_class, **kwargs)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0
+        return optimizer.state_dict() if torch.distributed.get_rank() == 0 else None
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (its shard, for a sharded optimizer)."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
+    return sum(t.numel() * t.element_size() for state in local.state.values() for t in state.values()
+               if isinstance(t, Tensor))
+
+
+def parallelize(module: nn.Module, strategy: str, runtime: Runtime, sync_bn: bool) -> Wrapped:
+    """Apply a network's strategy: 'ddp' or 'zero1' (see the module docstring)."""
+    wrapped = data_parallel(module, runtime, sync_bn)
+    if strategy == "zero1" and runtime.world > 1:
+        return ShardedOptimizerState(wrapped.module, wrapped.net)
+    return wrapped
 
 
 def data_parallel(module: nn.Module, runtime: Runtime, sync_bn: bool) -> Wrapped:
@@ -66,4 +106,5 @@ def data_parallel(module: nn.Module, runtime: Runtime, sync_bn: bool) -> Wrapped
     return Wrapped(module, net)
 
 
-__all__ = ["Wrapped", "data_parallel", "average_batchnorm_stats"]
+__all__ = ["Wrapped", "ShardedOptimizerState", "parallelize", "data_parallel", "optimizer_state_bytes",
+           "average_batchnorm_stats"]
