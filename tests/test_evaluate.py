@@ -60,3 +60,23 @@ def test_image_runs_sample_a_grid_and_have_no_metric_yet(tmp_path):
     assert np.asarray(Image.open(out)).ndim == 3
     with pytest.raises(ConfigError, match="data.kind"):
         evaluate(tmp_path)
+
+
+def test_sample_and_eval_commands(ring_run, tmp_path):
+    import subprocess
+    import sys
+
+    from test_cli import clean_env
+
+    run, _ = ring_run
+    out = tmp_path / "grid.png"
+    result = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--n", "200", "--out", str(out)],
+                            env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and out.exists(), result.stderr
+    result = subprocess.run([sys.executable, "-m", "ganscale", "eval", str(run)], env=clean_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["samples"] == 2500
+    refused = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--out", str(out), "--class", "3"],
+                             env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--class" in refused.stderr

@@ -101,6 +101,42 @@ def export(run_dir: str, out: str, checkpoint_path: str | None) -> None:
 
 
 @main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--n", "count", type=click.IntRange(min=1), default=64, show_default=True, help="Samples to draw.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output PNG.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
+@click.option("--class", "label", type=int, default=None, help="Class to draw (class-conditional models only).")
+def sample(run_dir: str, count: int, out: str, seed: int, label: int | None) -> None:
+    """Draw from a run's G_ema into a PNG grid (a scatter plot for 2D data)."""
+    from ganscale.evaluate import sample_picture
+
+    try:
+        if label is not None:
+            raise ConfigError("--class", "this run's generator is not class-conditional", "drop --class")
+        written = sample_picture(Path(run_dir), count, Path(out), seed)
+    except ConfigError as e:
+        _fail(e)
+    click.echo(f"wrote {written}")
+
+
+@main.command(name="eval")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--samples", type=click.IntRange(min=1), default=2500, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
+def evaluate_run(run_dir: str, samples: int, seed: int) -> None:
+    """Score a run's G_ema (2D mixtures: modes captured, % high quality, reverse KL); writes RUN_DIR/eval.json."""
+    import json
+
+    from ganscale.evaluate import evaluate
+
+    try:
+        result = evaluate(Path(run_dir), samples, seed)
+    except ConfigError as e:
+        _fail(e)
+    click.echo(json.dumps(result))
+
+
+@main.command()
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Ranks to test with (default: every visible GPU on a CUDA run, else 2).")
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
