@@ -60,9 +60,10 @@ def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, step
     trainer = Trainer(cfg, start("cpu"), Path(run_dir), resume)
     extra = steps_hook(trainer) if steps_hook else None
     summary = trainer.fit()
-    return {"G": {k: v.clone() for k, v in trainer.G.module.state_dict().items()},
-            "D": {k: v.clone() for k, v in trainer.D.module.state_dict().items()},
-            "G_ema": {k: v.clone() for k, v in trainer.G_ema.state_dict().items()},
+    # Full (unsharded) states, gathered on every rank whatever the strategy.
+    return {"G": {k: v.clone() for k, v in trainer.G.model_state().items()},
+            "D": {k: v.clone() for k, v in trainer.D.model_state().items()},
+            "G_ema": {k: v.clone() for k, v in trainer.G.model_state(trainer.G_ema).items()},
             "summary": summary, "extra": extra() if callable(extra) else extra}
 
 

@@ -116,12 +116,12 @@ def _divergence_probe(rank, world):
 
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2)
-    check_replicas({"net": module})  # identical: passes
+    check_replicas({"net": list(module.named_parameters())})  # identical: passes
     if rank == 1:
         with torch.no_grad():
             module.bias[0] += 1e-7
     try:
-        check_replicas({"net": module})
+        check_replicas({"net": list(module.named_parameters())})
     except ReplicaDivergence as e:
         return str(e)
     return None

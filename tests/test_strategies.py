@@ -1,62 +1,86 @@
-"""Per-network strategies (issue 3, first slice: zero1): each trains exactly as one process does."""
+"""Per-network strategies: each trains exactly as one process does, holds less, and checkpoints portably."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from dist_helpers import max_relative_difference, run_ranks, train_and_collect
-from test_distributed import SMALL_MLP, TOLERANCE
+from test_cli import clean_env
+from test_distributed import SMALL_DCGAN, SMALL_MLP, TOLERANCE
 
 pytestmark = pytest.mark.slow
 
 # Four equal hidden layers per network: ZeRO-1 shards whole tensors, so equal ones split evenly.
 MLP_ADAM = {**SMALL_MLP, "model.g_width": 64, "model.d_width": 64, "model.g_layers": 5, "model.d_layers": 5}
+SHARDING = {"ddp": 1.0, "zero1": 0.55, "zero2": 0.55, "fsdp": 0.55}  # max optimizer-state share per rank
 
 
-def _with_state_bytes(rank, world, overrides, run_dir):
-    from ganscale.parallel import optimizer_state_bytes
+def _with_bytes(rank, world, overrides, run_dir):
+    from ganscale.parallel import optimizer_state_bytes, parameter_bytes
 
     def hook(trainer):
-        return lambda: {"G": optimizer_state_bytes(trainer.opt_g), "D": optimizer_state_bytes(trainer.opt_d)}
+        return lambda: {"opt": {"G": optimizer_state_bytes(trainer.opt_g), "D": optimizer_state_bytes(trainer.opt_d)},
+                        "params": {"G": parameter_bytes(trainer.G.module), "D": parameter_bytes(trainer.D.module)}}
     return train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
 
 
-@pytest.mark.parametrize("generator, discriminator", [("zero1", "ddp"), ("ddp", "zero1"), ("zero1", "zero1")])
-def test_zero1_on_two_ranks_equals_one_process(tmp_path, generator, discriminator):
-    one = run_ranks(_with_state_bytes, 1, MLP_ADAM, str(tmp_path / "one"))[0]
-    two = run_ranks(_with_state_bytes, 2, {**MLP_ADAM, "parallel.generator": generator,
-                                          "parallel.discriminator": discriminator}, str(tmp_path / "two"))
+@pytest.mark.parametrize("generator, discriminator", [
+    ("zero1", "ddp"), ("ddp", "zero1"), ("zero2", "ddp"), ("ddp", "zero2"), ("fsdp", "ddp"), ("ddp", "fsdp"),
+    ("fsdp", "zero1"), ("fsdp", "fsdp")])
+def test_strategy_on_two_ranks_equals_one_process(tmp_path, generator, discriminator):
+    one = run_ranks(_with_bytes, 1, MLP_ADAM, str(tmp_path / "one"))[0]
+    two = run_ranks(_with_bytes, 2, {**MLP_ADAM, "parallel.generator": generator,
+                                    "parallel.discriminator": discriminator}, str(tmp_path / "two"))
     for rank in two:
         for net in ("G", "D", "G_ema"):
             assert max_relative_difference(one[net], rank[net]) <= TOLERANCE, net
-    # Optimizer state held per rank: a sharded network holds at most 0.55x of the full state.
     for net, strategy in (("G", generator), ("D", discriminator)):
-        held = [rank["extra"][net] for rank in two]
-        if strategy == "zero1":
-            assert max(held) <= 0.55 * one["extra"][net], (net, held, one["extra"][net])
-        else:
-            assert held == [one["extra"][net]] * 2
+        held = [rank["extra"]["opt"][net] for rank in two]
+        assert max(held) <= SHARDING[strategy] * one["extra"]["opt"][net], (net, strategy, held)
+        params = [rank["extra"]["params"][net] for rank in two]
+        assert max(params) <= (0.55 if strategy in ("zero2", "fsdp") else 1.0) * one["extra"]["params"][net]
 
 
-def _stop_and_resume(rank, world, first, second, root):
-    """Train `first` (world size of this call) to step 10, then hand back the checkpoint path."""
+def test_sharded_generator_with_cross_rank_batchnorm_equals_one_process(tmp_path):
+    one = run_ranks(train_and_collect, 1, {**SMALL_DCGAN, "train.micro_batch": 16}, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, {**SMALL_DCGAN, "train.micro_batch": 8, "parallel.sync_bn": "true",
+                                           "parallel.generator": "fsdp", "parallel.discriminator": "zero2"},
+                    str(tmp_path / "two"))
+    for net in ("G", "D", "G_ema"):
+        assert max_relative_difference(one[net], two[0][net]) <= TOLERANCE, net
+
+
+def _train_to(rank, world, overrides, run_dir, resume=None):
+    return train_and_collect(rank, world, overrides, run_dir, resume=Path(resume) if resume else None)
+
+
+@pytest.mark.parametrize("first, first_world, second, second_world", [
+    ("zero1", 2, "ddp", 1), ("fsdp", 2, "ddp", 1), ("ddp", 1, "fsdp", 2)])
+def test_checkpoint_written_by_one_strategy_resumes_under_another(tmp_path, first, first_world, second, second_world):
     from ganscale import checkpoint
 
-    root = Path(root)
-    train_and_collect(rank, world, first, str(root / "stopped"))
-    return checkpoint.latest(root / "stopped")
+    both = {"checkpoint.every": 10}
+    straight = run_ranks(_train_to, 1, {**MLP_ADAM, "train.steps": 20}, str(tmp_path / "straight"))[0]
+    run_ranks(_train_to, first_world, {**MLP_ADAM, **both, "train.steps": 10, "parallel.generator": first,
+                                       "parallel.discriminator": first}, str(tmp_path / "run"))
+    path = checkpoint.latest(tmp_path / "run")
+    resumed = run_ranks(_train_to, second_world, {**MLP_ADAM, **both, "train.steps": 20, "parallel.generator": second,
+                                                  "parallel.discriminator": second}, str(tmp_path / "run"), str(path))
+    for rank in resumed:
+        for net in ("G", "D", "G_ema"):
+            assert max_relative_difference(straight[net], rank[net]) <= TOLERANCE, net
 
 
-def _resume_from(rank, world, overrides, run_dir, path):
-    return train_and_collect(rank, world, overrides, run_dir, resume=Path(path))
-
-
-def test_zero1_checkpoint_resumes_under_ddp_on_one_rank(tmp_path):
-    zero = {**MLP_ADAM, "parallel.generator": "zero1", "parallel.discriminator": "zero1", "checkpoint.every": 10}
-    straight = run_ranks(train_and_collect, 1, {**MLP_ADAM, "train.steps": 20}, str(tmp_path / "straight"))[0]
-    path = run_ranks(_stop_and_resume, 2, {**zero, "train.steps": 10}, None, str(tmp_path))[0]
-    resumed = run_ranks(_resume_from, 1, {**MLP_ADAM, "train.steps": 20}, str(tmp_path / "stopped"), str(path))[0]
-    for net in ("G", "D", "G_ema"):
-        assert max_relative_difference(straight[net], resumed[net]) <= TOLERANCE, net
+@pytest.mark.parametrize("override", ["loss.r1_gamma=1", "loss.kind=wgan-gp"])
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_penalty_on_a_sharded_discriminator_is_refused_before_start(tmp_path, strategy, override):
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", "--nproc", "2", "--run-dir", str(tmp_path / "r"),
+                             "--set", f"parallel.discriminator={strategy}", "--set", override],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "parallel.discriminator" in result.stderr and "zero1" in result.stderr
+    assert not (tmp_path / "r").exists()

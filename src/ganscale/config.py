@@ -108,9 +108,10 @@ class TrainConfig(Section):
 
 
 class ParallelConfig(Section):
-    generator: Literal["ddp", "zero1"] = "ddp"
-    """G's strategy: ddp (full replica per rank) or zero1 (ddp + optimizer state sharded over ranks)."""
-    discriminator: Literal["ddp", "zero1"] = "ddp"
+    generator: Literal["ddp", "zero1", "zero2", "fsdp"] = "ddp"
+    """G's strategy: ddp (full replica per rank), zero1 (+ optimizer state sharded), zero2 (+ gradients
+    sharded, FSDP2 without resharding after forward), fsdp (parameters sharded too, ZeRO-3)."""
+    discriminator: Literal["ddp", "zero1", "zero2", "fsdp"] = "ddp"
     """D's strategy, chosen independently of G's."""
     sync_bn: bool = False
     """Batch statistics over the global micro-batch (all ranks) instead of each rank's."""
@@ -280,6 +281,13 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.loss.kind == "wgan-gp" and cfg.loss.gp_weight == 0:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
+    sharded_d = cfg.parallel.discriminator in ("zero2", "fsdp")
+    if sharded_d and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
+        raise ConfigError("parallel.discriminator",
+                          f"{cfg.parallel.discriminator} cannot take the double backward of R1 / gradient penalty "
+                          "(FSDP2 crashes, or silently leaves every D gradient empty)",
+                          "keep D on ddp or zero1 (set parallel.discriminator=zero1 to still shard its optimizer state), "
+                          "or drop the penalty")
     is_2d = cfg.data.kind in ("ring8", "grid25")
     if is_2d != (cfg.model.kind == "mlp"):
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",

@@ -12,6 +12,8 @@ import copy
 import torch
 from torch import nn
 
+from ganscale.parallel import local
+
 
 def make_ema(generator: nn.Module) -> nn.Module:
     ema = copy.deepcopy(generator).eval()
@@ -30,8 +32,8 @@ def ema_beta(global_batch: int, images_seen: int, half_life_images: float, rampu
 
 @torch.no_grad()
 def update_ema(ema: nn.Module, generator: nn.Module, beta: float) -> None:
-    ema_params = list(ema.parameters())
-    params = [p.detach() for p in generator.parameters()]
+    ema_params = [local(p) for p in ema.parameters()]  # shards, when G and G_ema are sharded alike
+    params = [local(p.detach()) for p in generator.parameters()]
     torch._foreach_lerp_(ema_params, params, 1.0 - beta)
     for ema_buffer, buffer in zip(ema.buffers(), generator.buffers()):
         ema_buffer.copy_(buffer)

@@ -49,9 +49,10 @@ class Trainer:
         self.global_batch = cfg.train.batch_size
 
         generator, discriminator = build_networks(cfg)  # same seed on every rank: identical init
+        ema = make_ema(generator)  # copied before sharding: a sharded module cannot be deep-copied
         self.G: Wrapped = parallelize(generator, cfg.parallel.generator, runtime, cfg.parallel.sync_bn)
         self.D: Wrapped = parallelize(discriminator, cfg.parallel.discriminator, runtime, cfg.parallel.sync_bn)
-        self.G_ema = make_ema(self.G.module)
+        self.G_ema = self.G.shard_like(ema)  # placed (and sharded) exactly like G
         self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1)
         lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
         self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy)
@@ -250,32 +251,33 @@ class Trainer:
         average_batchnorm_stats(self.G.module, self.D.module, self.G_ema)
 
     def write_samples(self) -> dict[str, float]:
-        """Rank 0 draws from G_ema (never wrapped, so no collective) after a collective buffer sync.
+        """Every rank draws from G_ema (a collective when G_ema is sharded); rank 0 writes the picture.
 
         For the 2D mixtures it also scores 2,500 samples with the VEEGAN/PacGAN measures and returns them.
         """
         self.synchronise_buffers()
+        mixture = self.cfg.data.kind in MIXTURE_MODES
+        z = self._global_latents(0, PHASE_SAMPLES, PROTOCOL_SAMPLES) if mixture else self.sample_z
+        with torch.no_grad():
+            drawn = self.G_ema(z).float().cpu()
         if not self.runtime.is_main:
             return {}
         quality: dict[str, float] = {}
-        if self.cfg.data.kind in MIXTURE_MODES:
-            z = self._global_latents(0, PHASE_SAMPLES, PROTOCOL_SAMPLES)
-            with torch.no_grad():
-                points = self.G_ema(z).float().cpu()
+        if mixture:
+            points = drawn
             quality = score_named(self.cfg.data.kind, points).as_dict()
             self.log.add_scalars("quality", quality, self.step)
             picture = scatter(points, MIXTURE_MODES[self.cfg.data.kind]())
         else:
-            with torch.no_grad():
-                picture = image_grid(self.G_ema(self.sample_z).float().cpu())
+            picture = image_grid(drawn)
         write_png(picture, self.run_dir / "samples" / f"step-{self.step:08d}.png")
         self.log.add_image("samples", picture, self.step)
         return quality
 
-    def state_dict(self, rng_states: list[dict], opt_g: dict, opt_d: dict) -> dict:
+    def state_dict(self, rng_states: list[dict], networks: dict[str, dict]) -> dict:
+        """Everything a resume needs; `networks` holds the full model and optimizer states."""
         return {"step": self.step, "data_position": self.batches.position, "skipped_steps": self.skipped_steps,
-                "world_size": self.runtime.world, "G": self.G.module.state_dict(), "D": self.D.module.state_dict(),
-                "G_ema": self.G_ema.state_dict(), "opt_g": opt_g, "opt_d": opt_d,
+                "world_size": self.runtime.world, **networks,
                 "scaler": self.precision.state_dict(), "rng": rng_states, "config": to_yaml(self.cfg)}
 
     def save_checkpoint(self) -> Path | None:
@@ -284,23 +286,24 @@ class Trainer:
         self.saved_step = self.step
         self.synchronise_buffers()
         if self.cfg.checkpoint.check_replicas:
-            check_replicas({"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema})
+            check_replicas({"G": self.G.replicated(), "D": self.D.replicated(), "G_ema": self.G.replicated(self.G_ema)})
         self.watchdog.mark(f"step {self.step}: replica check and RNG all-gather for the checkpoint")
         rng_states = checkpoint.gather_rng_states()  # collective
-        opt_g, opt_d = self.G.optimizer_state(self.opt_g), self.D.optimizer_state(self.opt_d)  # collective if sharded
-        if self.runtime.is_main:
-            state = self.state_dict(rng_states, opt_g, opt_d)
+        networks = {"G": self.G.model_state(), "D": self.D.model_state(), "G_ema": self.G.model_state(self.G_ema),
+                    "opt_g": self.G.optimizer_state(self.opt_g), "opt_d": self.D.optimizer_state(self.opt_d)}
+        if self.runtime.is_main:  # the full states above were gathered by every rank (collectives when sharded)
+            state = self.state_dict(rng_states, networks)
             return checkpoint.save(state, self.run_dir, self.step, self.cfg.checkpoint.keep)
         return None
 
     def _load(self, path: Path) -> None:
         state = checkpoint.load(path)
         try:
-            self.G.module.load_state_dict(state["G"])
-            self.D.module.load_state_dict(state["D"])
-            self.G_ema.load_state_dict(state["G_ema"])
-            self.opt_g.load_state_dict(state["opt_g"])
-            self.opt_d.load_state_dict(state["opt_d"])
+            self.G.load_model_state(state["G"])
+            self.D.load_model_state(state["D"])
+            self.G.load_model_state(state["G_ema"], self.G_ema)
+            self.G.load_optimizer_state(self.opt_g, state["opt_g"])
+            self.D.load_optimizer_state(self.opt_d, state["opt_d"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({e})",
                               "resume with the config the checkpoint was written with (its config.yaml)") from None
@@ -323,15 +326,17 @@ def fingerprint(tensor: Tensor) -> Tensor:
     return torch.stack([(ints.long() * weights).sum(), ints.long().sum()])
 
 
-def check_replicas(modules: dict[str, torch.nn.Module]) -> None:
-    """Collective: every parameter and buffer bitwise identical across ranks, or name the first that is not."""
+def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]]) -> None:
+    """Collective: the named tensors are bitwise identical across ranks, or name the first that is not."""
     if dist.get_world_size() == 1:
         return
     names, prints = [], []
-    for prefix, module in modules.items():
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+    for prefix, named in tensors.items():
+        for name, tensor in named:
             names.append(f"{prefix}.{name}")
             prints.append(fingerprint(tensor))
+    if not prints:  # e.g. fully sharded networks without buffers: nothing is replicated (same on every rank)
+        return
     local = torch.stack(prints)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)

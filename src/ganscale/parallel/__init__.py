@@ -1,12 +1,18 @@
 """Parallel strategies: functions that take a single-device network and return it wrapped.
 
 The training loop sees only `Wrapped`: call it, switch gradient sync off for all but the last
-micro-step, freeze or unfreeze it, take its gradient norm, build its optimizer, gather that
-optimizer's state for a checkpoint. It never asks which strategy it has.
+micro-step, freeze or unfreeze it, take its gradient norm, build its optimizer, and move full
+(unsharded) model and optimizer state in and out for checkpoints. It never asks which strategy it has.
 
 Strategies (per network, `parallel.generator` / `parallel.discriminator`):
   ddp    full replica per rank, gradients all-reduced (DistributedDataParallel).
   zero1  ddp + optimizer state sharded over ranks (ZeroRedundancyOptimizer, ZeRO stage 1).
+  zero2  gradients and optimizer state sharded, parameters kept whole between forward and backward
+         (FSDP2 `fully_shard`, reshard_after_forward=False).
+  fsdp   parameters, gradients and optimizer state sharded (FSDP2, ZeRO stage 3).
+
+Checkpoint state is always the full, unsharded form with optimizer state keyed by parameter name,
+so a checkpoint written under one strategy or world size loads under another.
 """
 
 from __future__ import annotations
@@ -15,19 +21,33 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ganscale.parallel.syncbn import average_batchnorm_stats, convert_batchnorm
 from ganscale.runtime import Runtime
 
+FULL = StateDictOptions(full_state_dict=True)
+SHARDED_STRATEGIES = ("zero2", "fsdp")
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's part of a tensor (the tensor itself unless it is sharded)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
 
 class Wrapped:
-    """A network as the trainer uses it, whatever the strategy."""
+    """A network as the trainer uses it, whatever the strategy. This base class is a full replica."""
 
     def __init__(self, module: nn.Module, net: nn.Module):
-        self.module = module  # the single-device network: weights, EMA, saving
+        self.module = module  # the network (sharded in place under FSDP): weights, EMA, saving
         self.net = net        # what forward goes through (may communicate)
 
     def __call__(self, *args, **kwargs) -> Tensor:
@@ -46,12 +66,31 @@ class Wrapped:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def shard_like(self, module: nn.Module) -> nn.Module:
+        """Place another network of the same shape (G_ema) the way this one is placed."""
+        return module.to(next(self.module.parameters()).device)
+
+    def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        """Tensors that must be identical on every rank (for the replica check)."""
+        module = module or self.module
+        return [*module.named_parameters(), *module.named_buffers()]
+
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         return optimizer_class(self.module.parameters(), **kwargs)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
-        """The full optimizer state for a checkpoint (collective for sharded optimizers; valid on rank 0)."""
-        return optimizer.state_dict()
+    def model_state(self, module: nn.Module | None = None) -> dict[str, Tensor]:
+        """Full state dict of this network (or of one sharded like it). Collective when sharded."""
+        return get_model_state_dict(module or self.module, options=FULL)
+
+    def load_model_state(self, state: dict[str, Tensor], module: nn.Module | None = None) -> None:
+        set_model_state_dict(module or self.module, state, options=FULL)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Full optimizer state keyed by parameter name. Collective when sharded."""
+        return get_optimizer_state_dict(self.module, optimizer, options=FULL)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        set_optimizer_state_dict(self.module, optimizer, state, options=FULL)
 
     def grad_norm(self, max_norm: float) -> Tensor:
         """The gradient norm before clipping; clips to `max_norm` when it is > 0."""
@@ -69,42 +108,98 @@ class ShardedOptimizerState(Wrapped):
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=optimizer_class, **kwargs)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0
-        return optimizer.state_dict() if torch.distributed.get_rank() == 0 else None
+        if dist.get_rank() != 0:
+            return {}
+        by_index = optimizer.state_dict()  # parameters numbered in module.parameters() order
+        names = [name for name, _ in self.module.named_parameters()]
+        return {"state": {names[i]: s for i, s in by_index["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in by_index["param_groups"]]}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        index = {name: i for i, (name, _) in enumerate(self.module.named_parameters())}
+        optimizer.load_state_dict({
+            "state": {index[name]: s for name, s in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]})
+
+
+class FullyShardedWrapped(Wrapped):
+    """FSDP2: parameters live as DTensor shards; forward all-gathers them, backward reduce-scatters
+    gradients, so gradients and optimizer state are sharded too. `reshard_after_forward=False`
+    keeps the gathered parameters until backward (ZeRO-2); True frees them (ZeRO-3)."""
+
+    def __init__(self, module: nn.Module, reshard_after_forward: bool):
+        super().__init__(module, module)
+        self.reshard_after_forward = reshard_after_forward
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        if enabled:
+            return contextlib.nullcontext()
+        return _fsdp_no_sync(self.module)
+
+    def shard_like(self, module: nn.Module) -> nn.Module:
+        module.to(next(self.module.parameters()).device)
+        fully_shard(module, reshard_after_forward=self.reshard_after_forward)
+        return module
+
+    def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        return list((module or self.module).named_buffers())  # parameters are sharded by design
+
+    def grad_norm(self, max_norm: float) -> Tensor:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # the global norm over all shards
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: nn.Module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds (its shard, for a sharded optimizer)."""
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
-    return sum(t.numel() * t.element_size() for state in local.state.values() for t in state.values()
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
+    return sum(local(t).numel() * t.element_size() for state in inner.state.values() for t in state.values()
                if isinstance(t, Tensor))
 
 
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of parameters this rank holds between steps (its shard, when sharded)."""
+    return sum(local(p).numel() * p.element_size() for p in module.parameters())
+
+
 def parallelize(module: nn.Module, strategy: str, runtime: Runtime, sync_bn: bool) -> Wrapped:
-    """Apply a network's strategy: 'ddp' or 'zero1' (see the module docstring)."""
-    wrapped = data_parallel(module, runtime, sync_bn)
-    if strategy == "zero1" and runtime.world > 1:
-        return ShardedOptimizerState(wrapped.module, wrapped.net)
-    return wrapped
+    """Apply a network's strategy (see the module docstring); one process gets the plain network."""
+    module.to(runtime.device)
+    if runtime.world == 1:
+        return Wrapped(module, module)
+    if sync_bn:
+        module = convert_batchnorm(module, use_cuda=runtime.device.type == "cuda")
+    if strategy in SHARDED_STRATEGIES:
+        fully_shard(module, reshard_after_forward=strategy == "fsdp")
+        return FullyShardedWrapped(module, reshard_after_forward=strategy == "fsdp")
+    net = data_parallel(module, runtime)
+    return ShardedOptimizerState(module, net) if strategy == "zero1" else Wrapped(module, net)
 
 
-def data_parallel(module: nn.Module, runtime: Runtime, sync_bn: bool) -> Wrapped:
+def data_parallel(module: nn.Module, runtime: Runtime) -> DistributedDataParallel:
     """DDP: a full replica per rank, gradients averaged by all-reduce overlapped with backward.
 
     Buffers are not broadcast before each forward (that overwrote the second D forward's inputs with
     BatchNorm before torch 2.12, and it is a collective a rank-0-only forward would hang on); with
     `sync_bn` off the trainer averages BatchNorm statistics explicitly before evaluating or saving.
     """
-    module.to(runtime.device)
-    if runtime.world == 1:
-        return Wrapped(module, module)
-    if sync_bn:
-        module = convert_batchnorm(module, use_cuda=runtime.device.type == "cuda")
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-    net = DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
-    return Wrapped(module, net)
+    return DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
 
 
-__all__ = ["Wrapped", "ShardedOptimizerState", "parallelize", "data_parallel", "optimizer_state_bytes",
-           "average_batchnorm_stats"]
+__all__ = ["Wrapped", "ShardedOptimizerState", "FullyShardedWrapped", "parallelize", "data_parallel",
+           "optimizer_state_bytes", "parameter_bytes", "local", "average_batchnorm_stats", "SHARDED_STRATEGIES"]
