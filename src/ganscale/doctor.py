@@ -542,7 +542,7 @@ def _gan_step(spec: dict[str, Any], runtime) -> dict[str, Any]:
     config.check(cfg, runtime.world, torch.cuda.is_available())
     trainer = Trainer(cfg, runtime, Path(spec["out_dir"]) / "run")
     summary = trainer.fit()
-    check_replicas({"G": trainer.G.module, "D": trainer.D.module, "G_ema": trainer.G_ema})
+    check_replicas({"G": trainer.G.replicated(), "D": trainer.D.replicated(), "G_ema": trainer.G.replicated(trainer.G_ema)})
     final = summary.get("final") or {}
     return {"ok": True, "steps": summary["steps"], "global_batch": summary["global_batch"],
             "micro_batch": summary["micro_batch"], "skipped_steps": summary["skipped_steps"],
