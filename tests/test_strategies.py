@@ -84,3 +84,19 @@ def test_penalty_on_a_sharded_discriminator_is_refused_before_start(tmp_path, st
     assert result.returncode == 2
     assert "parallel.discriminator" in result.stderr and "zero1" in result.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_bytes_held_per_rank_are_reported_once_and_in_metrics(tmp_path):
+    import json
+
+    ddp = run_ranks(train_and_collect, 2, {**MLP_ADAM, "log.every": 1}, str(tmp_path / "ddp"))[0]
+    fsdp = run_ranks(train_and_collect, 2, {**MLP_ADAM, "log.every": 1, "parallel.generator": "fsdp",
+                                            "parallel.discriminator": "fsdp"}, str(tmp_path / "fsdp"))[0]
+    for summary in (ddp["summary"], fsdp["summary"]):
+        assert len(summary["held_bytes"]) == 2 and set(summary["held_bytes"][0]) == {"G", "D"}
+    full, sharded = ddp["summary"]["held_bytes"], fsdp["summary"]["held_bytes"]
+    for rank in (0, 1):
+        for kind in ("params", "grads", "optim"):
+            assert sharded[rank]["G"][kind] <= 0.55 * full[rank]["G"][kind], (rank, kind)
+    records = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["held_bytes_g"] == sum(sharded[0]["G"].values()) for r in records)

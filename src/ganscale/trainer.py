@@ -25,7 +25,7 @@ from ganscale.ema import ema_beta, make_ema, update_ema
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
-from ganscale.parallel import Wrapped, average_batchnorm_stats, parallelize
+from ganscale.parallel import Wrapped, average_batchnorm_stats, held_bytes, parallelize
 from ganscale.precision import Precision
 from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
 from ganscale.watchdog import Watchdog
@@ -62,6 +62,7 @@ class Trainer:
         self.stop_signal: str | None = None  # set by a signal on this rank
         self.stop_agreed = False             # set when any rank had a stop signal (agreed in _finish_step)
         self.saved_step = -1
+        self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
         self.inject_fault = injected_fault()  # test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set
         self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics")
         seed_rank_streams(cfg.train.seed, runtime)
@@ -129,10 +130,13 @@ class Trainer:
                             cfg.train.ema_rampup)
             update_ema(self.G_ema, self.G.module, beta)
             self.log.advance()
+            if self.step == start_step + 1:  # optimizer state exists after the first step
+                self.memory = self._memory_report()
 
             final = self.step == cfg.train.steps
             if self.step % cfg.log.every == 0 or final:
-                record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps},
+                held = {f"held_bytes_{net.lower()}": sum(self.memory[0][net].values()) for net in ("G", "D")}
+                record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held},
                                       self.global_batch)
             # Both decisions below come from values every rank agreed on in _finish_step's collective.
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
@@ -153,6 +157,18 @@ class Trainer:
         self.log.close(summary)
         return summary
 
+    def _memory_report(self) -> list[dict]:
+        """Collective: every rank's bytes held per network; printed once by rank 0."""
+        mine = {"G": held_bytes(self.G, self.opt_g), "D": held_bytes(self.D, self.opt_d)}
+        everyone: list = [None] * self.runtime.world
+        dist.all_gather_object(everyone, mine)
+        if self.runtime.is_main:
+            for rank, nets in enumerate(everyone):
+                line = "  ".join(f"{net}: params {b['params'] / 2**20:.2f} MiB, grads {b['grads'] / 2**20:.2f} MiB, "
+                                 f"optimizer {b['optim'] / 2**20:.2f} MiB" for net, b in nets.items())
+                print(f"rank {rank} holds  {line}", flush=True)
+        return everyone
+
     def _summary(self, start_step: int, started: float, record: dict, quality: dict, stopped: str | None = None) -> dict:
         wall = time.perf_counter() - started
         return {"steps": self.step, "world_size": self.runtime.world, "global_batch": self.global_batch,
@@ -160,7 +176,8 @@ class Trainer:
                 "skipped_steps": self.skipped_steps, "stopped": stopped, "wall_s": wall,
                 "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
-                "final": record, "quality": quality, "checkpoint": str(checkpoint.latest(self.run_dir))}
+                "final": record, "quality": quality, "held_bytes": self.memory,
+                "checkpoint": str(checkpoint.latest(self.run_dir))}
 
     def discriminator_step(self, reals: list[Tensor], step: int, critic: int) -> dict[str, float]:
         loss_cfg = self.cfg.loss

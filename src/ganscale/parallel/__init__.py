@@ -176,6 +176,12 @@ def parameter_bytes(module: nn.Module) -> int:
     return sum(local(p).numel() * p.element_size() for p in module.parameters())
 
 
+def held_bytes(wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for one network: parameters, gradients (allocated during a step), optimizer state."""
+    grads = sum(local(p).numel() * p.element_size() for p in wrapped.module.parameters())
+    return {"params": parameter_bytes(wrapped.module), "grads": grads, "optim": optimizer_state_bytes(optimizer)}
+
+
 def parallelize(module: nn.Module, strategy: str, runtime: Runtime, sync_bn: bool) -> Wrapped:
     """Apply a network's strategy (see the module docstring); one process gets the plain network."""
     module.to(runtime.device)
@@ -202,4 +208,4 @@ def data_parallel(module: nn.Module, runtime: Runtime) -> DistributedDataParalle
 
 
 __all__ = ["Wrapped", "ShardedOptimizerState", "FullyShardedWrapped", "parallelize", "data_parallel",
-           "optimizer_state_bytes", "parameter_bytes", "local", "average_batchnorm_stats", "SHARDED_STRATEGIES"]
+           "optimizer_state_bytes", "parameter_bytes", "held_bytes", "local", "average_batchnorm_stats", "SHARDED_STRATEGIES"]
