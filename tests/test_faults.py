@@ -198,3 +198,10 @@ def test_a_data_set_that_does_not_divide_by_ranks_times_batch_does_not_hang(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 12
     assert time.time() - started < 60
+
+
+def test_peer_failures_are_told_apart_from_a_rank_s_own_error():
+    from ganscale.fault import is_peer_failure
+
+    assert is_peer_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert not is_peer_failure(RuntimeError("CUDA out of memory"))

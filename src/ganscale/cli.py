@@ -13,7 +13,7 @@ import click
 
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
-from ganscale.fault import EXIT_CONFIG, NonFiniteTraining, Preempted
+from ganscale.fault import EXIT_CONFIG, EXIT_PEER_FAILED, NonFiniteTraining, Preempted, is_peer_failure
 
 
 def _fail(error: Exception) -> None:
@@ -71,6 +71,12 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     except (Preempted, NonFiniteTraining) as e:
         click.echo(f"ganscale: {e}", err=True)
         sys.exit(e.exit_code)
+    except RuntimeError as e:
+        if not is_peer_failure(e):
+            raise
+        click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "
+                   f"({str(e).splitlines()[0][:200]})", err=True)
+        sys.exit(EXIT_PEER_FAILED)
     if launch.rank_from_environment() == 0:
         click.echo(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
 

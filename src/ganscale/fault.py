@@ -14,6 +14,16 @@ EXIT_CONFIG = 2       # bad config, data or checkpoint: nothing was written
 EXIT_PREEMPTED = 3    # SIGTERM/SIGINT: the current step finished, a checkpoint was written; --resume auto
 EXIT_NON_FINITE = 4   # too many consecutive non-finite steps: stopped, the last good checkpoint is kept
 EXIT_HANG = 5         # a rank made no progress for fault.hang_timeout_s: diagnostics/ written, ranks named
+EXIT_PEER_FAILED = 6  # this rank stopped because another rank died first (its error is the one to read)
+
+PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """A communication error caused by another rank dying (gloo reports it at once), not by this rank."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistBackendError) or any(sign in str(error) for sign in PEER_FAILURE_SIGNS)
 
 
 class Preempted(Exception):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError
-from ganscale.fault import EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PREEMPTED
+from ganscale.fault import EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED, EXIT_PREEMPTED
 
 RUNS_ROOT = Path("runs")
 
@@ -103,9 +103,10 @@ def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> i
               file=sys.stderr)
         return EXIT_PREEMPTED
     except ChildFailedError as e:
-        # The root cause is a worker that exited on its own (code > 0), not one the agent then stopped
-        # with a signal (code < 0); among those, the earliest.
-        first_rank, first = min(e.failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp))
+        # The root cause is a worker that failed on its own: not one the agent then stopped with a signal
+        # (code < 0), nor one whose collective broke because a peer had died (EXIT_PEER_FAILED); the earliest.
+        first_rank, first = min(e.failures.items(), key=lambda item: (
+            item[1].exitcode < 0 or item[1].exitcode == EXIT_PEER_FAILED, item[1].timestamp, item[0]))
         print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
               f" (see its output above)", file=sys.stderr)
         return first.exitcode if first.exitcode in (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE, EXIT_HANG) else 1
