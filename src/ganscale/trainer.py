@@ -1,8 +1,9 @@
 """The training loop, top to bottom: global batch -> D step(s) -> G step -> EMA -> logs, samples, checkpoints.
 
-Every rank runs exactly this control flow. The only decisions taken from data (skip a step with a
-non-finite loss or gradient) are agreed in one all-reduce per optimizer step; everything else
-(penalty steps, logging, checkpoints) is a function of the step counter, the same on every rank.
+Every rank runs exactly this control flow. The decisions taken from local data or events (skip a
+step with a non-finite loss or gradient, stop after a signal) are agreed in one all-reduce per
+optimizer step; everything else (penalty steps, logging, samples, checkpoints, the non-finite streak
+limit) is a function of the step counter and of agreed values, the same on every rank.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from ganscale import checkpoint, objectives
 from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
-from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
-from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault
 from ganscale.ema import ema_beta, make_ema, update_ema
+from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault
+from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
