@@ -123,3 +123,31 @@ def test_fp16_scaler_path_backs_off_and_keeps_training(tmp_path):
     assert trainer.precision.loss_scale < initial_scale  # overflowed at first, backed off
     assert summary["skipped_steps"] < 12
     assert all(math.isfinite(summary["final"][k]) for k in ("loss_d", "loss_g", "grad_norm_d", "grad_norm_g"))
+
+
+def test_lr_factor_is_constant_then_linear_decay():
+    from ganscale.trainer import lr_factor
+
+    assert [lr_factor(s, 10, 1.0) for s in range(10)] == [1.0] * 10
+    decayed = [lr_factor(s, 10, 0.5) for s in range(10)]
+    assert decayed[:4] == [1.0] * 4
+    assert all(a > b for a, b in zip(decayed[4:], decayed[5:])) and 0 < decayed[-1] < 0.2
+
+
+def test_learning_rates_follow_the_schedule_during_training(tmp_path):
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer, lr_factor
+
+    cfg = config.load("ring8", ["train.steps=6", "optim.decay_start=0.5", "log.tensorboard=false",
+                                "model.g_width=8", "model.d_width=8", "data.size=100", "log.sample_every=0"])
+    runtime = start("cpu")
+    try:
+        trainer = Trainer(cfg, runtime, tmp_path)
+        trainer.fit()
+    finally:
+        runtime.close()
+    base_g, base_d = trainer.opt_g.param_groups[0]["initial_lr"], trainer.opt_d.param_groups[0]["initial_lr"]
+    assert base_g == cfg.optim.g.lr
+    assert math.isclose(trainer.opt_g.param_groups[0]["lr"], base_g * lr_factor(5, 6, 0.5))
+    assert math.isclose(trainer.opt_d.param_groups[0]["lr"], base_d * lr_factor(5, 6, 0.5))

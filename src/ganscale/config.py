@@ -86,6 +86,9 @@ class OptimConfig(Section):
     """Adam for G."""
     d: OptimizerConfig = OptimizerConfig()
     """Adam for D."""
+    decay_start: float = Field(1.0, gt=0, le=1)
+    """Fraction of train.steps after which both learning rates decay linearly towards 0 at the last
+    step (1.0: constant; pix2pix's schedule is 0.5)."""
 
 
 class TrainConfig(Section):

@@ -38,6 +38,12 @@ PHASE_G, PHASE_D, PHASE_SAMPLES = 0, 1, 2**20
 MIXTURE_MODES = {"ring8": ring8_modes, "grid25": grid25_modes}
 
 
+def lr_factor(step: int, total_steps: int, decay_start: float) -> float:
+    """Constant, then linear decay (pix2pix's rule): 1 until decay_start x total, then down towards 0."""
+    constant = round(decay_start * total_steps)
+    return 1.0 - max(0, step + 1 - constant) / (total_steps - constant + 1)
+
+
 class ReplicaDivergence(RuntimeError):
     """Parameters or buffers differ across ranks where they must be identical."""
 
@@ -58,6 +64,8 @@ class Trainer:
         lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
         self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy)
         self.precision = Precision(cfg.train.precision, device)
+        for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
+            group.setdefault("initial_lr", group["lr"])  # the schedule scales this; restored with the optimizer
 
         self.step, self.skipped_steps, self.consecutive_skips = 0, 0, 0
         self.stop_signal: str | None = None  # set by a signal on this rank
@@ -117,6 +125,9 @@ class Trainer:
         while self.step < cfg.train.steps:
             step, skipped_before = self.step, self.skipped_steps
             self.watchdog.mark(f"step {step}: start")
+            factor = lr_factor(step, cfg.train.steps, cfg.optim.decay_start)  # a function of the step: resumes exactly
+            for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
+                group["lr"] = group["initial_lr"] * factor
             self.inject_fault(step, self.runtime.rank)
             d_stats = {}
             for critic in range(cfg.loss.n_critic):
