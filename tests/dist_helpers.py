@@ -90,3 +90,17 @@ def poison_d_loss_on_rank1(bad_step: Callable[[int], bool]) -> Callable:
             return loss * float("nan") if trainer.runtime.rank == 1 and bad_step(trainer.step) else loss
         trainer_module.objectives.d_loss = poisoned
     return hook
+
+
+def train_in_process(cfg, run_dir):
+    """Train `cfg` in this process as a one-rank group; returns the finished Trainer."""
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    runtime = start("cpu")
+    try:
+        trainer = Trainer(cfg, runtime, Path(run_dir))
+        trainer.fit()
+    finally:
+        runtime.close()
+    return trainer

@@ -115,7 +115,7 @@ def test_fp16_scaler_path_backs_off_and_keeps_training(tmp_path):
     runtime = start("cpu")
     try:
         trainer = Trainer(cfg, runtime, tmp_path)
-        initial_scale = trainer.precision.loss_scale
+        initial_scale = trainer.precision.loss_scale  # read before training, so not train_in_process
         summary = trainer.fit()
     finally:
         runtime.close()
@@ -135,18 +135,13 @@ def test_lr_factor_is_constant_then_linear_decay():
 
 
 def test_learning_rates_follow_the_schedule_during_training(tmp_path):
+    from dist_helpers import train_in_process
     from ganscale import config
-    from ganscale.runtime import start
-    from ganscale.trainer import Trainer, lr_factor
+    from ganscale.trainer import lr_factor
 
     cfg = config.load("ring8", ["train.steps=6", "optim.decay_start=0.5", "log.tensorboard=false",
                                 "model.g_width=8", "model.d_width=8", "data.size=100", "log.sample_every=0"])
-    runtime = start("cpu")
-    try:
-        trainer = Trainer(cfg, runtime, tmp_path)
-        trainer.fit()
-    finally:
-        runtime.close()
+    trainer = train_in_process(cfg, tmp_path)
     base_g, base_d = trainer.opt_g.param_groups[0]["initial_lr"], trainer.opt_d.param_groups[0]["initial_lr"]
     assert base_g == cfg.optim.g.lr
     assert math.isclose(trainer.opt_g.param_groups[0]["lr"], base_g * lr_factor(5, 6, 0.5))

@@ -11,19 +11,12 @@ from PIL import Image
 from ganscale import config
 from ganscale.config import ConfigError
 from ganscale.evaluate import evaluate, load_generator, sample_picture
-from ganscale.runtime import start
-from ganscale.trainer import Trainer
+from dist_helpers import train_in_process
 
 
 def _train(run_dir, source, overrides):
-    cfg = config.load(source, ["train.steps=4", "log.tensorboard=false", "log.sample_every=0", *overrides])
-    runtime = start("cpu")
-    try:
-        trainer = Trainer(cfg, runtime, run_dir)
-        trainer.fit()
-    finally:
-        runtime.close()
-    return trainer
+    return train_in_process(config.load(source, ["train.steps=4", "log.tensorboard=false", "log.sample_every=0",
+                                                 *overrides]), run_dir)
 
 
 @pytest.fixture(scope="module")
