@@ -18,7 +18,6 @@ so a checkpoint written under one strategy or world size loads under another.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,9 +61,6 @@ class Wrapped:
     def trainable(self, flag: bool) -> None:
         """Freeze (False) or unfreeze: D is frozen during the G step so G's loss flows through it."""
         self.module.requires_grad_(flag)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.module.parameters()
 
     def shard_like(self, module: nn.Module) -> nn.Module:
         """Place another network of the same shape (G_ema) the way this one is placed."""
