@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
 import random
 import warnings
@@ -82,6 +83,22 @@ def test_synthetic_reuses_or_replaces_a_previous_set(tmp_path):
     empty.mkdir()
     assert len(jpgs(write_synthetic_facades(empty, n=2, seed=0, size=SMALL))) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "set"]
+
+
+def _write_small_set(folder: str) -> None:
+    write_synthetic_facades(folder, n=8, seed=0, size=SMALL)
+
+
+def test_synthetic_concurrent_writers_agree(tmp_path):
+    """Every rank may call it at once: all return, one complete set remains, no staging folders."""
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_write_small_set, args=(str(tmp_path / "set"),)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+    assert len(jpgs(tmp_path / "set")) == 8 and sorted(p.name for p in tmp_path.iterdir()) == ["set"]
 
 
 def test_synthetic_failure_leaves_nothing(tmp_path, monkeypatch):

@@ -143,8 +143,15 @@ def write_synthetic_facades(folder: str | Path, n: int, seed: int, size: tuple[i
 
 
 def _move_into_place(staging: Path, folder: Path, wanted: dict) -> None:
-    """Rename the finished set onto `folder`: absent, empty, or a previous synthetic set."""
-    if folder.exists() and _marker(folder) is not None:
+    """Rename the finished set onto `folder`: absent, empty, or a previous synthetic set.
+
+    Several processes (ranks) may write the same set at once: whoever finds it already in place
+    keeps it, so a reader never sees the folder vanish.
+    """
+    previous = _marker(folder)
+    if previous == wanted:
+        return
+    if previous is not None:
         retired = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
         os.replace(folder, retired / folder.name)
         shutil.rmtree(retired)
