@@ -136,3 +136,9 @@ def test_config_errors():
         BigGANDiscriminator(512, 4, N_CLASSES)
     with pytest.raises(ConfigError, match="model.z_dim"):
         BigGANGenerator(256, 4, 6, N_CLASSES)  # 7 slots (4x4 input + 6 blocks)
+
+
+def test_digits_recipe_sizes_match_the_docstring():
+    G = BigGANGenerator(8, 32, 32, 10, 1, shared_dim=32, attn_resolution=8)
+    D = BigGANDiscriminator(8, 32, 10, 1, attn_resolution=8)
+    assert (count(G), count(D)) == (393_282, 466_178)

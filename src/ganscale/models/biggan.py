@@ -17,7 +17,7 @@ Both networks take labels: `G(z, y)` and `D(x, y)`, y an int64 tensor of class i
 (N, 1) logits like the other discriminators, so any loss in `objectives` applies (hinge is
 BigGAN's).
 
-Intended conditional digits recipe (8x8 grey digits, 10 classes, a few minutes on 2 CPU cores):
+Intended conditional digits recipe (8x8 grey digits, 10 classes; not yet trained end to end):
     model: {kind: biggan, z_dim: 32, g_width: 32, d_width: 32, shared_dim: 32, attn_resolution: 8,
             n_classes: 10}
     data: {kind: digits, resolution: 8, channels: 1, labels: true}
@@ -26,7 +26,8 @@ Intended conditional digits recipe (8x8 grey digits, 10 classes, a few minutes o
     train: {batch_size: 64, steps: 4000, ema_half_life_images: 10000}
 G has 393,282 and D 466,178 parameters at ch 32. The learning rates are SAGAN's
 two-time-scale pair (D 4x G), beta1 = 0 and two D steps per G step are BigGAN's; the samples
-should be drawn per class (a fixed y per grid row) from G_ema.
+should be drawn per class (a fixed y per grid row) from G_ema. Measured cost: about 0.23 s per G
+step (two D steps included) at batch 64 on 2 CPU cores, so about 15 minutes for 4000 steps.
 """
 
 from __future__ import annotations
