@@ -119,7 +119,8 @@ def write_synthetic_facades(folder: str | Path, n: int, seed: int, size: tuple[i
     if n < 1:
         raise ConfigError("n", f"{n} pairs requested", "ask for at least one pair")
     if width % 2 or width < 32 or height < 16:
-        raise ConfigError("size", f"size {size} (width, height)", "use an even width >= 32 and height >= 16, e.g. (512, 256)")
+        raise ConfigError("size", f"size {size} (width, height)",
+                          "use an even width >= 32 and height >= 16, e.g. (512, 256)")
     wanted = {"kind": "synthetic-facades", "version": FORMAT_VERSION, "n": n, "seed": seed, "size": [width, height]}
     if folder.exists():
         if not folder.is_dir():
