@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 # Four equal hidden layers per network: ZeRO-1 shards whole tensors, so equal ones split evenly.
 MLP_ADAM = {**SMALL_MLP, "model.g_width": 64, "model.d_width": 64, "model.g_layers": 5, "model.d_layers": 5}
-SHARDING = {"ddp": 1.0, "zero1": 0.55, "zero2": 0.55, "fsdp": 0.55}  # max optimizer-state share per rank
+SHARDING = {"ddp": 1.0, "zero1": 0.55, "zero2": 0.55, "fsdp": 0.55, "hsdp": 0.55}  # max optimizer-state share per rank
 
 
 def _with_bytes(rank, world, overrides, run_dir):
@@ -43,6 +44,18 @@ def test_strategy_on_two_ranks_equals_one_process(tmp_path, generator, discrimin
         assert max(held) <= SHARDING[strategy] * one["extra"]["opt"][net], (net, strategy, held)
         params = [rank["extra"]["params"][net] for rank in two]
         assert max(params) <= (0.55 if strategy in ("zero2", "fsdp") else 1.0) * one["extra"]["params"][net]
+
+
+def test_hsdp_on_a_two_by_two_mesh_equals_one_process(tmp_path):
+    """4 ranks: parameters sharded within each pair, the two pairs replicas of each other."""
+    one = run_ranks(train_and_collect, 1, MLP_ADAM, str(tmp_path / "one"))[0]
+    four = run_ranks(train_and_collect, 4, {**MLP_ADAM, "parallel.generator": "hsdp", "parallel.discriminator": "hsdp",
+                                            "parallel.mesh": "[2,2]"}, str(tmp_path / "four"))
+    for rank in four:
+        for net in ("G", "D", "G_ema"):
+            assert max_relative_difference(one[net], rank[net]) <= TOLERANCE, net
+    traffic = four[0]["summary"]["communicated_bytes"]
+    assert traffic["d_step"]["all_reduce"] > 1000  # gradients are all-reduced across the two replica groups
 
 
 def test_sharded_generator_with_cross_rank_batchnorm_equals_one_process(tmp_path):
@@ -100,3 +113,71 @@ def test_bytes_held_per_rank_are_reported_once_and_in_metrics(tmp_path):
             assert sharded[rank]["G"][kind] <= 0.55 * full[rank]["G"][kind], (rank, kind)
     records = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["held_bytes_g"] == sum(sharded[0]["G"].values()) for r in records)
+
+
+# ------------------------------------------------------------------------------------ communication
+def _shapes(rank, world, overrides, run_dir):
+    def hook(trainer):  # full shapes (a DTensor reports its global shape)
+        return lambda: {net: [tuple(p.shape) for p in w.module.parameters()] for net, w in (("G", trainer.G), ("D", trainer.D))}
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
+
+
+def _analytic_traffic(g: str, d: str, shapes: dict, world: int) -> dict[str, dict[str, int]]:
+    """Payload bytes of one iteration from first principles (fp32, W ranks, FSDP pads dim 0 to a multiple of W)."""
+    full = {net: 4 * sum(math.prod(s) for s in shapes[net]) for net in shapes}
+    padded = {net: 4 * sum(-(-s[0] // world) * world * math.prod(s[1:]) for s in shapes[net]) for net in shapes}
+
+    def stepped(strategy, net, gathered_already=False):  # forward, backward and optimizer step
+        return {"ddp": {"all_reduce": full[net]},
+                "zero1": {"all_reduce": full[net], "broadcast": full[net]},  # each rank broadcasts its updated shard
+                "zero2": {"all_gather": 0 if gathered_already else padded[net], "reduce_scatter": padded[net]},
+                "fsdp": {"all_gather": 2 * padded[net], "reduce_scatter": padded[net]}}[strategy]
+
+    def forward_only(strategy, net):  # G's forward for D's fakes (no grad); zero2 keeps it gathered for the G step
+        return {"all_gather": padded[net]} if strategy in ("zero2", "fsdp") else {}
+
+    def frozen_through(strategy, net):  # D in the G step: forward and backward to its input, no weight gradients
+        return {"zero2": {"all_gather": padded[net]}, "fsdp": {"all_gather": 2 * padded[net]}}.get(strategy, {})
+
+    def total(*parts, control):
+        out = {"all_reduce": control}  # the one all-reduce per optimizer step: losses, skip and stop flags
+        for part in parts:
+            for kind, n in part.items():
+                out[kind] = out.get(kind, 0) + n
+        return out
+    return {"d_step": total(forward_only(g, "G"), stepped(d, "D"), control=4 * 4),
+            "g_step": total(stepped(g, "G", gathered_already=g == "zero2"), frozen_through(d, "D"), control=3 * 4)}
+
+
+@pytest.mark.parametrize("generator, discriminator", [
+    ("ddp", "ddp"), ("zero1", "zero1"), ("zero2", "zero2"), ("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "zero2")])
+def test_communicated_bytes_per_step_match_the_analytic_figure(tmp_path, generator, discriminator):
+    import json
+
+    rank0 = run_ranks(_shapes, 2, {**MLP_ADAM, "train.steps": 4, "log.every": 1, "parallel.generator": generator,
+                                   "parallel.discriminator": discriminator}, str(tmp_path))[0]
+    expected = _analytic_traffic(generator, discriminator, rank0["extra"], 2)
+    measured = rank0["summary"]["communicated_bytes"]
+    for phase in ("d_step", "g_step"):
+        kinds = {k for k in (*expected[phase], *measured[phase]) if k != "ops" and (expected[phase].get(k) or measured[phase].get(k))}
+        for kind in kinds:
+            want, got = expected[phase].get(kind, 0), measured[phase].get(kind, 0)
+            assert abs(got - want) <= 0.05 * want, (phase, kind, got, want)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for phase in ("d_step", "g_step"):
+        want = sum(expected[phase].values())
+        assert abs(records[-1][f"comm_bytes_{phase}"] - want) <= 0.05 * want, phase
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.generator=hsdp", "parallel.mesh=[2,2]"], "parallel.mesh"),      # 4 != 2 ranks
+    (["parallel.mesh=[1,2]"], "parallel.mesh"),                                  # nobody uses the mesh
+    (["parallel.generator=fsdp", "parallel.cpu_offload=true"], "parallel.cpu_offload"),  # CPU run
+    (["parallel.cpu_offload=true"], "parallel.cpu_offload")])                    # nothing sharded to offload
+def test_mesh_and_offload_mistakes_are_refused_before_start(tmp_path, overrides, key):
+    args = [a for o in overrides for a in ("--set", o)]
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", "--nproc", "2", "--run-dir", str(tmp_path / "r"), *args],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert key in result.stderr and "Fix:" in result.stderr
+    assert not (tmp_path / "r").exists()

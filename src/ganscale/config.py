@@ -110,18 +110,32 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+STRATEGIES = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp"]
+FULLY_SHARDED = ("zero2", "fsdp", "hsdp")  # FSDP2-based strategies: parameters are DTensor shards
+
+
 class ParallelConfig(Section):
-    generator: Literal["ddp", "zero1", "zero2", "fsdp"] = "ddp"
+    generator: STRATEGIES = "ddp"
     """G's strategy: ddp (full replica per rank), zero1 (+ optimizer state sharded), zero2 (+ gradients
-    sharded, FSDP2 without resharding after forward), fsdp (parameters sharded too, ZeRO-3)."""
-    discriminator: Literal["ddp", "zero1", "zero2", "fsdp"] = "ddp"
+    sharded, FSDP2 without resharding after forward), fsdp (parameters sharded too, ZeRO-3), hsdp (fsdp
+    within each group of `mesh[1]` ranks, replicated across the `mesh[0]` groups)."""
+    discriminator: STRATEGIES = "ddp"
     """D's strategy, chosen independently of G's."""
+    mesh: tuple[int, int] | None = None
+    """hsdp: [replica groups, ranks per shard group]; must multiply to the world size. Unset: shard
+    within a node (torchrun's LOCAL_WORLD_SIZE), replicate across nodes."""
+    cpu_offload: bool = False
+    """zero2/fsdp/hsdp networks keep parameter shards, gradients and optimizer state in CPU memory
+    (FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU). CUDA runs only."""
     sync_bn: bool = False
     """Batch statistics over the global micro-batch (all ranks) instead of each rank's."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
     timeout_s: float = Field(600.0, gt=0)
     """Process-group timeout for a collective."""
+
+    def strategies(self) -> tuple[str, str]:
+        return self.generator, self.discriminator
 
 
 class CheckpointConfig(Section):
@@ -284,7 +298,8 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.loss.kind == "wgan-gp" and cfg.loss.gp_weight == 0:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
-    sharded_d = cfg.parallel.discriminator in ("zero2", "fsdp")
+    _check_parallel(cfg.parallel, world_size, on_cuda)
+    sharded_d = cfg.parallel.discriminator in FULLY_SHARDED
     if sharded_d and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
         raise ConfigError("parallel.discriminator",
                           f"{cfg.parallel.discriminator} cannot take the double backward of R1 / gradient penalty "
@@ -298,6 +313,23 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
+
+
+def _check_parallel(p: ParallelConfig, world_size: int, on_cuda: bool) -> None:
+    uses_mesh = "hsdp" in p.strategies()
+    if p.mesh is not None and not uses_mesh:
+        raise ConfigError("parallel.mesh", f"a mesh is set but no network uses it (strategies {p.generator}, {p.discriminator})",
+                          "set parallel.generator or parallel.discriminator to hsdp, or remove parallel.mesh")
+    if p.mesh is not None and (min(p.mesh) < 1 or p.mesh[0] * p.mesh[1] != world_size):
+        raise ConfigError("parallel.mesh", f"{list(p.mesh)} does not multiply to the world size {world_size}",
+                          f"use two positive sizes whose product is {world_size}, e.g. [{max(world_size // 2, 1)}, {min(2, world_size)}]")
+    if p.cpu_offload and not any(s in FULLY_SHARDED for s in p.strategies()):
+        raise ConfigError("parallel.cpu_offload", f"only zero2/fsdp/hsdp networks can offload; these are {p.generator}, {p.discriminator}",
+                          "set parallel.generator=fsdp (or zero2/hsdp), or parallel.cpu_offload=false")
+    if p.cpu_offload and not on_cuda:
+        raise ConfigError("parallel.cpu_offload", "FSDP2's CPU offload moves shards between a GPU and host memory; "
+                          "this run is on the CPU, where everything already lives in host memory",
+                          "set parallel.cpu_offload=false on CPU runs")
 
 
 def to_yaml(cfg: Config) -> str:

@@ -26,7 +26,8 @@ from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
-from ganscale.parallel import Wrapped, average_batchnorm_stats, held_bytes, parallelize
+from ganscale.parallel import Layout, Wrapped, average_batchnorm_stats, held_bytes, parallelize
+from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
 from ganscale.watchdog import Watchdog
@@ -57,8 +58,9 @@ class Trainer:
 
         generator, discriminator = build_networks(cfg)  # same seed on every rank: identical init
         ema = make_ema(generator)  # copied before sharding: a sharded module cannot be deep-copied
-        self.G: Wrapped = parallelize(generator, cfg.parallel.generator, runtime, cfg.parallel.sync_bn)
-        self.D: Wrapped = parallelize(discriminator, cfg.parallel.discriminator, runtime, cfg.parallel.sync_bn)
+        layout = Layout(runtime, cfg.parallel)
+        self.G: Wrapped = parallelize(generator, cfg.parallel.generator, layout)
+        self.D: Wrapped = parallelize(discriminator, cfg.parallel.discriminator, layout)
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded) exactly like G
         self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1)
         lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
@@ -72,6 +74,7 @@ class Trainer:
         self.stop_agreed = False             # set when any rank had a stop signal (agreed in _finish_step)
         self.saved_step = -1
         self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
+        self.traffic = TrafficMeter()  # bytes communicated per step, measured on one step
         self.inject_fault = injected_fault()  # test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set
         self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics")
         seed_rank_streams(cfg.train.seed, runtime)
@@ -129,12 +132,17 @@ class Trainer:
             for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
                 group["lr"] = group["initial_lr"] * factor
             self.inject_fault(step, self.runtime.rank)
+            # Measure one iteration's communication: the third, as the first two also carry one-time work
+            # (FSDP's lazy initialisation; DDP rebuilding its buckets in the second).
+            self.traffic.enabled = step == min(start_step + 2, cfg.train.steps - 1)
             d_stats = {}
             for critic in range(cfg.loss.n_critic):
-                d_stats = self.discriminator_step(next(self.batches), step, critic)
+                with self.traffic.measure("d_step"):
+                    d_stats = self.discriminator_step(next(self.batches), step, critic)
                 if critic < cfg.loss.n_critic - 1:
                     self.precision.update()
-            g_stats = self.generator_step(step)
+            with self.traffic.measure("g_step"):
+                g_stats = self.generator_step(step)
             self.precision.update()  # once per iteration, after both networks stepped
             self.consecutive_skips = self.consecutive_skips + 1 if self.skipped_steps > skipped_before else 0
             self.step = step + 1
@@ -144,11 +152,14 @@ class Trainer:
             self.log.advance()
             if self.step == start_step + 1:  # optimizer state exists after the first step
                 self.memory = self._memory_report()
+            if self.traffic.enabled and self.runtime.is_main:
+                print(f"communicated per step  {self.traffic.report()}", flush=True)
 
             final = self.step == cfg.train.steps
             if self.step % cfg.log.every == 0 or final:
                 held = {f"held_bytes_{net.lower()}": sum(self.memory[0][net].values()) for net in ("G", "D")}
-                record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held},
+                sent = {f"comm_bytes_{phase}": n for phase, n in self.traffic.totals().items()}
+                record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held, **sent},
                                       self.global_batch)
             # Both decisions below come from values every rank agreed on in _finish_step's collective.
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
@@ -189,6 +200,7 @@ class Trainer:
                 "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
                 "final": record, "quality": quality, "held_bytes": self.memory,
+                "communicated_bytes": {phase: dict(kinds) for phase, kinds in self.traffic.by_phase.items()},
                 "checkpoint": str(checkpoint.latest(self.run_dir))}
 
     def discriminator_step(self, reals: list[Tensor], step: int, critic: int) -> dict[str, float]:

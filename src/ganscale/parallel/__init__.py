@@ -10,6 +10,10 @@ Strategies (per network, `parallel.generator` / `parallel.discriminator`):
   zero2  gradients and optimizer state sharded, parameters kept whole between forward and backward
          (FSDP2 `fully_shard`, reshard_after_forward=False).
   fsdp   parameters, gradients and optimizer state sharded (FSDP2, ZeRO stage 3).
+  hsdp   fsdp within each shard group, replicated across groups (FSDP2 on a 2-D device mesh: the
+         all-gathers stay inside a group, e.g. a node; gradients are reduce-scattered within the group
+         and all-reduced across groups).
+With `parallel.cpu_offload`, FSDP2 networks keep their shards and optimizer state in host memory.
 
 Checkpoint state is always the full, unsharded form with optimizer state keyed by parameter name,
 so a checkpoint written under one strategy or world size loads under another.
@@ -18,6 +22,9 @@ so a checkpoint written under one strategy or world size loads under another.
 from __future__ import annotations
 
 import contextlib
+import os
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -25,16 +32,43 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ganscale.config import FULLY_SHARDED, ParallelConfig
 from ganscale.parallel.syncbn import average_batchnorm_stats, convert_batchnorm
 from ganscale.runtime import Runtime
 
 FULL = StateDictOptions(full_state_dict=True)
-SHARDED_STRATEGIES = ("zero2", "fsdp")
+
+
+@dataclass
+class Layout:
+    """How this job's ranks are arranged, and the options every strategy shares.
+
+    Built once per job on every rank; the 2-D mesh is created on first use (creating one makes process
+    groups, a collective: every rank asks for it at the same point, when the first hsdp network is wrapped).
+    """
+    runtime: Runtime
+    options: ParallelConfig
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """[replica groups, ranks per group]; by default a group is a node (torchrun's LOCAL_WORLD_SIZE)."""
+        if self.options.mesh is not None:
+            return tuple(self.options.mesh)
+        group = int(os.environ.get("LOCAL_WORLD_SIZE", self.runtime.world))
+        return (self.runtime.world // group, group)
+
+    @cached_property
+    def mesh(self) -> DeviceMesh:
+        return init_device_mesh(self.runtime.device.type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
+
+    def offload(self) -> OffloadPolicy:
+        return CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy()
 
 
 def local(tensor: Tensor) -> Tensor:
@@ -125,9 +159,10 @@ class FullyShardedWrapped(Wrapped):
     gradients, so gradients and optimizer state are sharded too. `reshard_after_forward=False`
     keeps the gathered parameters until backward (ZeRO-2); True frees them (ZeRO-3)."""
 
-    def __init__(self, module: nn.Module, reshard_after_forward: bool):
+    def __init__(self, module: nn.Module, **shard_options):
         super().__init__(module, module)
-        self.reshard_after_forward = reshard_after_forward
+        self.shard_options = shard_options  # reshard_after_forward, mesh, offload_policy
+        fully_shard(module, **shard_options)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         if enabled:
@@ -136,7 +171,7 @@ class FullyShardedWrapped(Wrapped):
 
     def shard_like(self, module: nn.Module) -> nn.Module:
         module.to(next(self.module.parameters()).device)
-        fully_shard(module, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(module, **self.shard_options)
         return module
 
     def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
@@ -178,16 +213,17 @@ def held_bytes(wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, 
     return {"params": parameter_bytes(wrapped.module), "grads": grads, "optim": optimizer_state_bytes(optimizer)}
 
 
-def parallelize(module: nn.Module, strategy: str, runtime: Runtime, sync_bn: bool) -> Wrapped:
+def parallelize(module: nn.Module, strategy: str, layout: Layout) -> Wrapped:
     """Apply a network's strategy (see the module docstring); one process gets the plain network."""
+    runtime = layout.runtime
     module.to(runtime.device)
     if runtime.world == 1:
         return Wrapped(module, module)
-    if sync_bn:
+    if layout.options.sync_bn:
         module = convert_batchnorm(module, use_cuda=runtime.device.type == "cuda")
-    if strategy in SHARDED_STRATEGIES:
-        fully_shard(module, reshard_after_forward=strategy == "fsdp")
-        return FullyShardedWrapped(module, reshard_after_forward=strategy == "fsdp")
+    if strategy in FULLY_SHARDED:
+        return FullyShardedWrapped(module, reshard_after_forward=strategy != "zero2",
+                                   mesh=layout.mesh if strategy == "hsdp" else None, offload_policy=layout.offload())
     net = data_parallel(module, runtime)
     return ShardedOptimizerState(module, net) if strategy == "zero1" else Wrapped(module, net)
 
@@ -203,5 +239,5 @@ def data_parallel(module: nn.Module, runtime: Runtime) -> DistributedDataParalle
     return DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
 
 
-__all__ = ["Wrapped", "ShardedOptimizerState", "FullyShardedWrapped", "parallelize", "data_parallel",
-           "optimizer_state_bytes", "parameter_bytes", "held_bytes", "local", "average_batchnorm_stats", "SHARDED_STRATEGIES"]
+__all__ = ["Layout", "Wrapped", "ShardedOptimizerState", "FullyShardedWrapped", "parallelize", "data_parallel",
+           "optimizer_state_bytes", "parameter_bytes", "held_bytes", "local", "average_batchnorm_stats"]
