@@ -1,0 +1,128 @@
+"""Image-quality measures: distances on features, the digits feature extractor, and gathering across ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ganscale.metrics.distances import (density_coverage, frechet_distance, frechet_distance_from_fits,
+                                        gaussian_fit, kernel_inception_distance, knn_radii, precision_recall)
+
+
+def _gaussian(n: int, mean: torch.Tensor, cov: torch.Tensor, seed: int) -> torch.Tensor:
+    noise = torch.randn(n, mean.shape[0], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return mean + noise @ torch.linalg.cholesky(cov).T
+
+
+def _spd(d: int, seed: int) -> torch.Tensor:
+    a = torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return a @ a.T / d + 0.1 * torch.eye(d, dtype=torch.float64)
+
+
+# --- Frechet distance ---------------------------------------------------------------------------------------------
+
+def test_fd_of_diagonal_gaussians_is_the_closed_form():
+    mu1, mu2 = torch.tensor([0.0, 1.0, 2.0]), torch.tensor([1.0, -1.0, 2.0])
+    var1, var2 = torch.tensor([1.0, 4.0, 0.25]), torch.tensor([9.0, 1.0, 0.25])
+    expected = float((mu1 - mu2).square().sum() + (var1.sqrt() - var2.sqrt()).square().sum())  # 5 + 4 + 1 + 0
+    assert frechet_distance_from_fits(mu1, torch.diag(var1), mu2, torch.diag(var2)) == pytest.approx(expected, 1e-12)
+
+
+def test_fd_of_non_commuting_2x2_covariances_matches_the_trace_formula():
+    # For 2x2 S1 S2 with eigenvalues l1, l2: sqrt(l1) + sqrt(l2) = sqrt(tr(S1 S2) + 2 sqrt(det S1 det S2)).
+    s1 = torch.tensor([[2.0, 0.7], [0.7, 1.0]], dtype=torch.float64)
+    s2 = torch.tensor([[0.5, -0.3], [-0.3, 3.0]], dtype=torch.float64)
+    mu1, mu2 = torch.tensor([0.3, -0.2], dtype=torch.float64), torch.tensor([1.0, 0.5], dtype=torch.float64)
+    trace_sqrt = math.sqrt(float((s1 @ s2).trace()) + 2 * math.sqrt(float(s1.det() * s2.det())))
+    expected = float((mu1 - mu2).square().sum() + s1.trace() + s2.trace()) - 2 * trace_sqrt
+    assert frechet_distance_from_fits(mu1, s1, mu2, s2) == pytest.approx(expected, rel=1e-12)
+
+
+def test_fd_of_samples_approaches_the_fd_of_their_distributions():
+    mu1, mu2 = torch.zeros(4, dtype=torch.float64), torch.full((4,), 0.5, dtype=torch.float64)
+    s1, s2 = _spd(4, 0), _spd(4, 1)
+    exact = frechet_distance_from_fits(mu1, s1, mu2, s2)
+    estimate = frechet_distance(_gaussian(50_000, mu1, s1, 0), _gaussian(50_000, mu2, s2, 1))
+    assert estimate == pytest.approx(exact, rel=0.03)
+    assert frechet_distance(_gaussian(50_000, mu2, s2, 1), _gaussian(50_000, mu1, s1, 0)) == pytest.approx(estimate)
+
+
+def test_fd_of_a_set_with_itself_is_zero_even_with_a_singular_covariance():
+    x = torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    x[:, 7] = x[:, 0] * 2  # rank-deficient covariance: the square root must not go complex or NaN
+    assert frechet_distance(x, x) == pytest.approx(0.0, abs=1e-6)
+    mean, cov = gaussian_fit(x)
+    assert torch.allclose(cov, torch.cov(x.double().T)) and torch.allclose(mean, x.double().mean(0))
+
+
+# --- KID ----------------------------------------------------------------------------------------------------------
+
+def _brute_force_unbiased_mmd2(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double().tolist(), y.double().tolist()
+    m, d = len(x), len(x[0])
+
+    def k(a, b):
+        return (sum(p * q for p, q in zip(a, b)) / d + 1) ** 3
+    xx = sum(k(x[i], x[j]) for i in range(m) for j in range(m) if i != j) / (m * (m - 1))
+    yy = sum(k(y[i], y[j]) for i in range(m) for j in range(m) if i != j) / (m * (m - 1))
+    xy = sum(k(x[i], y[j]) for i in range(m) for j in range(m)) / (m * m)
+    return xx + yy - 2 * xy
+
+
+def test_kid_with_whole_set_subsets_is_the_unbiased_mmd2_with_the_cubic_kernel():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 5, generator=g), torch.randn(12, 5, generator=g) + 0.7
+    mean, std = kernel_inception_distance(x, y, subsets=3, subset_size=100)  # subsets are the whole sets
+    assert mean == pytest.approx(_brute_force_unbiased_mmd2(x, y), rel=1e-10)
+    assert std == pytest.approx(0.0, abs=1e-12)
+
+
+def test_kid_is_near_zero_for_one_distribution_and_large_for_two():
+    g = torch.Generator().manual_seed(1)
+    a, b, far = torch.randn(2000, 16, generator=g), torch.randn(2000, 16, generator=g), torch.randn(2000, 16, generator=g) + 1
+    same, _ = kernel_inception_distance(a, b, subsets=20, subset_size=500)
+    different, _ = kernel_inception_distance(a, far, subsets=20, subset_size=500)
+    assert abs(same) < 0.05 and different > 1.0
+    assert kernel_inception_distance(a, far, subsets=5, seed=3) == kernel_inception_distance(a, far, subsets=5, seed=3)
+
+
+# --- precision / recall, density / coverage -----------------------------------------------------------------------
+
+REAL_1D = torch.tensor([[0.0], [1.0], [2.0], [3.0]])
+FAKE_1D = torch.tensor([[0.5], [5.0], [3.9]])
+
+
+def test_knn_radii_exclude_the_point_itself():
+    assert knn_radii(REAL_1D, 1).tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert knn_radii(REAL_1D, 3).tolist() == [3.0, 2.0, 2.0, 3.0]
+
+
+def test_precision_recall_by_hand_k1():
+    # Real balls have radius 1: 0.5 and 3.9 are inside one, 5.0 is not. Fake radii: 3.4, 1.1, 1.1, and
+    # the ball of radius 3.4 around 0.5 holds every real point.
+    assert precision_recall(REAL_1D, FAKE_1D, k=1) == pytest.approx((2 / 3, 1.0))
+
+
+def test_density_coverage_by_hand_k1():
+    # 0.5 lies in the balls of 0 and 1, 5.0 in none, 3.9 in that of 3: density = 3 / (1 * 3).
+    # Real points whose nearest fake is strictly inside their ball: 0 (0.5), 1 (0.5), 3 (0.9); not 2 (1.5).
+    assert density_coverage(REAL_1D, FAKE_1D, k=1) == pytest.approx((1.0, 0.75))
+
+
+def test_identical_sets_are_perfect_and_far_sets_score_zero():
+    x = torch.randn(400, 10, generator=torch.Generator().manual_seed(0))
+    assert precision_recall(x, x) == (1.0, 1.0)
+    assert density_coverage(x, x)[1] == 1.0
+    assert precision_recall(x, x + 100) == (0.0, 0.0)
+    assert density_coverage(x, x + 100) == (0.0, 0.0)
+
+
+def test_a_collapsed_generator_keeps_precision_but_loses_recall_and_coverage():
+    g = torch.Generator().manual_seed(0)
+    real = torch.randn(1000, 4, generator=g)
+    collapsed = real[:1] + 0.01 * torch.randn(1000, 4, generator=g)  # every sample near one real point
+    precision, recall = precision_recall(real, collapsed)
+    density, coverage = density_coverage(real, collapsed)
+    assert precision > 0.9 and recall < 0.05 and coverage < 0.05
