@@ -168,3 +168,8 @@ def doctor(nproc: int | None, backend: str, device: str) -> None:
     from ganscale.doctor import run
 
     sys.exit(run(nproc, backend, device, echo=click.echo))
+
+
+from ganscale.bench.cli import bench  # noqa: E402 - the group lives with its benchmarks
+
+main.add_command(bench)

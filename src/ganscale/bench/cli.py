@@ -1,0 +1,197 @@
+"""`ganscale bench ...`: each command prints a Markdown table and writes it as Markdown and JSON to
+benchmarks/results/ (or --out-dir), with the machine and the exact command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ganscale.bench.report import RESULTS_DIR, markdown_table, write_results
+
+OUT_DIR = click.option("--out-dir", type=click.Path(file_okay=False), default=str(RESULTS_DIR), show_default=True,
+                       help="Where the Markdown and JSON results go.")
+THREADS = click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+                       help="CPU threads per process (torch.set_num_threads / OMP_NUM_THREADS).")
+
+
+def command_line(ctx: click.Context) -> str:
+    """The command with every option spelled out (defaults included), so it reruns the same benchmark."""
+    words = ["ganscale", "bench", ctx.info_name]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or param.name == "out_dir":
+            continue
+        if getattr(param, "is_flag", False):
+            words += [param.opts[0]] if value else []
+            continue
+        for one in (value if param.multiple else [value]):
+            words += [param.opts[0], str(one)]
+    return " ".join(words)
+
+
+def publish(ctx: click.Context, command: str, columns: list[str], rows: list[dict], notes: list[str],
+            extra: dict | None = None) -> None:
+    click.echo(markdown_table(columns, rows))
+    for note in notes:
+        click.echo(f"- {note}")
+    md, js = write_results(command, command_line(ctx), columns, rows, notes, extra, Path(ctx.params["out_dir"]))
+    click.echo(f"wrote {md} and {js}")
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks: trainer overhead, model throughput, parallel strategies, DDP scaling."""
+
+
+@bench.command()
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="Steps per block.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Blocks of each loop, alternating.")
+@click.option("--warmup", type=click.IntRange(min=1), default=20, show_default=True, help="Untimed steps of each loop.")
+@click.option("--profile", is_flag=True, help="Also print the trainer's cProfile (by own time), timed steps only.")
+@OUT_DIR
+@click.pass_context
+def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, profile: bool, out_dir: str) -> None:
+    """ganscale's trainer against a hand-written loop: the digits DCGAN, one process, one thread, fp32."""
+    import torch
+
+    from ganscale.bench import overhead as bench_overhead
+
+    torch.set_num_threads(1)
+    result = bench_overhead.measure(steps, repeats, warmup, profile=profile)
+    columns = ["loop", "median step (ms)", "min (ms)", "max (ms)", "ratio to plain"]
+    rows = [{"loop": "plain PyTorch", "median step (ms)": result["plain_median_s"] * 1e3,
+             "min (ms)": result["plain_range_s"][0] * 1e3, "max (ms)": result["plain_range_s"][1] * 1e3,
+             "ratio to plain": 1.0},
+            {"loop": "ganscale Trainer", "median step (ms)": result["ganscale_median_s"] * 1e3,
+             "min (ms)": result["ganscale_range_s"][0] * 1e3, "max (ms)": result["ganscale_range_s"][1] * 1e3,
+             "ratio to plain": result["ratio"]}]
+    verdict = "met" if result["ratio"] <= 1.03 else "NOT met"
+    notes = [f"digits recipe DCGAN, batch {result['batch']}, fp32, 1 thread; {repeats} alternating blocks of "
+             f"{steps} steps each after {warmup} warm-up steps each",
+             f"ratio of medians {result['ratio']:.3f}; median of per-block ratios {result['ratio_of_block_medians']:.3f} "
+             f"(blocks: {', '.join(f'{r:.3f}' for r in result['block_ratios'])}); goal <= 1.03: {verdict}",
+             "the trainer also computes both gradient norms, one all-reduce per optimizer step (1-rank gloo group), "
+             "seeded per-step latents, the lr schedule, watchdog marks and a metrics line every log.every steps; "
+             "samples, checkpoints and TensorBoard off"]
+    if profile:
+        click.echo(result.pop("profile"))
+    publish(ctx, "overhead", columns, rows, notes, {"result": result})
+
+
+@bench.command()
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when visible.")
+@click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True, help="Batch sizes (default 64 and 256).")
+@click.option("--model", "models", type=click.Choice(["dcgan", "biggan"]), multiple=True,
+              help="Models (default both).")
+@click.option("--resolution", type=click.IntRange(min=8), default=None,
+              help="Image side (default 64 on CUDA, 32 on CPU).")
+@click.option("--dcgan-width", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--biggan-ch", type=click.IntRange(min=1), default=None, help="BigGAN ch (default 64 on CUDA, 16 on CPU).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default=None,
+              help="Default: bf16 on CUDA, fp32 on CPU.")
+@click.option("--iters", type=click.IntRange(min=1), default=5, show_default=True, help="Timed iterations.")
+@click.option("--warmup", type=click.IntRange(min=1), default=2, show_default=True, help="Untimed iterations.")
+@click.option("--peak-tflops", type=float, default=None,
+              help="Peak for MFU (default on CUDA: H100 SXM dense, 989 bf16 / 67 fp32).")
+@THREADS
+@OUT_DIR
+@click.pass_context
+def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...], models: tuple[str, ...],
+               resolution: int | None, dcgan_width: int, biggan_ch: int | None, precision: str | None, iters: int,
+               warmup: int, peak_tflops: float | None, threads: int, out_dir: str) -> None:
+    """Images/s, model FLOPs per iteration and MFU of DCGAN and BigGAN-style training iterations."""
+    import torch
+
+    from ganscale.bench import throughput as bench_throughput
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    on_cuda = device == "cuda"
+    torch.set_num_threads(threads)
+    ctx.params.update(device=device, batches=batches or (64, 256), models=models or ("dcgan", "biggan"),
+                      resolution=resolution or (64 if on_cuda else 32), biggan_ch=biggan_ch or (64 if on_cuda else 16),
+                      precision=precision or ("bf16" if on_cuda else "fp32"))
+    p = ctx.params
+    rows = [bench_throughput.measure(model, batch, p["resolution"], dcgan_width if model == "dcgan" else p["biggan_ch"],
+                                     torch.device(device), p["precision"], iters, warmup, peak_tflops)
+            for model in p["models"] for batch in p["batches"]]
+    columns = ["model", "resolution", "width", "batch", "precision", "img_per_s", "iter_median_s", "gflop_per_iter",
+               "achieved_tflops", "mfu"]
+    notes = ["one iteration = D step (G no-grad forward, D on [real, fake], Adam) + G step (G and frozen D, Adam); "
+             "DCGAN nonsaturating loss, BigGAN hinge loss with 10 classes",
+             "FLOPs from torch.utils.flop_counter.FlopCounterMode over one iteration (forward + backward)",
+             f"MFU against {rows[0]['peak_tflops']} TFLOP/s" if rows[0]["peak_tflops"] else "MFU: no peak given on CPU",
+             f"{threads} thread(s)" if not on_cuda else "CUDA: cudnn.allow_tf32 is torch's default (True)"]
+    publish(ctx, "throughput", columns, rows, notes)
+
+
+@bench.command()
+@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--model", type=click.Choice(["mlp", "dcgan"]), default="dcgan", show_default=True,
+              help="dcgan: the digits recipe; mlp: the ring8 recipe (R1 off, as zero2/fsdp D refuse it).")
+@click.option("--steps", type=click.IntRange(min=5), default=30, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=None, help="Global batch (default: the recipe's).")
+@click.option("--strategy", "strategies", type=click.Choice(["ddp", "zero1", "zero2", "fsdp", "G=fsdp,D=ddp"]),
+              multiple=True, help="Rows to run (default all).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="train.device (default: the recipe's).")
+@THREADS
+@OUT_DIR
+@click.pass_context
+def strategies(ctx: click.Context, nproc: int, model: str, steps: int, batch: int | None, strategies: tuple[str, ...],
+               device: str | None, threads: int, out_dir: str) -> None:
+    """Each parallel strategy through `ganscale train --nproc N`: step time, bytes held, bytes communicated."""
+    from ganscale.bench import strategies as bench_strategies
+
+    ctx.params["strategies"] = strategies = strategies or tuple(bench_strategies.PAIRS)
+    try:
+        runs = bench_strategies.compare_strategies(model, nproc, steps, batch, list(strategies), threads, device)
+    except bench_strategies.RunFailed as e:
+        raise click.ClickException(str(e)) from None
+    rows = [{"strategy": r["strategy"], "median step (ms)": r["step_median_s"] * 1e3,
+             "min (ms)": r["step_range_s"][0] * 1e3, "max (ms)": r["step_range_s"][1] * 1e3,
+             "held MiB/rank": r["held_bytes_max_rank"] / 2**20, "optimizer MiB/rank": r["optimizer_bytes_max_rank"] / 2**20,
+             "comm MiB/step": r["comm_bytes_per_step"] / 2**20,
+             "comm by kind (MiB)": ", ".join(f"{k} {v / 2**20:.3f}" for k, v in r["comm_bytes_by_kind"].items()),
+             "comm ops/step": r["comm_ops_per_step"]} for r in runs]
+    columns = list(rows[0])
+    notes = [f"model {model}, {nproc} processes, global batch {runs[0]['global_batch']}, {steps} steps, "
+             f"{threads} thread(s) per process; median over steps {bench_strategies.SETUP_STEPS + 1}..{steps}",
+             "held = bytes of parameters + gradients + optimizer state of G and D on the rank holding most "
+             "(summary.json held_bytes; activations and process memory not included)",
+             "comm = payload bytes of every collective in one measured iteration (summary.json communicated_bytes)"]
+    publish(ctx, "strategies", columns, rows, notes, {"runs": runs})
+
+
+@bench.command()
+@click.option("--nproc", type=click.IntRange(min=2), default=2, show_default=True)
+@click.option("--model", type=click.Choice(["mlp", "dcgan"]), default="dcgan", show_default=True)
+@click.option("--per-rank-batch", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--steps", type=click.IntRange(min=5), default=60, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Pairs of runs (1 process, then N), alternating.")
+@THREADS
+@OUT_DIR
+@click.pass_context
+def scaling(ctx: click.Context, nproc: int, model: str, per_rank_batch: int, steps: int, repeats: int, threads: int,
+            out_dir: str) -> None:
+    """An N-process DDP step against a 1-process step of the same per-rank batch (issue 6: <= 1.2x on 2 cores)."""
+    from ganscale.bench import strategies as bench_strategies
+
+    try:
+        result = bench_strategies.ddp_scaling(model, nproc, per_rank_batch, steps, repeats, threads)
+    except bench_strategies.RunFailed as e:
+        raise click.ClickException(str(e)) from None
+    rows = [{"run": "1 process", "global batch": per_rank_batch, "median step (ms)": result["one_process_median_s"] * 1e3,
+             "min (ms)": result["one_process_range_s"][0] * 1e3, "max (ms)": result["one_process_range_s"][1] * 1e3,
+             "ratio": 1.0},
+            {"run": f"{nproc} processes, ddp", "global batch": per_rank_batch * nproc,
+             "median step (ms)": result["n_process_median_s"] * 1e3, "min (ms)": result["n_process_range_s"][0] * 1e3,
+             "max (ms)": result["n_process_range_s"][1] * 1e3, "ratio": result["ratio"]}]
+    verdict = "met" if result["ratio"] <= 1.2 else "NOT met"
+    notes = [f"model {model}, per-rank batch {per_rank_batch}, {steps} steps per run, {repeats} alternating pairs of "
+             f"runs, {threads} thread(s) per process, both through `ganscale train --nproc`",
+             f"ratio {result['ratio']:.3f}; issue-6 target <= 1.2: {verdict}"]
+    publish(ctx, "scaling", list(rows[0]), rows, notes, {"result": result})

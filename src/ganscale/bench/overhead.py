@@ -1,0 +1,156 @@
+"""`ganscale bench overhead`: what ganscale's trainer costs over a hand-written PyTorch loop.
+
+Both train the `digits` recipe's DCGAN (same networks and init, same global batch, fp32, Adam,
+nonsaturating loss, one D step then one G step, EMA of G) in one process on one thread. They
+alternate in blocks inside one process, so drift (thermal, other load on the machine) hits both:
+the trainer runs its `fit()` as a one-rank gloo group, and after every block of its steps a block of
+the plain loop runs (from a hook on the trainer's per-step progress call). A step of the trainer is
+the time between two of those calls, minus the plain block in between.
+
+What the trainer does on top of the plain loop, by design (and so inside the measured ratio):
+latents drawn from a per-(step, phase) seeded generator instead of the global RNG, a gradient norm
+of each network every step (logged, and checked for non-finite values), one all-reduce per optimizer
+step (losses, skip and stop flags; a one-rank group here), the learning-rate schedule, watchdog marks,
+EMA beta from a half-life in images, and a metrics line every `log.every` steps. Samples and
+checkpoints are switched off (`log.sample_every=0`, `checkpoint.every=0`; the final step's are not
+timed). The plain loop reads both losses every step (`.item()`), as a loop that logs them would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import cProfile
+import io
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ganscale import config
+from ganscale.bench.report import median, spread
+from ganscale.data import build_dataset
+from ganscale.models import build_networks
+
+RECIPE = "digits"
+# Periodic outputs are not step costs: off in the trainer, absent in the plain loop.
+TRAINER_OVERRIDES = ["log.sample_every=0", "checkpoint.every=0", "log.tensorboard=false", "train.precision=fp32",
+                     "train.device=cpu"]
+
+
+class PlainDCGAN:
+    """The same training written the way one would by hand: no wrappers, no collectives, no checks."""
+
+    def __init__(self, cfg: config.Config, reals: Tensor):
+        self.G, self.D = build_networks(cfg)  # the same networks and initialisation as the trainer's
+        self.G_ema = copy.deepcopy(self.G).eval().requires_grad_(False)
+        self.opt_g = torch.optim.Adam(self.G.parameters(), lr=cfg.optim.g.lr, betas=tuple(cfg.optim.g.betas))
+        self.opt_d = torch.optim.Adam(self.D.parameters(), lr=cfg.optim.d.lr, betas=tuple(cfg.optim.d.betas))
+        self.reals, self.batch, self.z_dim = reals, cfg.train.batch_size, cfg.model.z_dim
+        self.beta = 0.5 ** (self.batch / cfg.train.ema_half_life_images)
+        self.order, self.position = torch.randperm(len(reals)), 0
+
+    def next_batch(self) -> Tensor:
+        if self.position + self.batch > len(self.order):
+            self.order, self.position = torch.randperm(len(self.reals)), 0
+        index = self.order[self.position:self.position + self.batch]
+        self.position += self.batch
+        return self.reals[index]
+
+    def step(self) -> tuple[float, float]:
+        real = self.next_batch()
+        # D step: one forward over [real, fake], as the trainer does.
+        with torch.no_grad():
+            fake = self.G(torch.randn(self.batch, self.z_dim))
+        real_logits, fake_logits = self.D(torch.cat([real, fake])).split(self.batch)
+        loss_d = F.softplus(-real_logits).mean() + F.softplus(fake_logits).mean()
+        loss_d.backward()
+        self.opt_d.step()
+        self.opt_d.zero_grad(set_to_none=True)
+        # G step through a frozen D.
+        self.D.requires_grad_(False)
+        loss_g = F.softplus(-self.D(self.G(torch.randn(self.batch, self.z_dim)))).mean()
+        loss_g.backward()
+        self.opt_g.step()
+        self.opt_g.zero_grad(set_to_none=True)
+        self.D.requires_grad_(True)
+        with torch.no_grad():
+            torch._foreach_lerp_(list(self.G_ema.parameters()), list(self.G.parameters()), 1.0 - self.beta)
+            for ema_buffer, buffer in zip(self.G_ema.buffers(), self.G.buffers()):
+                ema_buffer.copy_(buffer)
+        return loss_d.item(), loss_g.item()
+
+
+def measure(steps: int, repeats: int, warmup: int = 20, batch: int | None = None,
+            profile: bool = False) -> dict:
+    """Alternate `repeats` blocks of `steps` steps of each loop; per-step times in seconds and the ratio."""
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    overrides = [*TRAINER_OVERRIDES, f"train.steps={warmup + repeats * steps}"]
+    if batch is not None:
+        overrides.append(f"train.batch_size={batch}")
+    cfg = config.load(RECIPE, overrides)
+    config.check(cfg, 1, False)
+    plain = PlainDCGAN(cfg, build_dataset(cfg).tensors[0])
+    times: dict[str, list[list[float]]] = {"plain": [], "ganscale": []}
+    profiler = cProfile.Profile() if profile else None
+    clock = {"resumed": 0.0}
+
+    def plain_block(n: int, keep: bool) -> None:
+        block = []
+        for _ in range(n):
+            started = time.perf_counter()
+            plain.step()
+            block.append(time.perf_counter() - started)
+        if keep:
+            times["plain"].append(block)
+
+    runtime = start("cpu")
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            trainer = Trainer(cfg, runtime, Path(run_dir))
+            advance = trainer.log.advance
+
+            def timed_advance(n: int = 1) -> None:
+                advance(n)
+                now = time.perf_counter()
+                if profiler:
+                    profiler.disable()
+                done = trainer.step
+                if done > warmup:
+                    times["ganscale"][-1].append(now - clock["resumed"])
+                if done >= warmup and (done - warmup) % steps == 0 and done < cfg.train.steps:
+                    if done == warmup:
+                        plain_block(warmup, keep=False)
+                    plain_block(steps, keep=True)
+                    times["ganscale"].append([])
+                clock["resumed"] = time.perf_counter()
+                if profiler and done >= warmup:
+                    profiler.enable()
+
+            trainer.log.advance = timed_advance
+            clock["resumed"] = time.perf_counter()
+            trainer.fit()
+    finally:
+        if profiler:
+            profiler.disable()
+        runtime.close()
+    plain_all = [t for block in times["plain"] for t in block]
+    ours_all = [t for block in times["ganscale"] for t in block]
+    block_ratios = [median(o) / median(p) for p, o in zip(times["plain"], times["ganscale"])]
+    result = {"batch": cfg.train.batch_size, "steps_per_block": steps, "blocks": repeats, "warmup_steps": warmup,
+              "plain_median_s": median(plain_all), "ganscale_median_s": median(ours_all),
+              "plain_range_s": spread(plain_all), "ganscale_range_s": spread(ours_all),
+              "ratio": median(ours_all) / median(plain_all), "block_ratios": block_ratios,
+              "ratio_of_block_medians": median(block_ratios), "timed_steps": [len(plain_all), len(ours_all)]}
+    if profiler:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        result["profile"] = text.getvalue()
+    return result

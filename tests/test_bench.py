@@ -1,0 +1,94 @@
+"""`ganscale bench ...` end to end at tiny sizes: each writes a well-formed table (Markdown and JSON)
+with the machine and the command. No timing is asserted: speed targets live in benchmarks/results/."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ganscale.bench import overhead
+from ganscale.bench.report import markdown_table
+from ganscale.cli import main
+from ganscale.models import build_networks
+from ganscale import config
+
+
+def run_bench(tmp_path: Path, *args: str) -> dict:
+    """Run `ganscale bench ARGS --out-dir tmp`; check both files and return the JSON record."""
+    out = tmp_path / "results"
+    result = CliRunner().invoke(main, ["bench", *args, "--out-dir", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (md,), (js,) = sorted(out.glob("bench-*.md")), sorted(out.glob("bench-*.json"))
+    assert md.stem == js.stem and md.stem.startswith(f"bench-{args[0]}-")
+    record = json.loads(js.read_text())
+    assert record["command"] == args[0]
+    assert record["command_line"].startswith(f"ganscale bench {args[0]} ")
+    assert {"cpu", "cores", "torch", "cuda_device"} <= set(record["machine"])
+    assert record["rows"] and all(set(record["columns"]) <= set(row) for row in record["rows"])
+    text = md.read_text()
+    assert record["command_line"] in text and record["machine"]["cpu"] in text
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(record["rows"])  # header, rule, one line per row
+    assert {line.count("|") for line in table} == {len(record["columns"]) + 1}
+    return record
+
+
+def test_markdown_table_has_one_cell_per_column():
+    text = markdown_table(["a", "b"], [{"a": 1.23456789, "b": None}, {"a": "x", "b": 2}])
+    assert text.splitlines() == ["| a | b |", "| --- | --- |", "| 1.235 |  |", "| x | 2 |"]
+
+
+def test_plain_loop_trains_the_recipes_networks():
+    cfg = config.load("digits", overhead.TRAINER_OVERRIDES)
+    plain = overhead.PlainDCGAN(cfg, torch.rand(100, 1, 8, 8) * 2 - 1)
+    G, D = build_networks(cfg)
+    assert all(torch.equal(a, b) for a, b in zip(plain.G.state_dict().values(), G.state_dict().values()))
+    loss_d, loss_g = plain.step()
+    assert math.isfinite(loss_d) and math.isfinite(loss_g)
+    assert not torch.equal(plain.D.net[0].weight, D.net[0].weight)  # D stepped
+    assert not torch.equal(plain.G_ema.net[0].weight, G.net[0].weight)  # EMA followed G
+
+
+def test_overhead_alternates_blocks_and_writes_the_ratio(tmp_path):
+    record = run_bench(tmp_path, "overhead", "--steps", "3", "--repeats", "2", "--warmup", "2")
+    result = record["result"]
+    assert result["timed_steps"] == [6, 6] and len(result["block_ratios"]) == 2
+    assert result["ratio"] == pytest.approx(result["ganscale_median_s"] / result["plain_median_s"])
+    assert [row["loop"] for row in record["rows"]] == ["plain PyTorch", "ganscale Trainer"]
+    assert "--steps 3 --repeats 2 --warmup 2" in record["command_line"]
+
+
+def test_throughput_counts_flops_and_mfu_against_the_given_peak(tmp_path):
+    record = run_bench(tmp_path, "throughput", "--device", "cpu", "--batch", "2", "--batch", "4", "--resolution", "8",
+                       "--dcgan-width", "8", "--biggan-ch", "4", "--iters", "1", "--warmup", "1", "--peak-tflops", "1")
+    rows = record["rows"]
+    assert [(r["model"], r["batch"]) for r in rows] == [("dcgan", 2), ("dcgan", 4), ("biggan", 2), ("biggan", 4)]
+    for row in rows:
+        assert row["gflop_per_iter"] > 0 and row["img_per_s"] > 0
+        assert row["mfu"] == pytest.approx(row["achieved_tflops"] / 1.0)
+    # Convolution FLOPs grow with the batch: twice the images, about twice the FLOPs.
+    assert rows[1]["gflop_per_iter"] == pytest.approx(2 * rows[0]["gflop_per_iter"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_strategies_reads_step_time_memory_and_traffic_from_real_runs(tmp_path):
+    record = run_bench(tmp_path, "strategies", "--model", "mlp", "--steps", "5", "--batch", "8",
+                       "--strategy", "ddp", "--strategy", "fsdp")
+    ddp, fsdp = record["runs"]
+    assert ddp["world_size"] == fsdp["world_size"] == 2
+    assert ddp["comm_bytes_by_kind"].get("all_reduce", 0) > 0 and fsdp["comm_bytes_by_kind"].get("all_gather", 0) > 0
+    assert fsdp["optimizer_bytes_max_rank"] < ddp["optimizer_bytes_max_rank"]  # sharded state shows up
+    assert all(t > 0 for run in (ddp, fsdp) for t in run["step_times_s"])
+
+
+@pytest.mark.slow
+def test_scaling_compares_one_process_with_two(tmp_path):
+    record = run_bench(tmp_path, "scaling", "--model", "mlp", "--per-rank-batch", "8", "--steps", "5", "--repeats", "1")
+    one, two = record["rows"]
+    assert (one["global batch"], two["global batch"]) == (8, 16)
+    assert record["result"]["ratio"] == pytest.approx(two["median step (ms)"] / one["median step (ms)"])
