@@ -1,0 +1,169 @@
+"""Pipeline parallelism (parallel/pipeline.py): G and D split into stages over ranks, proven equal to one process.
+
+The equality proofs use networks WITHOUT BatchNorm (mlp with batchnorm off, dcgan with batchnorm off):
+BatchNorm normalises each pipeline micro-batch on its own, so with it the pipeline equals one process
+only at the same micro-batch, which is not what these tests compare.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_helpers import max_relative_difference, run_ranks
+from ganscale import objectives
+from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
+from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
+from ganscale.parallel import Wrapped
+from ganscale.parallel.pipeline import PipelinedGAN, balanced_ranges, pipeline_mesh, split
+
+BATCH, Z_DIM, LOSS = 16, 8, "nonsaturating"
+ADAM = dict(lr=1e-2, betas=(0.5, 0.999))
+
+
+def _networks(kind: str, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    if kind == "dcgan":
+        return DCGANGenerator(Z_DIM, 1, 8, 4, batchnorm=False), DCGANDiscriminator(1, 8, 4, spectral=True)
+    return MLPGenerator(Z_DIM, 2, 16, 3, batchnorm=False), MLPDiscriminator(2, 16, 3)
+
+
+def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    shape = (BATCH, 1, 8, 8) if kind == "dcgan" else (BATCH, 2)
+    return (torch.randn(shape, generator=gen), torch.randn(BATCH, Z_DIM, generator=gen),
+            torch.randn(BATCH, Z_DIM, generator=gen))
+
+
+def _reference(kind: str, accumulation: int) -> dict:
+    """One process, the whole batch in `accumulation` micro-steps (the trainer's D step then G step, each with
+    its Adam step). Micro-steps matter only for spectral norm here: one power iteration per D forward."""
+    G, D = _networks(kind)
+    real, z_d, z_g = _batch(kind)
+    opt_g, opt_d = torch.optim.Adam(G.parameters(), **ADAM), torch.optim.Adam(D.parameters(), **ADAM)
+    losses = torch.zeros(2)
+    for real_m, z_m in zip(real.chunk(accumulation), z_d.chunk(accumulation)):
+        with torch.no_grad():
+            fake = G(z_m)
+        real_logits, fake_logits = D(torch.cat([real_m, fake])).split(real_m.shape[0])
+        loss_d = objectives.d_loss(LOSS, real_logits, fake_logits) / accumulation
+        loss_d.backward()
+        losses[0] += loss_d.detach()
+    opt_d.step()
+    opt_d.zero_grad(set_to_none=True)
+    D.requires_grad_(False)
+    for z_m in z_g.chunk(accumulation):
+        loss_g = objectives.g_loss(LOSS, D(G(z_m))) / accumulation
+        loss_g.backward()
+        losses[1] += loss_g.detach()
+    D.requires_grad_(True)
+    opt_g.step()
+    # Full states as a ddp run on one rank writes them to a checkpoint.
+    return {"G": Wrapped(G, G).model_state(), "D": Wrapped(D, D).model_state(),
+            "opt_g": Wrapped(G, G).optimizer_state(opt_g), "opt_d": Wrapped(D, D).optimizer_state(opt_d),
+            "losses": losses.tolist()}
+
+
+def _pipelined(rank: int, world: int, cases: list[tuple], references: dict) -> list[dict]:
+    """Each case (model kind, stages, schedule, micro-batches): a D pass and a G pass with Adam steps, then the
+    full states; and a fresh engine loaded from the one-process reference's checkpoint states."""
+    results = []
+    for kind, stages, schedule, microbatches in cases:
+        G, D = _networks(kind)
+        real, z_d, z_g = _batch(kind)
+        mesh = pipeline_mesh(world, stages, "cpu")
+        gan = PipelinedGAN(G, D, mesh, microbatches=microbatches, schedule=schedule, loss_kind=LOSS,
+                           device=torch.device("cpu"))
+        share = BATCH // (world // stages)
+        mine = slice(gan.dp_rank * share, (gan.dp_rank + 1) * share)  # this pipeline replica's shard of the batch
+        opt_g = torch.optim.Adam(gan.parameters_of("G"), **ADAM)
+        opt_d = torch.optim.Adam(gan.parameters_of("D"), **ADAM)
+        initial = {"G": gan.model_state("G"), "D": gan.model_state("D")}
+
+        loss_d = gan.discriminator_pass(real[mine], z_d[mine])
+        grads = {"G in D pass": [p.grad is not None for p in gan.parameters_of("G")],
+                 "D in D pass": [p.grad is not None for p in gan.parameters_of("D")]}
+        opt_d.step()
+        opt_d.zero_grad(set_to_none=True)
+        loss_g = gan.generator_pass(z_g[mine])
+        grads.update({"D in G pass": [p.grad is not None for p in gan.parameters_of("D")],
+                      "G in G pass": [p.grad is not None for p in gan.parameters_of("G")]})
+        opt_g.step()
+        losses = torch.stack([loss_d, loss_g])
+        dist.all_reduce(losses)  # every rank of a replica holds its replica's loss: the world mean is the batch mean
+
+        # A checkpoint of a one-process (ddp) run loads into a differently initialised pipelined run.
+        other = PipelinedGAN(*_networks(kind, seed=5), mesh, microbatches=microbatches, schedule=schedule,
+                             loss_kind=LOSS, device=torch.device("cpu"))
+        ref = references[(kind, microbatches)]
+        other_opt_g = torch.optim.Adam(other.parameters_of("G"), **ADAM)
+        other.load_model_state("G", ref["G"])
+        other.load_model_state("D", ref["D"])
+        other.load_optimizer_state("G", other_opt_g, ref["opt_g"])
+        results.append({"G": gan.model_state("G"), "D": gan.model_state("D"), "losses": (losses / world).tolist(),
+                        "opt_g": gan.optimizer_state("G", opt_g), "opt_d": gan.optimizer_state("D", opt_d),
+                        "initial": initial, "grads": grads,
+                        "loaded": {"G": other.model_state("G"), "D": other.model_state("D"),
+                                   "opt_g": other.optimizer_state("G", other_opt_g)}})
+    return results
+
+
+def _flat_optimizer_state(state: dict) -> dict[str, torch.Tensor]:
+    return {f"{name}.{key}": value for name, per in state["state"].items() for key, value in per.items()}
+
+
+def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> None:
+    for case, *per_rank in zip(cases, *ranks):
+        kind, _, _, microbatches = case
+        ref = references[(kind, microbatches)]
+        G, D = _networks(kind)
+        for result in per_rank:
+            # Full state dicts: the unsplit module's names, order and tensors.
+            assert list(result["initial"]["G"]) == list(G.state_dict())
+            assert all(torch.equal(result["initial"]["G"][k], v) for k, v in G.state_dict().items())
+            assert all(torch.equal(result["initial"]["D"][k], v) for k, v in D.state_dict().items())
+            # The same training as one process.
+            assert max_relative_difference(ref["G"], result["G"]) < 1e-5, case
+            assert max_relative_difference(ref["D"], result["D"]) < 1e-5, case
+            assert result["losses"] == pytest.approx(ref["losses"], rel=1e-5), case
+            # Each pass fills its own network's gradients only.
+            assert all(result["grads"]["D in D pass"]) and all(result["grads"]["G in G pass"])
+            assert not any(result["grads"]["G in D pass"]) and not any(result["grads"]["D in G pass"])
+            # Optimizer state in the format a ddp checkpoint has (names, groups, values).
+            for opt in ("opt_g", "opt_d"):
+                assert result[opt]["param_groups"] == ref[opt]["param_groups"]
+                assert max_relative_difference(_flat_optimizer_state(ref[opt]), _flat_optimizer_state(result[opt])) < 1e-5
+            # The ddp checkpoint loaded into a pipelined run comes back bit for bit.
+            for net in ("G", "D"):
+                assert all(torch.equal(result["loaded"][net][k], v) for k, v in ref[net].items())
+            assert result["loaded"]["opt_g"]["param_groups"] == ref["opt_g"]["param_groups"]
+            assert all(torch.equal(a, b) for a, b in zip(_flat_optimizer_state(ref["opt_g"]).values(),
+                                                          _flat_optimizer_state(result["loaded"]["opt_g"]).values()))
+        # ... and the pipelined checkpoint loads into an unsplit network and its Adam (ddp on one rank).
+        G_loaded, D_loaded = _networks(kind)
+        opt = torch.optim.Adam(G_loaded.parameters(), **ADAM)
+        Wrapped(G_loaded, G_loaded).load_model_state(per_rank[0]["G"])
+        Wrapped(G_loaded, G_loaded).load_optimizer_state(opt, per_rank[0]["opt_g"])
+        assert max_relative_difference(ref["G"], G_loaded.state_dict()) < 1e-5
+        assert max_relative_difference(_flat_optimizer_state(ref["opt_g"]),
+                                       _flat_optimizer_state(Wrapped(G_loaded, G_loaded).optimizer_state(opt))) < 1e-5
+
+
+@pytest.mark.slow
+def test_two_stages_equal_one_process_and_checkpoints_are_portable():
+    """2 ranks = one pipeline of 2 stages: GPipe and 1F1B (mlp), and 1F1B on DCGAN (convolutions, the latent
+    reshape before G's first part, the flatten after D's last, spectral norm in D: one power iteration per
+    micro-batch, as one process with as many micro-steps)."""
+    cases = [("mlp", 2, "gpipe", 4), ("mlp", 2, "1f1b", 4), ("dcgan", 2, "1f1b", 2)]
+    references = {(kind, m): _reference(kind, m) for kind, _, _, m in cases}
+    _check(cases, run_ranks(_pipelined, 2, cases, references), references)
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_stages_equal_one_process():
+    """4 ranks = dp 2 x pp 2: each replica pipelines half the batch, gradients averaged over the replicas."""
+    cases = [("mlp", 2, "gpipe", 2), ("mlp", 2, "1f1b", 2)]
+    references = {(kind, m): _reference(kind, m) for kind, _, _, m in cases}
+    _check(cases, run_ranks(_pipelined, 4, cases, references), references)
