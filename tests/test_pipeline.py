@@ -167,3 +167,85 @@ def test_two_replicas_of_two_stages_equal_one_process():
     cases = [("mlp", 2, "gpipe", 2), ("mlp", 2, "1f1b", 2)]
     references = {(kind, m): _reference(kind, m) for kind, _, _, m in cases}
     _check(cases, run_ranks(_pipelined, 4, cases, references), references)
+
+
+# ------------------------------------------------------------------------------------------- splitting
+def test_stages_are_contiguous_balanced_and_keep_the_unsplit_names():
+    G, _ = _networks("mlp")  # [Linear 8x16, Identity, ReLU] x 3 + Linear 16x2
+    parts = split(G, 2, "G")
+    names = [name for part in parts for name in part.state_dict()]
+    assert names == list(G.state_dict())  # every tensor once, under its unsplit name, in order
+    sizes = [sum(p.numel() for p in part.parameters()) for part in parts]
+    assert sizes == [144 + 272, 272 + 34]  # the most even cut of 144, 272, 272, 34
+    z = torch.randn(5, Z_DIM)
+    assert torch.equal(parts[1](parts[0](z)), G(z))
+
+
+def test_parameter_free_layers_stay_with_the_layer_before_them():
+    assert balanced_ranges([10, 0, 10, 0, 0, 10], 3) == [range(0, 2), range(2, 5), range(5, 6)]
+    assert balanced_ranges([0, 5, 0, 5, 90], 2) == [range(0, 4), range(4, 5)]
+
+
+def test_dcgan_parts_do_the_reshapes_of_the_unsplit_forward():
+    G, D = DCGANGenerator(Z_DIM, 1, 16, 4), DCGANDiscriminator(1, 16, 4)  # 3 convolutions each
+    z = torch.randn(3, Z_DIM)
+    g_parts, d_parts = split(G, 3, "G"), split(D, 3, "D")
+    x = z
+    for part in [*g_parts, *d_parts]:
+        x = part(x)
+    assert torch.allclose(x, D(G(z)), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- refusals
+def _pipelined_config(world: int, **changes):
+    """A valid config with both networks on the pipeline strategy (not selectable from YAML until the trainer
+    runs it: the section is built without validation), then `changes` as dotted keys."""
+    from ganscale import config
+
+    raw = {"name": "t", "model": {"kind": "mlp", "g_batchnorm": False}, "data": {"kind": "ring8"},
+           "train": {"batch_size": 16}}
+    for key, value in changes.items():
+        section, leaf = key.split(".")
+        if section != "parallel":
+            raw.setdefault(section, {})[leaf] = value
+    cfg = config.build(raw)
+    parallel = {**cfg.parallel.model_dump(), "generator": "pipeline", "discriminator": "pipeline",
+                **{k.split(".")[1]: v for k, v in changes.items() if k.startswith("parallel.")}}
+    cfg.parallel = config.ParallelConfig.model_construct(**parallel)
+    return cfg
+
+
+def test_a_valid_pipelined_config_passes():
+    from ganscale import config
+
+    config.check(_pipelined_config(4, **{"parallel.mesh": (2, 2), "parallel.microbatches": 2}), 4, False)
+    config.check(_pipelined_config(2, **{"model.kind": "dcgan", "data.kind": "digits", "model.g_batchnorm": True}), 2, False)
+
+
+@pytest.mark.parametrize("world, changes, key, words", [
+    (2, {"parallel.discriminator": "ddp"}, "parallel.discriminator", "one network only"),
+    (3, {"train.batch_size": 12}, "parallel.pipeline_stages", "do not divide the world size 3"),
+    (4, {"parallel.mesh": (1, 4)}, "parallel.mesh", "[pipeline replicas, pipeline_stages]"),
+    (4, {"parallel.microbatches": 3}, "parallel.microbatches", "does not split"),
+    (2, {"train.micro_batch": 4}, "train.micro_batch", "replace train.micro_batch"),
+    (2, {"loss.r1_gamma": 1.0}, "parallel.discriminator", "double backward"),
+    (2, {"loss.kind": "wgan-gp"}, "parallel.discriminator", "double backward"),
+    (2, {"parallel.sync_bn": True}, "parallel.sync_bn", "each micro-batch"),
+    (2, {"model.g_batchnorm": True, "parallel.microbatches": 16}, "parallel.microbatches", "one sample"),
+    (5, {"parallel.pipeline_stages": 5, "model.d_layers": 2, "train.batch_size": 20}, "parallel.pipeline_stages",
+     "D has 3 layers"),
+])
+def test_refused_pipeline_combinations_name_the_key(world, changes, key, words):
+    from ganscale import config
+
+    with pytest.raises(config.ConfigError) as refused:
+        config.check(_pipelined_config(world, **changes), world, False)
+    assert refused.value.key == key and words in str(refused.value)
+
+
+def test_a_model_that_is_not_a_sequence_of_layers_is_refused():
+    from ganscale import config
+
+    with pytest.raises(config.ConfigError) as refused:
+        split(nn.Linear(2, 2), 2, "D")
+    assert refused.value.key == "parallel.discriminator"

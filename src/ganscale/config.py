@@ -123,7 +123,8 @@ class ParallelConfig(Section):
     """D's strategy, chosen independently of G's."""
     mesh: tuple[int, int] | None = None
     """hsdp: [replica groups, ranks per shard group]; must multiply to the world size. Unset: shard
-    within a node (torchrun's LOCAL_WORLD_SIZE), replicate across nodes."""
+    within a node (torchrun's LOCAL_WORLD_SIZE), replicate across nodes. pipeline: [pipeline replicas,
+    pipeline_stages] (data parallel over the replicas); unset: world size / pipeline_stages replicas."""
     cpu_offload: bool = False
     """zero2/fsdp/hsdp networks keep parameter shards, gradients and optimizer state in CPU memory
     (FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU). CUDA runs only."""
@@ -133,6 +134,15 @@ class ParallelConfig(Section):
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
     timeout_s: float = Field(600.0, gt=0)
     """Process-group timeout for a collective."""
+    pipeline_stages: int = Field(2, ge=2)
+    """pipeline only: G and D are each split into this many consecutive stages, one per rank of a
+    pipeline group (balanced by parameter count); the world size is a multiple of it."""
+    microbatches: int = Field(4, ge=1)
+    """pipeline only: micro-batches a pipeline replica's batch is split into. They replace
+    train.micro_batch: BatchNorm statistics and spectral-norm power iterations are per micro-batch."""
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """pipeline only: gpipe (all forwards, then all backwards) or 1f1b (one forward, one backward in the
+    steady state: fewer activations held). The G step, two stages per rank, uses their looped forms."""
 
     def strategies(self) -> tuple[str, str]:
         return self.generator, self.discriminator
@@ -313,13 +323,58 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
+    _check_pipeline(cfg, world_size)
+
+
+def _check_pipeline(cfg: Config, world_size: int) -> None:
+    """The pipeline strategy (parallel/pipeline.py): what it cannot compute like one process, refused."""
+    p, t = cfg.parallel, cfg.train
+    if "pipeline" not in p.strategies():
+        return
+    if p.generator != p.discriminator:
+        raise ConfigError("parallel.discriminator", f"pipeline for one network only ({p.generator}, {p.discriminator}): "
+                          "the G step runs G's stages and then D's in one pipeline",
+                          "set parallel.generator=pipeline and parallel.discriminator=pipeline, or neither")
+    if world_size % p.pipeline_stages:
+        raise ConfigError("parallel.pipeline_stages", f"{p.pipeline_stages} stages do not divide the world size {world_size}",
+                          f"use a number of stages that divides {world_size}, or {p.pipeline_stages} x replicas processes")
+    replicas = world_size // p.pipeline_stages
+    if p.mesh is not None and tuple(p.mesh) != (replicas, p.pipeline_stages):
+        raise ConfigError("parallel.mesh", f"{list(p.mesh)} is not [pipeline replicas, pipeline_stages]",
+                          f"set parallel.mesh=[{replicas}, {p.pipeline_stages}] or remove it")
+    if t.batch_size % (replicas * p.microbatches):
+        raise ConfigError("parallel.microbatches", f"global batch {t.batch_size} does not split into {replicas} "
+                          f"pipeline replica(s) x {p.microbatches} micro-batches",
+                          f"make train.batch_size a multiple of {replicas * p.microbatches}, or change parallel.microbatches")
+    if t.micro_batch is not None:
+        raise ConfigError("train.micro_batch", "the pipeline's micro-batches replace train.micro_batch",
+                          "remove train.micro_batch and set parallel.microbatches (micro-batches per pipeline replica)")
+    if cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp":
+        raise ConfigError("parallel.discriminator", "a pipelined D cannot take the double backward of R1 / gradient "
+                          "penalty (the input gradient would have to flow back through every stage twice)",
+                          "set loss.r1_gamma=0 and a loss.kind other than wgan-gp, or another strategy")
+    if p.sync_bn:
+        raise ConfigError("parallel.sync_bn", "with the pipeline, BatchNorm normalises each micro-batch of a stage; "
+                          "statistics across ranks would mix stages and micro-batches",
+                          "set parallel.sync_bn=false (raise parallel.microbatches' size instead), or another strategy")
+    if cfg.model.g_batchnorm and t.batch_size == replicas * p.microbatches:
+        raise ConfigError("parallel.microbatches", "BatchNorm in G with one sample per pipeline micro-batch has no "
+                          "batch statistics", "lower parallel.microbatches, raise train.batch_size, or model.g_batchnorm=false")
+    import torch  # here: checking the stages against the layers builds both networks, without memory
+
+    from ganscale.models import build_networks
+    from ganscale.parallel.pipeline import split
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        generator, discriminator = build_networks(cfg)
+    split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
+    split(discriminator, p.pipeline_stages, "D")
 
 
 def _check_parallel(p: ParallelConfig, world_size: int, on_cuda: bool) -> None:
-    uses_mesh = "hsdp" in p.strategies()
+    uses_mesh = "hsdp" in p.strategies() or "pipeline" in p.strategies()
     if p.mesh is not None and not uses_mesh:
         raise ConfigError("parallel.mesh", f"a mesh is set but no network uses it (strategies {p.generator}, {p.discriminator})",
-                          "set parallel.generator or parallel.discriminator to hsdp, or remove parallel.mesh")
+                          "set parallel.generator or parallel.discriminator to hsdp (or both to pipeline), or remove parallel.mesh")
     if p.mesh is not None and (min(p.mesh) < 1 or p.mesh[0] * p.mesh[1] != world_size):
         raise ConfigError("parallel.mesh", f"{list(p.mesh)} does not multiply to the world size {world_size}",
                           f"use two positive sizes whose product is {world_size}, e.g. [{max(world_size // 2, 1)}, {min(2, world_size)}]")

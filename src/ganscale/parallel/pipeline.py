@@ -77,7 +77,7 @@ class Part(nn.Module):
         return x.float()  # stage boundaries are declared float32 (see the module docstring)
 
 
-def _ends(module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+def _ends(module: nn.Module, network: str) -> tuple[nn.Module | None, nn.Module | None]:
     """What the network's forward does around `.net` (as layers), for the first and last part."""
     if isinstance(module, DCGANGenerator):
         return nn.Unflatten(1, (module.z_dim, 1, 1)), None
@@ -85,7 +85,8 @@ def _ends(module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
         return None, nn.Flatten(1)
     if isinstance(module, (MLPGenerator, MLPDiscriminator)):
         return None, None
-    raise ConfigError("parallel.generator", f"{type(module).__name__} is not a sequence of layers the pipeline can split",
+    key = "parallel.generator" if network == "G" else "parallel.discriminator"
+    raise ConfigError(key, f"{type(module).__name__} is not a sequence of layers the pipeline can split",
                       "use model.kind=mlp or dcgan with the pipeline strategy, or another strategy")
 
 
@@ -122,6 +123,7 @@ def balanced_ranges(weights: list[int], stages: int) -> list[range]:
 
 def split(module: nn.Module, stages: int, network: str) -> list[Part]:
     """Every part of a network (each rank keeps its own); raises ConfigError if it has too few layers."""
+    before, after = _ends(module, network)
     layers = list(module.net.children())
     weights = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     with_parameters = sum(w > 0 for w in weights)
@@ -129,7 +131,6 @@ def split(module: nn.Module, stages: int, network: str) -> list[Part]:
         raise ConfigError("parallel.pipeline_stages",
                           f"{network} has {with_parameters} layers with parameters, fewer than {stages} stages",
                           f"use at most {with_parameters} pipeline stages, or a deeper model")
-    before, after = _ends(module)
     ranges = balanced_ranges(weights, stages)
     return [Part({i: layers[i] for i in r}, before if k == 0 else None, after if k == stages - 1 else None)
             for k, r in enumerate(ranges)]
