@@ -47,15 +47,36 @@ def test_sample_writes_a_picture(ring_run, tmp_path):
     assert Image.open(out).size[0] > 100
 
 
-def test_image_runs_sample_a_grid_and_have_no_metric_yet(tmp_path):
-    _train(tmp_path, None, ["model.g_width=8", "model.d_width=8", "train.batch_size=8"])
-    out = sample_picture(tmp_path, 16, tmp_path / "grid.png")
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("digits")
+    return run, _train(run, None, ["model.g_width=8", "model.d_width=8", "train.batch_size=8"])
+
+
+def test_image_runs_sample_a_grid(digits_run, tmp_path):
+    run, _ = digits_run
+    out = sample_picture(run, 16, tmp_path / "grid.png")
     assert np.asarray(Image.open(out)).ndim == 3
-    with pytest.raises(ConfigError, match="data.kind"):
-        evaluate(tmp_path)
 
 
-def test_sample_and_eval_commands(ring_run, tmp_path):
+def test_digits_runs_are_scored_by_fd_digits_against_the_training_digits(digits_run):
+    run, _ = digits_run
+    result = evaluate(run, samples=200)
+    assert result["features"] == "digits" and result["samples"] == 200 and result["reference_samples"] == 1797
+    assert result["fd"] > 0 and {"kid", "kid_std", "precision", "recall", "density", "coverage"} <= result.keys()
+    assert json.loads((run / "eval.json").read_text()) == result
+    assert evaluate(run, samples=200) == result  # seeded: the same numbers again
+    assert evaluate(run, samples=200, seed=1)["fd"] != result["fd"]
+
+
+def test_feature_options_are_checked(digits_run, ring_run):
+    with pytest.raises(ConfigError, match="--inception-weights"):
+        evaluate(digits_run[0], samples=200, features="inception")
+    with pytest.raises(ConfigError, match="--features"):
+        evaluate(ring_run[0], features="digits")
+
+
+def test_sample_and_eval_commands(ring_run, digits_run, tmp_path):
     import subprocess
     import sys
 
@@ -70,6 +91,10 @@ def test_sample_and_eval_commands(ring_run, tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["samples"] == 2500
+    missing = subprocess.run([sys.executable, "-m", "ganscale", "eval", str(digits_run[0]), "--features", "inception",
+                              "--inception-weights", str(tmp_path / "none.pth")], env=clean_env(), capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 2 and "--inception-weights" in missing.stderr and "never downloads" in missing.stderr
     refused = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--out", str(out), "--class", "3"],
                              env=clean_env(), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--class" in refused.stderr

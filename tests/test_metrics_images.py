@@ -126,3 +126,111 @@ def test_a_collapsed_generator_keeps_precision_but_loses_recall_and_coverage():
     precision, recall = precision_recall(real, collapsed)
     density, coverage = density_coverage(real, collapsed)
     assert precision > 0.9 and recall < 0.05 and coverage < 0.05
+
+
+# --- the digits feature extractor ---------------------------------------------------------------------------------
+
+from ganscale.config import ConfigError  # noqa: E402
+from ganscale.metrics import digits_classifier  # noqa: E402
+from ganscale.metrics.distances import all_distances  # noqa: E402
+from ganscale.metrics.features import DigitsFeatures, build_extractor  # noqa: E402
+from ganscale.metrics.images import dataset_features, image_metrics  # noqa: E402
+from dist_helpers import run_ranks  # noqa: E402
+
+
+def test_shipped_digits_classifier_is_accurate_on_its_held_out_split():
+    model, record = digits_classifier.load()
+    images, labels = digits_classifier.labelled_digits()
+    _, held_out = digits_classifier.held_out_split(len(labels), record["seed"])
+    accuracy = digits_classifier.accuracy(model, images[held_out], labels[held_out])
+    assert accuracy == pytest.approx(record["test_accuracy"]) and accuracy > 0.97
+    assert record["test_images"] == len(held_out) == 359
+
+
+def test_digits_classifier_training_is_deterministic_from_its_seed(tmp_path):
+    first, record = digits_classifier.fit(seed=3, epochs=1)
+    again, _ = digits_classifier.fit(seed=3, epochs=1)
+    other, _ = digits_classifier.fit(seed=4, epochs=1)
+    state, same, different = first.state_dict(), again.state_dict(), other.state_dict()
+    assert all(torch.equal(state[k], same[k]) for k in state)
+    assert not all(torch.equal(state[k], different[k]) for k in state)
+    loaded, loaded_record = digits_classifier.load(digits_classifier.save(first, record, tmp_path / "c.safetensors"))
+    assert loaded_record == record and all(torch.equal(state[k], loaded.state_dict()[k]) for k in state)
+
+
+def test_digits_features_take_any_channel_count_and_resolution():
+    images, _ = digits_classifier.labelled_digits()
+    extractor = DigitsFeatures()
+    grey = extractor(images[:16])
+    assert grey.shape == (16, 128)
+    assert torch.allclose(extractor(images[:16].expand(-1, 3, -1, -1)), grey, atol=1e-6)  # grey as RGB
+    assert extractor(torch.nn.functional.interpolate(images[:16], size=(32, 32))).shape == (16, 128)
+
+
+def test_unknown_or_missing_weights_are_named_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="--inception-weights.*pt_inception-2015-12-05"):
+        build_extractor("inception")
+    with pytest.raises(ConfigError, match="no file at"):
+        build_extractor("inception", inception_weights=tmp_path / "missing.pth")
+    with pytest.raises(ConfigError, match="fit-digits-features --out"):
+        build_extractor("digits", digits_weights=tmp_path / "missing.safetensors")
+
+
+def test_fd_digits_of_a_constant_generator_is_far_worse_than_held_out_real_digits():
+    images, labels = digits_classifier.labelled_digits()
+    train, held_out = digits_classifier.held_out_split(len(labels), 0)
+    extractor = DigitsFeatures()
+    reference = extractor(images[train])
+    real = all_distances(reference, extractor(images[held_out]))
+    constant = image_metrics(lambda z: torch.zeros(len(z), 1, 8, 8), 8, len(held_out), 0, extractor, reference)
+    assert constant["fd"] > 20 * real["fd"]
+    assert constant["kid"] > 20 * real["kid"]
+    assert real["precision"] > 0.8 and real["recall"] > 0.8 and real["coverage"] > 0.5  # 359 fakes vs 1438 balls
+    assert constant["recall"] < 0.05 and constant["coverage"] < 0.05
+    assert constant["samples"] == len(held_out) and constant["reference_samples"] == len(train)
+
+
+# --- computed by every rank together ------------------------------------------------------------------------------
+
+def _metrics_on_ranks(rank: int, world: int, n: int) -> dict:
+    from ganscale.data.images import digits
+    from ganscale.models.dcgan import DCGANGenerator
+
+    torch.manual_seed(0)
+    generator = DCGANGenerator(16, 1, 8, width=8).eval()
+    extractor = DigitsFeatures()
+    reference = dataset_features(digits(), extractor)
+    calls = []
+
+    def generate(z):
+        calls.append(len(z))
+        return generator(z)
+    result = image_metrics(generate, 16, n, 7, extractor, reference)
+    return {"metrics": result, "reference": reference, "forwards": len(calls), "generated": sum(calls)}
+
+
+@pytest.mark.slow
+def test_image_metrics_on_two_ranks_equal_one_rank():
+    n = 301  # odd: the last rank's share is padded
+    single = run_ranks(_metrics_on_ranks, 1, n)[0]
+    pair = run_ranks(_metrics_on_ranks, 2, n)
+    assert pair[0]["metrics"] == pair[1]["metrics"]  # every rank computed the same numbers
+    assert [r["generated"] for r in pair] == [151, 151] and pair[0]["forwards"] == pair[1]["forwards"]
+    assert torch.allclose(pair[0]["reference"], single["reference"], rtol=1e-5, atol=1e-5)
+    for key, value in single["metrics"].items():
+        if isinstance(value, float):
+            assert pair[0]["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        else:
+            assert pair[0]["metrics"][key] == value, key
+
+
+def test_fit_digits_features_command_writes_a_loadable_classifier(tmp_path):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    out = tmp_path / "digits.safetensors"
+    result = CliRunner().invoke(main, ["fit-digits-features", "--out", str(out), "--epochs", "1", "--seed", "2"])
+    assert result.exit_code == 0, result.output
+    _, record = digits_classifier.load(out)
+    assert (record["seed"], record["epochs"]) == (2, 1) and "test_accuracy" in result.output

@@ -129,17 +129,39 @@ def sample(run_dir: str, count: int, out: str, seed: int, label: int | None) -> 
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--samples", type=click.IntRange(min=1), default=2500, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
-def evaluate_run(run_dir: str, samples: int, seed: int) -> None:
-    """Score a run's G_ema (2D mixtures: modes captured, % high quality, reverse KL); writes RUN_DIR/eval.json."""
+@click.option("--features", type=click.Choice(["digits", "inception"]), default=None,
+              help="Image runs: feature extractor (default: digits for data.kind=digits, else inception).")
+@click.option("--inception-weights", type=click.Path(dir_okay=False), default=None,
+              help="Local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded.")
+def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, inception_weights: str | None) -> None:
+    """Score a run's G_ema; writes RUN_DIR/eval.json.
+
+    2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall,
+    density/coverage against the run's training images (FD-digits with --features digits).
+    """
     import json
 
     from ganscale.evaluate import evaluate
 
     try:
-        result = evaluate(Path(run_dir), samples, seed)
+        result = evaluate(Path(run_dir), samples, seed, features, Path(inception_weights) if inception_weights else None)
     except ConfigError as e:
         _fail(e)
     click.echo(json.dumps(result))
+
+
+@main.command(name="fit-digits-features")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output .safetensors file.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Split, initialisation and batch-order seed.")
+@click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True)
+def fit_digits_features(out: str, seed: int, epochs: int) -> None:
+    """Train the digits classifier whose features give FD-digits (the package ships one: seed 0)."""
+    import json
+
+    from ganscale.metrics import digits_classifier
+
+    model, record = digits_classifier.fit(seed, epochs)
+    click.echo(f"wrote {digits_classifier.save(model, record, Path(out))}: {json.dumps(record)}")
 
 
 @main.command()

@@ -1,6 +1,8 @@
 """Drawing from and scoring a trained run's G_ema, outside training (one process).
 
 The generator is rebuilt from the config stored in the checkpoint, so a run directory alone is enough.
+2D mixtures are scored by the VEEGAN/PacGAN protocol; image runs by FD, KID, precision/recall and
+density/coverage on the features of a chosen extractor, against the run's own training data.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ from torch import nn
 
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, build
+from ganscale.data import build_dataset
+from ganscale.metrics.features import build_extractor
+from ganscale.metrics.images import dataset_features, image_metrics
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.trainer import MIXTURE_MODES
+
+REFERENCE_LIMIT = 10_000  # real images whose features form the reference set (a seeded subset beyond it)
 
 
 def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, nn.Module, int]:
@@ -47,13 +54,42 @@ def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0) -> dict:
-    """Score G_ema; writes RUN_DIR/eval.json. 2D mixtures only for now (image metrics: issue 5)."""
+def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, features: str | None = None,
+             inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT) -> dict:
+    """Score G_ema; writes RUN_DIR/eval.json and returns the same dict.
+
+    2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall and
+    density/coverage of `samples` generated images against (at most `reference_limit`, a seeded random
+    subset of) the run's training images, on `features` (default: digits for digits runs, else inception).
+    """
     cfg, generator, step = load_generator(run_dir)
-    if cfg.data.kind not in MIXTURE_MODES:
-        raise ConfigError("data.kind", f"no offline metric for data.kind={cfg.data.kind} yet",
-                          "evaluate a ring8 or grid25 run (image metrics are not implemented yet)")
-    result = {"step": step, "data": cfg.data.kind, "seed": seed,
-              **score_named(cfg.data.kind, draw(generator, cfg.model.z_dim, samples, seed)).as_dict()}
+    result: dict = {"step": step, "data": cfg.data.kind, "seed": seed}
+    if cfg.data.kind in MIXTURE_MODES:
+        if features is not None:
+            raise ConfigError("--features", "2D mixture runs are scored by modes captured, not image features",
+                              "drop --features")
+        result.update(score_named(cfg.data.kind, draw(generator, cfg.model.z_dim, samples, seed)).as_dict())
+    else:
+        result.update(score_images(cfg, generator, samples, seed, features or default_features(cfg),
+                                   inception_weights, reference_limit))
     (Path(run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def default_features(cfg: Config) -> str:
+    return "digits" if cfg.data.kind == "digits" else "inception"
+
+
+def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, features: str,
+                 inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT) -> dict:
+    """Image metrics of an eval-mode generator against the features of its config's training data."""
+    if samples < 6:
+        raise ConfigError("--samples", f"{samples} samples are too few for density/coverage (k = 5)",
+                          "use at least 6 (thousands for stable numbers)")
+    extractor = build_extractor(features, "cpu", inception_weights)
+    dataset = build_dataset(cfg)
+    if reference_limit is not None and len(dataset) > reference_limit:
+        chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:reference_limit]
+        dataset = torch.utils.data.Subset(dataset, chosen.sort().values.tolist())
+    reference = dataset_features(dataset, extractor)
+    return image_metrics(lambda z: generator(z).float(), cfg.model.z_dim, samples, seed, extractor, reference)

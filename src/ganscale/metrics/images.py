@@ -1,0 +1,84 @@
+"""Image metrics of a generator against reference features, computed by every rank together.
+
+Work is split by sample position, never by rank count: sample i always comes from row i of one seeded
+global noise stream, rank r generates and featurises the contiguous share [r * per, (r + 1) * per)
+(per = ceil(n / world), the last share padded so every rank runs the same number of forwards, which
+a sharded G_ema needs), and one all_gather gives every rank all n feature rows in order. Every rank
+then computes the same numbers from the same rows, so the result does not depend on the world size
+(beyond float rounding in the networks' batched arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from ganscale.metrics.distances import all_distances
+from ganscale.metrics.features import FeatureExtractor
+
+EVAL_BATCH = 500  # images per forward; bounds memory, not the result
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@torch.no_grad()
+def gathered_features(images_at: Callable[[int, int], torch.Tensor], n: int, extractor: FeatureExtractor,
+                      batch_size: int = EVAL_BATCH) -> torch.Tensor:
+    """Collective: (n, D) features of items 0..n-1 on every rank, each rank featurising its share.
+
+    `images_at(start, stop)` returns the images of positions start..stop-1; it is asked for positions up
+    to ceil(n / world) * world (padding) and must answer them too (their features are dropped).
+    """
+    rank, world = _world()
+    per = math.ceil(n / world)
+    share = [extractor(images_at(lo, min(lo + batch_size, (rank + 1) * per)))
+             for lo in range(rank * per, (rank + 1) * per, batch_size)]  # the same count on every rank
+    local = torch.cat(share).float().contiguous()
+    if world > 1:
+        every_share = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(every_share, local)  # every rank takes part, in rank order = sample order
+        local = torch.cat(every_share)
+    return local[:n].cpu()
+
+
+def dataset_features(dataset: Dataset, extractor: FeatureExtractor, limit: int | None = None,
+                     batch_size: int = EVAL_BATCH) -> torch.Tensor:
+    """Collective: features of the first `limit` items (default all) of a data set of (image,) tuples."""
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+
+    def images_at(start: int, stop: int) -> torch.Tensor:
+        return torch.stack([dataset[min(i, n - 1)][0] for i in range(start, stop)])  # past n: padding
+    return gathered_features(images_at, n, extractor, batch_size)
+
+
+def generated_features(generate: Callable[[torch.Tensor], torch.Tensor], z_dim: int, n: int, seed: int,
+                       extractor: FeatureExtractor, device: torch.device | str | None = None,
+                       batch_size: int = EVAL_BATCH) -> torch.Tensor:
+    """Collective: features of generate(z) for the n rows of the seeded noise stream randn(n, z_dim)."""
+    rank, world = _world()
+    noise = torch.randn(n, z_dim, generator=torch.Generator().manual_seed(seed))
+    padded = torch.cat([noise, noise.new_zeros(math.ceil(n / world) * world - n, z_dim)])
+    device = torch.device(device) if device is not None else extractor.device
+    return gathered_features(lambda lo, hi: generate(padded[lo:hi].to(device)), n, extractor, batch_size)
+
+
+def image_metrics(generate: Callable[[torch.Tensor], torch.Tensor], z_dim: int, n: int, seed: int,
+                  extractor: FeatureExtractor, reference_features: torch.Tensor,
+                  device: torch.device | str | None = None) -> dict[str, float | int | str]:
+    """Collective: FD, KID, precision/recall, density/coverage of `generate` against the reference features.
+
+    Call it on every rank with the same arguments; every rank returns the same dict: fd, kid, kid_std,
+    precision, recall, density, coverage, samples, reference_samples, features (the extractor's name).
+    `generate` must be deterministic per sample (G_ema in eval mode).
+    """
+    fake = generated_features(generate, z_dim, n, seed, extractor, device)
+    return {**all_distances(reference_features, fake, seed=seed), "samples": n,
+            "reference_samples": int(reference_features.shape[0]), "features": extractor.name}
