@@ -234,3 +234,31 @@ def test_fit_digits_features_command_writes_a_loadable_classifier(tmp_path):
     assert result.exit_code == 0, result.output
     _, record = digits_classifier.load(out)
     assert (record["seed"], record["epochs"]) == (2, 1) and "test_accuracy" in result.output
+
+
+# --- Inception-v3 from a local file -------------------------------------------------------------------------------
+
+def test_fid_inception_has_torchvision_inception_v3_parameters_without_its_classifiers():
+    from ganscale.metrics.inception import FIDInceptionV3
+
+    # torchvision's inception_v3: 27,161,264 parameters = backbone + AuxLogits (3,326,696) + fc (2,049,000).
+    assert sum(p.numel() for p in FIDInceptionV3().parameters()) == 27_161_264 - 3_326_696 - 2_049_000
+
+
+def test_inception_features_load_a_pytorch_fid_style_file(tmp_path):
+    from ganscale.metrics.inception import FIDInceptionV3
+
+    torch.manual_seed(0)
+    model = FIDInceptionV3().eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
+    state.update({"fc.weight": torch.zeros(1008, 2048), "fc.bias": torch.zeros(1008)})  # as in pytorch-fid's file
+    torch.save(state, tmp_path / "pt_inception.pth")
+    extractor = build_extractor("inception", inception_weights=tmp_path / "pt_inception.pth")
+    grey = torch.rand(2, 1, 8, 8) * 2 - 1
+    features = extractor(grey)
+    resized = torch.nn.functional.interpolate(grey.expand(-1, 3, -1, -1), size=(299, 299), mode="bilinear")
+    with torch.no_grad():
+        assert features.shape == (2, 2048) and torch.allclose(features, model(resized), atol=1e-5)
+    torch.save({"body.0.weight": torch.zeros(3)}, tmp_path / "other.pth")
+    with pytest.raises(ConfigError, match="not an FID Inception-v3"):
+        build_extractor("inception", inception_weights=tmp_path / "other.pth")

@@ -1,0 +1,198 @@
+"""The FID Inception-v3 (2048 pool features) in plain torch, loaded from a local weights file.
+
+torchvision's Inception3 layout and parameter names (so pytorch-fid's `pt_inception-2015-12-05-*.pth`
+and torch-fidelity's `weights-inception-2015-12-05-*.pth`, both ports of TensorFlow's FID graph,
+load directly), with the FID graph's differences from torchvision that pytorch-fid patches in:
+average pools in the mixed blocks do not count padding, and the last block (Mixed_7c) max-pools.
+Preprocessing as pytorch-fid: bilinear resize to 299x299, inputs in [-1, 1], grey repeated to RGB.
+Not checked against published FID numbers here (no weights file in this repository).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ganscale.config import ConfigError
+
+FID_RESOLUTION = 299
+_PER_FORWARD = 50  # 299x299 activations are large: bound host/GPU memory per forward
+
+
+class BasicConv2d(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, **conv):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, bias=False, **conv)
+        self.bn = nn.BatchNorm2d(out_channels, eps=0.001)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)))
+
+
+def _tf_avg_pool(x: torch.Tensor) -> torch.Tensor:
+    return F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)  # TensorFlow ignores the padding
+
+
+class InceptionA(nn.Module):
+    def __init__(self, in_channels: int, pool_features: int):
+        super().__init__()
+        self.branch1x1 = BasicConv2d(in_channels, 64, kernel_size=1)
+        self.branch5x5_1 = BasicConv2d(in_channels, 48, kernel_size=1)
+        self.branch5x5_2 = BasicConv2d(48, 64, kernel_size=5, padding=2)
+        self.branch3x3dbl_1 = BasicConv2d(in_channels, 64, kernel_size=1)
+        self.branch3x3dbl_2 = BasicConv2d(64, 96, kernel_size=3, padding=1)
+        self.branch3x3dbl_3 = BasicConv2d(96, 96, kernel_size=3, padding=1)
+        self.branch_pool = BasicConv2d(in_channels, pool_features, kernel_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.branch1x1(x), self.branch5x5_2(self.branch5x5_1(x)),
+                          self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
+                          self.branch_pool(_tf_avg_pool(x))], 1)
+
+
+class InceptionB(nn.Module):
+    def __init__(self, in_channels: int):
+        super().__init__()
+        self.branch3x3 = BasicConv2d(in_channels, 384, kernel_size=3, stride=2)
+        self.branch3x3dbl_1 = BasicConv2d(in_channels, 64, kernel_size=1)
+        self.branch3x3dbl_2 = BasicConv2d(64, 96, kernel_size=3, padding=1)
+        self.branch3x3dbl_3 = BasicConv2d(96, 96, kernel_size=3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.branch3x3(x), self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
+                          F.max_pool2d(x, 3, stride=2)], 1)
+
+
+class InceptionC(nn.Module):
+    def __init__(self, in_channels: int, channels_7x7: int):
+        super().__init__()
+        c7 = channels_7x7
+        self.branch1x1 = BasicConv2d(in_channels, 192, kernel_size=1)
+        self.branch7x7_1 = BasicConv2d(in_channels, c7, kernel_size=1)
+        self.branch7x7_2 = BasicConv2d(c7, c7, kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7_3 = BasicConv2d(c7, 192, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_1 = BasicConv2d(in_channels, c7, kernel_size=1)
+        self.branch7x7dbl_2 = BasicConv2d(c7, c7, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_3 = BasicConv2d(c7, c7, kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7dbl_4 = BasicConv2d(c7, c7, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_5 = BasicConv2d(c7, 192, kernel_size=(1, 7), padding=(0, 3))
+        self.branch_pool = BasicConv2d(in_channels, 192, kernel_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seven = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
+        double = self.branch7x7dbl_1(x)
+        for layer in (self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4, self.branch7x7dbl_5):
+            double = layer(double)
+        return torch.cat([self.branch1x1(x), seven, double, self.branch_pool(_tf_avg_pool(x))], 1)
+
+
+class InceptionD(nn.Module):
+    def __init__(self, in_channels: int):
+        super().__init__()
+        self.branch3x3_1 = BasicConv2d(in_channels, 192, kernel_size=1)
+        self.branch3x3_2 = BasicConv2d(192, 320, kernel_size=3, stride=2)
+        self.branch7x7x3_1 = BasicConv2d(in_channels, 192, kernel_size=1)
+        self.branch7x7x3_2 = BasicConv2d(192, 192, kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7x3_3 = BasicConv2d(192, 192, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7x3_4 = BasicConv2d(192, 192, kernel_size=3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seven = x
+        for layer in (self.branch7x7x3_1, self.branch7x7x3_2, self.branch7x7x3_3, self.branch7x7x3_4):
+            seven = layer(seven)
+        return torch.cat([self.branch3x3_2(self.branch3x3_1(x)), seven, F.max_pool2d(x, 3, stride=2)], 1)
+
+
+class InceptionE(nn.Module):
+    def __init__(self, in_channels: int, max_pool: bool):
+        super().__init__()
+        self.max_pool = max_pool  # the FID graph's last block max-pools (pytorch-fid's FIDInceptionE_2)
+        self.branch1x1 = BasicConv2d(in_channels, 320, kernel_size=1)
+        self.branch3x3_1 = BasicConv2d(in_channels, 384, kernel_size=1)
+        self.branch3x3_2a = BasicConv2d(384, 384, kernel_size=(1, 3), padding=(0, 1))
+        self.branch3x3_2b = BasicConv2d(384, 384, kernel_size=(3, 1), padding=(1, 0))
+        self.branch3x3dbl_1 = BasicConv2d(in_channels, 448, kernel_size=1)
+        self.branch3x3dbl_2 = BasicConv2d(448, 384, kernel_size=3, padding=1)
+        self.branch3x3dbl_3a = BasicConv2d(384, 384, kernel_size=(1, 3), padding=(0, 1))
+        self.branch3x3dbl_3b = BasicConv2d(384, 384, kernel_size=(3, 1), padding=(1, 0))
+        self.branch_pool = BasicConv2d(in_channels, 192, kernel_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        three = self.branch3x3_1(x)
+        double = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
+        pooled = F.max_pool2d(x, 3, stride=1, padding=1) if self.max_pool else _tf_avg_pool(x)
+        return torch.cat([self.branch1x1(x), self.branch3x3_2a(three), self.branch3x3_2b(three),
+                          self.branch3x3dbl_3a(double), self.branch3x3dbl_3b(double), self.branch_pool(pooled)], 1)
+
+
+class FIDInceptionV3(nn.Module):
+    """(N, 3, 299, 299) in [-1, 1] -> (N, 2048) pool3 features."""
+
+    def __init__(self):
+        super().__init__()
+        self.Conv2d_1a_3x3 = BasicConv2d(3, 32, kernel_size=3, stride=2)
+        self.Conv2d_2a_3x3 = BasicConv2d(32, 32, kernel_size=3)
+        self.Conv2d_2b_3x3 = BasicConv2d(32, 64, kernel_size=3, padding=1)
+        self.Conv2d_3b_1x1 = BasicConv2d(64, 80, kernel_size=1)
+        self.Conv2d_4a_3x3 = BasicConv2d(80, 192, kernel_size=3)
+        self.Mixed_5b = InceptionA(192, pool_features=32)
+        self.Mixed_5c = InceptionA(256, pool_features=64)
+        self.Mixed_5d = InceptionA(288, pool_features=64)
+        self.Mixed_6a = InceptionB(288)
+        self.Mixed_6b = InceptionC(768, channels_7x7=128)
+        self.Mixed_6c = InceptionC(768, channels_7x7=160)
+        self.Mixed_6d = InceptionC(768, channels_7x7=160)
+        self.Mixed_6e = InceptionC(768, channels_7x7=192)
+        self.Mixed_7a = InceptionD(768)
+        self.Mixed_7b = InceptionE(1280, max_pool=False)
+        self.Mixed_7c = InceptionE(2048, max_pool=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))
+        x = F.max_pool2d(x, 3, stride=2)
+        x = F.max_pool2d(self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x)), 3, stride=2)
+        for block in (self.Mixed_5b, self.Mixed_5c, self.Mixed_5d, self.Mixed_6a, self.Mixed_6b, self.Mixed_6c,
+                      self.Mixed_6d, self.Mixed_6e, self.Mixed_7a, self.Mixed_7b, self.Mixed_7c):
+            x = block(x)
+        return F.adaptive_avg_pool2d(x, 1).flatten(1)
+
+
+def load_weights(model: FIDInceptionV3, path: Path) -> None:
+    """Load pytorch-fid's or torch-fidelity's file; the 1008-way classifier (fc.*) is not needed for features."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same message
+        raise ConfigError("--inception-weights", f"cannot read {path} as a torch weights file ({e})",
+                          "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file") from None
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    state = {k: v for k, v in state.items() if not k.startswith(("fc.", "AuxLogits."))}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("num_batches_tracked")]  # absent from old files; unused in eval
+    if missing or unexpected:
+        raise ConfigError("--inception-weights", f"{path} is not an FID Inception-v3 state dict (missing "
+                          f"{missing[:3]}, unexpected {unexpected[:3]})",
+                          "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file")
+
+
+class InceptionFeatures:
+    name = "inception"
+
+    def __init__(self, weights: Path, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        model = FIDInceptionV3()
+        load_weights(model, weights)
+        self.model = model.eval().to(self.device)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        images = images.to(self.device, torch.float32)
+        if images.shape[1] == 1:
+            images = images.expand(-1, 3, -1, -1)
+        elif images.shape[1] != 3:
+            images = images[:, :3]  # RGBA: drop alpha
+        return torch.cat([self.model(F.interpolate(chunk, size=(FID_RESOLUTION, FID_RESOLUTION), mode="bilinear",
+                                                   align_corners=False))
+                          for chunk in images.split(_PER_FORWARD)])
