@@ -1,8 +1,10 @@
 """Pipeline parallelism (parallel/pipeline.py): G and D split into stages over ranks, proven equal to one process.
 
-The equality proofs use networks WITHOUT BatchNorm (mlp with batchnorm off, dcgan with batchnorm off):
-BatchNorm normalises each pipeline micro-batch on its own, so with it the pipeline equals one process
-only at the same micro-batch, which is not what these tests compare.
+The reference is one process on the same global batch and noise, in as many micro-steps as a pipeline
+replica has micro-batches. Most cases use networks WITHOUT BatchNorm (mlp and dcgan with batchnorm off),
+where micro-steps change nothing but rounding. BatchNorm normalises each micro-batch on its own, so the
+one case with BatchNorm in G (mlp-bn, one pipeline replica) shows the pipeline equals one process at the
+same micro-batch; spectral norm in D (dcgan) does one power iteration per micro-batch forward, likewise.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _networks(kind: str, seed: int = 0) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(seed)
     if kind == "dcgan":
         return DCGANGenerator(Z_DIM, 1, 8, 4, batchnorm=False), DCGANDiscriminator(1, 8, 4, spectral=True)
-    return MLPGenerator(Z_DIM, 2, 16, 3, batchnorm=False), MLPDiscriminator(2, 16, 3)
+    return MLPGenerator(Z_DIM, 2, 16, 3, batchnorm=kind == "mlp-bn"), MLPDiscriminator(2, 16, 3)
 
 
 def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,6 +44,9 @@ def _reference(kind: str, accumulation: int) -> dict:
     its Adam step). Micro-steps matter only for spectral norm here: one power iteration per D forward."""
     G, D = _networks(kind)
     real, z_d, z_g = _batch(kind)
+    with torch.no_grad():
+        images = G(z_g)  # before any step (BatchNorm: batch statistics of the whole batch)
+    G.load_state_dict(_networks(kind)[0].state_dict())  # forget the running statistics of that forward
     opt_g, opt_d = torch.optim.Adam(G.parameters(), **ADAM), torch.optim.Adam(D.parameters(), **ADAM)
     losses = torch.zeros(2)
     for real_m, z_m in zip(real.chunk(accumulation), z_d.chunk(accumulation)):
@@ -51,6 +56,7 @@ def _reference(kind: str, accumulation: int) -> dict:
         loss_d = objectives.d_loss(LOSS, real_logits, fake_logits) / accumulation
         loss_d.backward()
         losses[0] += loss_d.detach()
+    grad_norm_d = torch.nn.utils.get_total_norm([p.grad for p in D.parameters()])
     opt_d.step()
     opt_d.zero_grad(set_to_none=True)
     D.requires_grad_(False)
@@ -59,11 +65,12 @@ def _reference(kind: str, accumulation: int) -> dict:
         loss_g.backward()
         losses[1] += loss_g.detach()
     D.requires_grad_(True)
+    grad_norm_g = torch.nn.utils.get_total_norm([p.grad for p in G.parameters()])
     opt_g.step()
     # Full states as a ddp run on one rank writes them to a checkpoint.
     return {"G": Wrapped(G, G).model_state(), "D": Wrapped(D, D).model_state(),
             "opt_g": Wrapped(G, G).optimizer_state(opt_g), "opt_d": Wrapped(D, D).optimizer_state(opt_d),
-            "losses": losses.tolist()}
+            "losses": losses.tolist(), "grad_norms": [grad_norm_d.item(), grad_norm_g.item()], "images": images}
 
 
 def _pipelined(rank: int, world: int, cases: list[tuple], references: dict) -> list[dict]:
@@ -81,15 +88,21 @@ def _pipelined(rank: int, world: int, cases: list[tuple], references: dict) -> l
         opt_g = torch.optim.Adam(gan.parameters_of("G"), **ADAM)
         opt_d = torch.optim.Adam(gan.parameters_of("D"), **ADAM)
         initial = {"G": gan.model_state("G"), "D": gan.model_state("D")}
+        ema = gan.split_like("G", _networks(kind)[0].eval())  # G_ema: split like G (eval: running statistics)
+        images = gan.generate(z_g)  # forward only, on every rank of the pipeline group (replicas: the same z)
+        G.load_state_dict(_networks(kind)[0].state_dict())  # forget the running statistics of that forward
+        ema_images = gan.generate(z_g, part=ema)
 
         loss_d = gan.discriminator_pass(real[mine], z_d[mine])
         grads = {"G in D pass": [p.grad is not None for p in gan.parameters_of("G")],
                  "D in D pass": [p.grad is not None for p in gan.parameters_of("D")]}
+        grad_norms = [gan.grad_norm("D")]
         opt_d.step()
         opt_d.zero_grad(set_to_none=True)
         loss_g = gan.generator_pass(z_g[mine])
         grads.update({"D in G pass": [p.grad is not None for p in gan.parameters_of("D")],
                       "G in G pass": [p.grad is not None for p in gan.parameters_of("G")]})
+        grad_norms.append(gan.grad_norm("G"))
         opt_g.step()
         losses = torch.stack([loss_d, loss_g])
         dist.all_reduce(losses)  # every rank of a replica holds its replica's loss: the world mean is the batch mean
@@ -104,7 +117,8 @@ def _pipelined(rank: int, world: int, cases: list[tuple], references: dict) -> l
         other.load_optimizer_state("G", other_opt_g, ref["opt_g"])
         results.append({"G": gan.model_state("G"), "D": gan.model_state("D"), "losses": (losses / world).tolist(),
                         "opt_g": gan.optimizer_state("G", opt_g), "opt_d": gan.optimizer_state("D", opt_d),
-                        "initial": initial, "grads": grads,
+                        "initial": initial, "grads": grads, "grad_norms": torch.stack(grad_norms).tolist(),
+                        "images": images, "ema_images": ema_images, "ema_state": gan.model_state(ema),
                         "loaded": {"G": other.model_state("G"), "D": other.model_state("D"),
                                    "opt_g": other.optimizer_state("G", other_opt_g)}})
     return results
@@ -124,10 +138,17 @@ def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> Non
             assert list(result["initial"]["G"]) == list(G.state_dict())
             assert all(torch.equal(result["initial"]["G"][k], v) for k, v in G.state_dict().items())
             assert all(torch.equal(result["initial"]["D"][k], v) for k, v in D.state_dict().items())
+            assert all(torch.equal(result["ema_state"][k], v) for k, v in G.state_dict().items())
+            # Sampling through G's stages (G_ema in eval mode: running statistics, like the unsplit eval forward).
+            with torch.no_grad():
+                assert torch.allclose(result["ema_images"], G.eval()(_batch(kind)[2]), rtol=1e-5, atol=1e-6)
+            if microbatches == 1 or kind != "mlp-bn":  # BatchNorm: one micro-batch has the whole batch's statistics
+                assert torch.allclose(result["images"], ref["images"], rtol=1e-5, atol=1e-6)
             # The same training as one process.
             assert max_relative_difference(ref["G"], result["G"]) < 1e-5, case
             assert max_relative_difference(ref["D"], result["D"]) < 1e-5, case
             assert result["losses"] == pytest.approx(ref["losses"], rel=1e-5), case
+            assert result["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), case
             # Each pass fills its own network's gradients only.
             assert all(result["grads"]["D in D pass"]) and all(result["grads"]["G in G pass"])
             assert not any(result["grads"]["G in D pass"]) and not any(result["grads"]["D in G pass"])
@@ -155,8 +176,9 @@ def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> Non
 def test_two_stages_equal_one_process_and_checkpoints_are_portable():
     """2 ranks = one pipeline of 2 stages: GPipe and 1F1B (mlp), and 1F1B on DCGAN (convolutions, the latent
     reshape before G's first part, the flatten after D's last, spectral norm in D: one power iteration per
-    micro-batch, as one process with as many micro-steps)."""
-    cases = [("mlp", 2, "gpipe", 4), ("mlp", 2, "1f1b", 4), ("dcgan", 2, "1f1b", 2)]
+    micro-batch, as one process with as many micro-steps). With BatchNorm in G (mlp-bn) the pipeline equals
+    one process whose micro-batch is the pipeline's: statistics and running averages are per micro-batch."""
+    cases = [("mlp", 2, "gpipe", 4), ("mlp", 2, "1f1b", 4), ("dcgan", 2, "1f1b", 2), ("mlp-bn", 2, "gpipe", 2)]
     references = {(kind, m): _reference(kind, m) for kind, _, _, m in cases}
     _check(cases, run_ranks(_pipelined, 2, cases, references), references)
 
