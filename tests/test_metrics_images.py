@@ -7,8 +7,13 @@ import math
 import pytest
 import torch
 
-from ganscale.metrics.distances import (density_coverage, frechet_distance, frechet_distance_from_fits,
+from ganscale.config import ConfigError
+from ganscale.metrics import digits_classifier
+from ganscale.metrics.distances import (all_distances, density_coverage, frechet_distance, frechet_distance_from_fits,
                                         gaussian_fit, kernel_inception_distance, knn_radii, precision_recall)
+from ganscale.metrics.features import DigitsFeatures, build_extractor
+from ganscale.metrics.images import dataset_features, image_metrics
+from dist_helpers import run_ranks
 
 
 def _gaussian(n: int, mean: torch.Tensor, cov: torch.Tensor, seed: int) -> torch.Tensor:
@@ -81,7 +86,8 @@ def test_kid_with_whole_set_subsets_is_the_unbiased_mmd2_with_the_cubic_kernel()
 
 def test_kid_is_near_zero_for_one_distribution_and_large_for_two():
     g = torch.Generator().manual_seed(1)
-    a, b, far = torch.randn(2000, 16, generator=g), torch.randn(2000, 16, generator=g), torch.randn(2000, 16, generator=g) + 1
+    a, b, far = (torch.randn(2000, 16, generator=g) for _ in range(3))
+    far = far + 1
     same, _ = kernel_inception_distance(a, b, subsets=20, subset_size=500)
     different, _ = kernel_inception_distance(a, far, subsets=20, subset_size=500)
     assert abs(same) < 0.05 and different > 1.0
@@ -129,14 +135,6 @@ def test_a_collapsed_generator_keeps_precision_but_loses_recall_and_coverage():
 
 
 # --- the digits feature extractor ---------------------------------------------------------------------------------
-
-from ganscale.config import ConfigError  # noqa: E402
-from ganscale.metrics import digits_classifier  # noqa: E402
-from ganscale.metrics.distances import all_distances  # noqa: E402
-from ganscale.metrics.features import DigitsFeatures, build_extractor  # noqa: E402
-from ganscale.metrics.images import dataset_features, image_metrics  # noqa: E402
-from dist_helpers import run_ranks  # noqa: E402
-
 
 def test_shipped_digits_classifier_is_accurate_on_its_held_out_split():
     model, record = digits_classifier.load()

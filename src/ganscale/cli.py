@@ -144,7 +144,8 @@ def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, in
     from ganscale.evaluate import evaluate
 
     try:
-        result = evaluate(Path(run_dir), samples, seed, features, Path(inception_weights) if inception_weights else None)
+        weights = Path(inception_weights) if inception_weights else None
+        result = evaluate(Path(run_dir), samples, seed, features, weights)
     except ConfigError as e:
         _fail(e)
     click.echo(json.dumps(result))

@@ -63,7 +63,7 @@ def generated_features(generate: Callable[[torch.Tensor], torch.Tensor], z_dim: 
                        extractor: FeatureExtractor, device: torch.device | str | None = None,
                        batch_size: int = EVAL_BATCH) -> torch.Tensor:
     """Collective: features of generate(z) for the n rows of the seeded noise stream randn(n, z_dim)."""
-    rank, world = _world()
+    _, world = _world()
     noise = torch.randn(n, z_dim, generator=torch.Generator().manual_seed(seed))
     padded = torch.cat([noise, noise.new_zeros(math.ceil(n / world) * world - n, z_dim)])
     device = torch.device(device) if device is not None else extractor.device
