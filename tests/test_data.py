@@ -41,7 +41,8 @@ class IndexDataset(Dataset):
 
 
 def take(stream: GlobalBatches, n: int) -> list[list[torch.Tensor]]:
-    return [next(stream) for _ in range(n)]
+    """n global batches, each micro-batch's only field (these data sets hold one tensor per sample)."""
+    return [[fields[0] for fields in next(stream)] for _ in range(n)]
 
 
 def two_rank_streams(dataset: Dataset, seed: int, start: int = 0) -> list[GlobalBatches]:
@@ -118,7 +119,7 @@ def test_ranks_get_disjoint_positions_within_a_global_batch():
     ds = index_dataset(48)
     streams = [GlobalBatches(ds, Slicing(rank, 2, 3, 2), 0, CPU) for rank in range(2)]
     for _ in range(4):
-        values = [int(v) for s in streams for micro in next(s) for v in micro]
+        values = [int(v) for s in streams for (micro,) in next(s) for v in micro]
         assert len(values) == len(set(values)) == 12
 
 
@@ -179,7 +180,7 @@ def test_image_folder_streams_through_global_batches(tmp_path):
     write_images(tmp_path)
     ds = ImageFolder(tmp_path, resolution=8, channels=3)
     stream = GlobalBatches(ds, Slicing(0, 2, 2, 1), 0, CPU)
-    (micro,) = next(stream)
+    ((micro,),) = next(stream)
     assert micro.shape == (2, 3, 8, 8)
 
 

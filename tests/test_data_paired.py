@@ -243,3 +243,10 @@ def test_bad_options_are_config_errors(facades):
         PairedImages(facades, load_size=256, crop_size=286)
     with pytest.raises(ConfigError, match="data.direction"):
         PairedImages(facades, direction="AB")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_synthetic_smallest_size_paints_every_pair(tmp_path, seed):
+    """Balcony rails near the edge of a narrow canvas are clipped to it, not dropped or crashed on."""
+    folder = write_synthetic_facades(tmp_path / "small", n=4, seed=seed, size=(32, 16))
+    assert len(list(folder.glob("*.jpg"))) == 4

@@ -146,7 +146,7 @@ def _analytic_traffic(g: str, d: str, shapes: dict, world: int) -> dict[str, dic
                 out[kind] = out.get(kind, 0) + n
         return out
     return {"d_step": total(forward_only(g, "G"), stepped(d, "D"), control=4 * 4),
-            "g_step": total(stepped(g, "G", gathered_already=g == "zero2"), frozen_through(d, "D"), control=3 * 4)}
+            "g_step": total(stepped(g, "G", gathered_already=g == "zero2"), frozen_through(d, "D"), control=4 * 4)}
 
 
 @pytest.mark.parametrize("generator, discriminator", [

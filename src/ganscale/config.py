@@ -29,14 +29,17 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    kind: Literal["dcgan", "mlp"] = "dcgan"
-    """Architecture family of G and D."""
+    kind: Literal["dcgan", "mlp", "biggan", "pix2pix"] = "dcgan"
+    """Architecture family of G and D: dcgan and mlp (unconditional), biggan (class-conditional ResNet G
+    and projection D; needs data.labels), pix2pix (U-Net G and PatchGAN D on (input, target) pairs;
+    needs data.kind=paired)."""
     z_dim: int = Field(64, gt=0)
     """Latent dimension."""
     g_width: int = Field(64, gt=0)
-    """DCGAN: channels of G's last hidden layer (doubled per lower resolution). MLP: hidden units."""
+    """DCGAN: channels of G's last hidden layer (doubled per lower resolution). MLP: hidden units.
+    BigGAN: ch of G. pix2pix: ngf (64 in the reference)."""
     d_width: int = Field(64, gt=0)
-    """DCGAN: channels of D's first layer. MLP: hidden units."""
+    """DCGAN: channels of D's first layer. MLP: hidden units. BigGAN: ch of D. pix2pix: ndf (64)."""
     g_layers: int = Field(4, gt=0)
     """MLP only: hidden layers of G."""
     d_layers: int = Field(3, gt=0)
@@ -45,13 +48,29 @@ class ModelConfig(Section):
     """BatchNorm in G (the DCGAN and PacGAN-style MLP default)."""
     d_spectral_norm: bool = False
     """Spectral normalisation on D's layers."""
+    n_classes: int = Field(10, ge=1)
+    """biggan only: number of classes (the digits have 10)."""
+    shared_dim: int = Field(32, gt=0)
+    """biggan only: size of G's shared class embedding."""
+    attn_resolution: int = Field(8, ge=0)
+    """biggan only: the one self-attention block sits at the feature map nearest this size (0: none)."""
+    norm: Literal["batch", "instance", "none"] = "batch"
+    """pix2pix only: normalisation in the U-Net and the PatchGAN (the reference uses batch at batch 1;
+    with larger micro-batches use instance, or batch with parallel.sync_bn)."""
 
 
 class DataConfig(Section):
-    kind: Literal["digits", "ring8", "grid25", "folder"] = "digits"
-    """digits: scikit-learn's bundled 8x8 digits; ring8/grid25: 2D Gaussian mixtures; folder: images."""
+    kind: Literal["digits", "ring8", "grid25", "folder", "paired"] = "digits"
+    """digits: scikit-learn's bundled 8x8 digits; ring8/grid25: 2D Gaussian mixtures; folder: images;
+    paired: a folder of A|B image pairs side by side (the pix2pix facades layout)."""
     path: str | None = None
-    """folder only: directory of images (searched recursively)."""
+    """folder: directory of images (searched recursively); paired: directory holding the A|B files."""
+    labels: bool = False
+    """digits only: also yield each image's class (0-9), for class-conditional models."""
+    direction: Literal["AtoB", "BtoA"] = "AtoB"
+    """paired only: AtoB translates the left half into the right one; facades trains BtoA."""
+    load_size: int = Field(286, ge=4)
+    """paired only: both halves are resized to this, then a shared random crop of data.resolution is taken."""
     resolution: int = Field(8, ge=4)
     """Image side length (images are resized to it). Ignored for 2D mixtures."""
     channels: int = Field(1, ge=1, le=4)
@@ -73,6 +92,8 @@ class LossConfig(Section):
     """Lazy R1: apply every k steps, scaled by k; D's lr and betas corrected by k/(k+1)."""
     gp_weight: float = Field(10.0, ge=0)
     """wgan-gp only: gradient-penalty weight."""
+    l1_weight: float = Field(0.0, ge=0)
+    """pix2pix only: weight of the L1 distance between G's output and the target in G's loss (pix2pix: 100)."""
 
 
 class OptimizerConfig(Section):
@@ -297,13 +318,14 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.parallel.backend == "nccl" and not on_cuda:
         raise ConfigError("parallel.backend", "nccl runs only on CUDA devices; this run is on the CPU",
                           "use parallel.backend=gloo or auto")
+    _check_task(cfg)
     micro = cfg.micro_batch(world_size)
-    if cfg.model.g_batchnorm and micro == 1 and not (cfg.parallel.sync_bn and world_size > 1):
+    if cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1 and not (cfg.parallel.sync_bn and world_size > 1):
         raise ConfigError("train.micro_batch", "BatchNorm in G with one sample per rank has no batch statistics",
                           "raise train.micro_batch, set parallel.sync_bn=true, or model.g_batchnorm=false")
-    if cfg.data.kind == "folder" and not cfg.data.path:
-        raise ConfigError("data.path", "data.kind=folder needs a directory", "set data.path=/path/to/images")
-    if cfg.data.kind == "folder" and not Path(cfg.data.path).is_dir():
+    if cfg.data.kind in ("folder", "paired") and not cfg.data.path:
+        raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a directory", "set data.path=/path/to/images")
+    if cfg.data.kind in ("folder", "paired") and not Path(cfg.data.path).is_dir():
         raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
     if cfg.loss.kind == "wgan-gp" and cfg.loss.gp_weight == 0:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
@@ -324,6 +346,34 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
     _check_pipeline(cfg, world_size)
+
+
+def _check_task(cfg: Config) -> None:
+    """The model, the data and the loss must agree on what G is given and what D judges."""
+    m, d, loss = cfg.model, cfg.data, cfg.loss
+    if (m.kind == "pix2pix") != (d.kind == "paired"):
+        raise ConfigError("model.kind", f"model.kind={m.kind} with data.kind={d.kind}: pix2pix translates paired "
+                          "images and only pix2pix takes them", "use model.kind=pix2pix with data.kind=paired, or neither")
+    if (m.kind == "biggan") != d.labels:
+        raise ConfigError("data.labels", f"data.labels={d.labels} with model.kind={m.kind}: class labels are for the "
+                          "class-conditional biggan model only", "use model.kind=biggan with data.labels=true, or neither")
+    if d.labels and d.kind != "digits":
+        raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels", "use data.kind=digits (10 classes)")
+    if d.labels and m.n_classes != 10:
+        raise ConfigError("model.n_classes", f"{m.n_classes} classes, but the digits have 10", "set model.n_classes=10")
+    if loss.l1_weight > 0 and m.kind != "pix2pix":
+        raise ConfigError("loss.l1_weight", f"an L1 term needs a target image; model.kind={m.kind} has none",
+                          "set loss.l1_weight=0, or train model.kind=pix2pix on paired data")
+    if loss.kind == "wgan-gp" and m.kind in ("biggan", "pix2pix"):
+        raise ConfigError("loss.kind", f"wgan-gp interpolates real and generated inputs, which {m.kind} pairs with "
+                          "conditions", "use loss.kind=hinge (BigGAN) or nonsaturating (pix2pix), with loss.r1_gamma if needed")
+    if m.kind == "pix2pix" and d.resolution < 32:
+        raise ConfigError("data.resolution", f"{d.resolution}: the 70x70 PatchGAN reduces a crop by 2^3 and then "
+                          "by its 4x4 convolutions, which leaves nothing to judge below 32 pixels",
+                          "use data.resolution >= 32 (the reference crops 256)")
+    if d.kind == "paired" and d.load_size < d.resolution:
+        raise ConfigError("data.load_size", f"{d.load_size} is smaller than the crop data.resolution={d.resolution}",
+                          "set data.load_size >= data.resolution (pix2pix: 286 and 256)")
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:

@@ -19,6 +19,7 @@ from torch import Tensor
 from ganscale import checkpoint, objectives
 from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
+from ganscale.data.stream import Sample
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.ema import ema_beta, make_ema, update_ema
 from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault
@@ -30,6 +31,7 @@ from ganscale.parallel import Layout, Wrapped, average_batchnorm_stats, held_byt
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
+from ganscale.tasks import build_task
 from ganscale.watchdog import Watchdog
 
 # Noise streams: each phase of each step draws the whole global batch's latents from its own seed,
@@ -81,6 +83,7 @@ class Trainer:
         if resume is not None:
             self._load(resume)
         self.dataset = build_dataset(cfg)
+        self.task = build_task(cfg, self.dataset)  # what G is given and D judges (unconditional, classes, pairs)
         self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
                                      start=self.step * cfg.loss.n_critic)
         self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
@@ -106,6 +109,12 @@ class Trainer:
         """Latents for the whole global batch (or `n` samples): the same on every rank."""
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase))
         return torch.randn(n or self.global_batch, self.cfg.model.z_dim, generator=gen).to(self.runtime.device)
+
+    def _global_labels(self, step: int, phase: int, n: int | None = None) -> Tensor | None:
+        """Classes of the generated samples of the whole global batch (None for unconditional G)."""
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase, 2))
+        labels = self.task.labels(n or self.global_batch, gen)
+        return None if labels is None else labels.to(self.runtime.device)
 
     def _global_uniform(self, step: int, phase: int) -> Tensor:
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase, 1))
@@ -137,12 +146,13 @@ class Trainer:
             self.traffic.enabled = step == min(start_step + 2, cfg.train.steps - 1)
             d_stats = {}
             for critic in range(cfg.loss.n_critic):
+                reals = next(self.batches)
                 with self.traffic.measure("d_step"):
-                    d_stats = self.discriminator_step(next(self.batches), step, critic)
+                    d_stats = self.discriminator_step(reals, step, critic)
                 if critic < cfg.loss.n_critic - 1:
                     self.precision.update()
             with self.traffic.measure("g_step"):
-                g_stats = self.generator_step(step)
+                g_stats = self.generator_step(step, reals)  # paired data: G translates the last D batch's inputs
             self.precision.update()  # once per iteration, after both networks stepped
             self.consecutive_skips = self.consecutive_skips + 1 if self.skipped_steps > skipped_before else 0
             self.step = step + 1
@@ -203,31 +213,37 @@ class Trainer:
                 "communicated_bytes": {phase: dict(kinds) for phase, kinds in self.traffic.by_phase.items()},
                 "checkpoint": str(checkpoint.latest(self.run_dir))}
 
-    def discriminator_step(self, reals: list[Tensor], step: int, critic: int) -> dict[str, float]:
+    def discriminator_step(self, reals: list[Sample], step: int, critic: int) -> dict[str, float]:
         loss_cfg = self.cfg.loss
         self.watchdog.mark(f"step {step}: D step {critic} (DDP all-reduce in backward)")
         self.D.trainable(True)
         phase = PHASE_D + critic
-        z_all = self._global_latents(step, phase)
+        z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
         alpha_all = self._global_uniform(step, phase) if loss_cfg.kind == "wgan-gp" else None
         with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
         accumulation = len(reals)
         totals = torch.zeros(2, device=self.runtime.device)  # adversarial loss, penalty
         for micro, real in enumerate(reals):
-            z = self.slicing.take(z_all, micro)
+            z, labels = self._take(z_all, micro), self._take(labels_all, micro)
             with self.D.gradient_sync(micro == accumulation - 1):  # no_sync covers forward and backward
                 with torch.no_grad(), self.precision.autocast():
-                    fake = self.G(z)
-                alpha = self.slicing.take(alpha_all, micro) if alpha_all is not None else None
-                adversarial, penalty = self._d_objective(real, fake.float(), with_r1, alpha)
+                    fake = self.task.generate(self.G, real, z, labels)
+                adversarial, penalty = self._d_objective(real, fake.float(), labels, with_r1, self._take(alpha_all, micro))
                 self.precision.scale((adversarial + penalty) / accumulation).backward()
             totals += torch.stack([adversarial.detach(), penalty.detach()]) / accumulation
         loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, totals)
         return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
 
-    def _d_objective(self, real: Tensor, fake: Tensor, with_r1: bool, alpha: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _take(self, global_tensor: Tensor | None, micro: int) -> Tensor | None:
+        return None if global_tensor is None else self.slicing.take(global_tensor, micro)
+
+    def _d_objective(self, sample: Sample, fake: Tensor, labels: Tensor | None, with_r1: bool,
+                     alpha: Tensor | None) -> tuple[Tensor, Tensor]:
         """D's loss on one micro-batch: one D forward over [real, fake, (interpolates)]."""
-        loss_cfg, b = self.cfg.loss, real.shape[0]
+        loss_cfg = self.cfg.loss
+        real = self.task.critic_view(sample, self.task.real_images(sample))
+        fake = self.task.critic_view(sample, fake)
+        b = real.shape[0]
         if with_r1:
             real = real.detach().requires_grad_(True)
         parts = [real, fake]
@@ -236,7 +252,7 @@ class Trainer:
             interp = (alpha.view(shape) * real.detach() + (1 - alpha.view(shape)) * fake).requires_grad_(True)
             parts.append(interp)
         with self.precision.autocast():
-            logits = self.D(torch.cat(parts))
+            logits = self.D(torch.cat(parts), *self.task.critic_conditions(sample, labels))
         real_logits, fake_logits, *interp_logits = logits.split(b)
         adversarial = objectives.d_loss(loss_cfg.kind, real_logits, fake_logits)
         penalty = torch.zeros((), device=real.device)
@@ -248,24 +264,27 @@ class Trainer:
             penalty = penalty + loss_cfg.gp_weight * objectives.gradient_penalty(interp_logits[0], interp, scale)
         return adversarial, penalty
 
-    def generator_step(self, step: int) -> dict[str, float]:
+    def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
         self.watchdog.mark(f"step {step}: G step (DDP all-reduce in backward)")
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
-        z_all = self._global_latents(step, PHASE_G)
+        z_all, labels_all = self._global_latents(step, PHASE_G), self._global_labels(step, PHASE_G)
         accumulation = self.slicing.accumulation
-        total = torch.zeros(1, device=self.runtime.device)
-        for micro in range(accumulation):
-            z = self.slicing.take(z_all, micro)
+        totals = torch.zeros(2, device=self.runtime.device)  # G's loss, its reconstruction (L1) part
+        for micro, sample in enumerate(reals):
+            z, labels = self._take(z_all, micro), self._take(labels_all, micro)
             # D is frozen here: its DDP must not arm a gradient reduction it would then fire during
             # the next D step's first no_sync micro-step (an extra all-reduce per iteration).
             with self.G.gradient_sync(micro == accumulation - 1), self.D.gradient_sync(False):
                 with self.precision.autocast():
-                    loss = objectives.g_loss(self.cfg.loss.kind, self.D(self.G(z)))
+                    fake = self.task.generate(self.G, sample, z, labels)
+                    logits = self.D(self.task.critic_view(sample, fake), *self.task.critic_conditions(None, labels))
+                reconstruction = self.task.reconstruction(fake, sample)
+                loss = objectives.g_loss(self.cfg.loss.kind, logits) + reconstruction
                 self.precision.scale(loss / accumulation).backward()
-            total += loss.detach() / accumulation
+            totals += torch.stack([loss.detach(), reconstruction.detach()]) / accumulation
         self.D.trainable(True)
-        (loss_g, grad_norm) = self._finish_step(self.G, self.opt_g, total)
-        return {"loss_g": loss_g, "grad_norm_g": grad_norm}
+        (loss_g, reconstruction_g, grad_norm) = self._finish_step(self.G, self.opt_g, totals)
+        return {"loss_g": loss_g, "l1_g": reconstruction_g, "grad_norm_g": grad_norm}
 
     def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer, local_losses: Tensor) -> tuple[float, ...]:
         """Clip, agree on skipping and stopping, step. Returns the global mean losses and the pre-clip grad norm."""
@@ -300,7 +319,7 @@ class Trainer:
         mixture = self.cfg.data.kind in MIXTURE_MODES
         z = self._global_latents(0, PHASE_SAMPLES, PROTOCOL_SAMPLES) if mixture else self.sample_z
         with torch.no_grad():
-            drawn = self.G_ema(z).float().cpu()
+            drawn = self.task.preview(self.G_ema, z).float().cpu()
         if not self.runtime.is_main:
             return {}
         quality: dict[str, float] = {}
@@ -310,7 +329,7 @@ class Trainer:
             self.log.add_scalars("quality", quality, self.step)
             picture = scatter(points, MIXTURE_MODES[self.cfg.data.kind]())
         else:
-            picture = image_grid(drawn)
+            picture = image_grid(drawn, cols=self.task.grid_columns)
         write_png(picture, self.run_dir / "samples" / f"step-{self.step:08d}.png")
         self.log.add_image("samples", picture, self.step)
         return quality

@@ -14,18 +14,21 @@ from ganscale.config import Config
 from ganscale.data.folder import ImageFolder
 from ganscale.data.images import digits
 from ganscale.data.mixtures import grid25, ring8
+from ganscale.data.paired import PairedImages
 from ganscale.data.stream import GlobalBatches, Slicing
 
 
 def build_dataset(cfg: Config) -> Dataset:
     d = cfg.data
     if d.kind == "digits":
-        return digits(d.resolution, d.channels)
+        return digits(d.resolution, d.channels, d.labels)
     if d.kind == "ring8":
         return ring8(d.size, seed=cfg.train.seed)
     if d.kind == "grid25":
         return grid25(d.size, seed=cfg.train.seed)
+    if d.kind == "paired":
+        return PairedImages(d.path, d.load_size, d.resolution, d.direction, seed=cfg.train.seed, channels=d.channels)
     return ImageFolder(d.path, d.resolution, d.channels)
 
 
-__all__ = ["build_dataset", "GlobalBatches", "Slicing", "ImageFolder"]
+__all__ = ["build_dataset", "GlobalBatches", "Slicing", "ImageFolder", "PairedImages"]

@@ -39,8 +39,9 @@ class Slicing:
 class _RankSampler(Sampler[list[int]]):
     """Yields this rank's index list for every micro-step, forever, from global batch `start`."""
 
-    def __init__(self, size: int, slicing: Slicing, seed: int, start: int):
+    def __init__(self, size: int, slicing: Slicing, seed: int, start: int, keyed_by_position: bool = False):
         self.size, self.slicing, self.seed, self.start = size, slicing, seed, start
+        self.keyed_by_position = keyed_by_position  # yield (index, stream position) keys, for seeded augmentation
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -60,29 +61,37 @@ class _RankSampler(Sampler[list[int]]):
         batch = self.start
         while True:
             for micro_step in range(self.slicing.accumulation):
-                yield self.indices(batch, micro_step)
+                indices = self.indices(batch, micro_step)
+                if self.keyed_by_position:
+                    first = batch * self.slicing.global_batch + self.slicing.offset(micro_step)
+                    indices = [(index, first + j) for j, index in enumerate(indices)]
+                yield indices
             batch += 1
 
 
+Sample = tuple[torch.Tensor, ...]  # one micro-batch: (images,), (images, labels) or (input, target)
+
+
 class GlobalBatches:
-    """Iterator over global batches; each item is this rank's list of micro-batches on `device`."""
+    """Iterator over global batches; each item is this rank's list of micro-batches on `device`,
+    each micro-batch a tuple of tensors (the data set's fields)."""
 
     def __init__(self, dataset: Dataset, slicing: Slicing, seed: int, device: torch.device,
                  workers: int = 0, start: int = 0):
         self.slicing, self.device, self.position = slicing, device, start
-        sampler = _RankSampler(len(dataset), slicing, seed, start)
+        sampler = _RankSampler(len(dataset), slicing, seed, start, getattr(dataset, "keyed_by_position", False))
         if isinstance(dataset, TensorDataset) and workers == 0:
-            # In-memory data: index the tensor directly, no per-sample collation.
-            data = dataset.tensors[0]
-            self._micro = (data[torch.tensor(idx)] for idx in sampler)
+            # In-memory data: index the tensors directly, no per-sample collation.
+            self._micro = (tuple(t[torch.tensor(idx)] for t in dataset.tensors) for idx in sampler)
         else:
             loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                 pin_memory=device.type == "cuda", persistent_workers=workers > 0)
-            self._micro = (batch[0] for batch in loader)
+            self._micro = (tuple(batch) for batch in loader)
 
     def __iter__(self) -> GlobalBatches:
         return self
 
-    def __next__(self) -> list[torch.Tensor]:
+    def __next__(self) -> list[Sample]:
         self.position += 1
-        return [next(self._micro).to(self.device, non_blocking=True) for _ in range(self.slicing.accumulation)]
+        return [tuple(t.to(self.device, non_blocking=True) for t in next(self._micro))
+                for _ in range(self.slicing.accumulation)]

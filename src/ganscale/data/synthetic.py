@@ -50,8 +50,8 @@ def _rectangles(rng: np.random.Generator, width: int, height: int) -> list[tuple
             left = column * column_w + (column_w - window_w) / 2
             rects.append((WINDOW, round(top), round(left), round(top + window_h), round(left + window_w)))
             if balcony:  # a railing strip just below the window, a little wider than it
-                rects.append((BALCONY, round(top + window_h) + 1, round(left) - 2,
-                              round(top + window_h + floor_h * 0.12) + 1, round(left + window_w) + 2))
+                rects.append((BALCONY, round(top + window_h) + 1, max(0, round(left) - 2),  # inside small canvases
+                              round(top + window_h + floor_h * 0.12) + 1, min(width, round(left + window_w) + 2)))
     door_column = int(rng.integers(0, columns))
     door_w, door_h = column_w * rng.uniform(0.3, 0.55), ground * rng.uniform(0.65, 0.85)
     door_left = door_column * column_w + (column_w - door_w) / 2

@@ -6,8 +6,10 @@ import torch
 from torch import nn
 
 from ganscale.config import Config
+from ganscale.models.biggan import BigGANDiscriminator, BigGANGenerator
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
+from ganscale.models.pix2pix import PatchDiscriminator, UNetGenerator
 
 
 def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
@@ -17,6 +19,12 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
     if m.kind == "mlp":
         G = MLPGenerator(m.z_dim, 2, m.g_width, m.g_layers, m.g_batchnorm)
         D = MLPDiscriminator(2, m.d_width, m.d_layers, m.d_spectral_norm)
+    elif m.kind == "biggan":
+        G = BigGANGenerator(d.resolution, m.g_width, m.z_dim, m.n_classes, d.channels, m.shared_dim, m.attn_resolution)
+        D = BigGANDiscriminator(d.resolution, m.d_width, m.n_classes, d.channels, m.attn_resolution)
+    elif m.kind == "pix2pix":
+        G = UNetGenerator(d.channels, d.channels, d.resolution, m.g_width, m.norm)
+        D = PatchDiscriminator(2 * d.channels, m.d_width, norm=m.norm)
     else:
         G = DCGANGenerator(m.z_dim, d.channels, d.resolution, m.g_width, m.g_batchnorm)
         D = DCGANDiscriminator(d.channels, d.resolution, m.d_width, m.d_spectral_norm)

@@ -10,10 +10,11 @@ import torch
 from PIL import Image, ImageDraw
 
 
-def image_grid(images: torch.Tensor, min_cell: int = 32) -> np.ndarray:
-    """(N, C, H, W) in [-1, 1] -> (H', W', 3) uint8 grid, cells upscaled to at least `min_cell` pixels."""
+def image_grid(images: torch.Tensor, min_cell: int = 32, cols: int | None = None) -> np.ndarray:
+    """(N, C, H, W) in [-1, 1] -> (H', W', 3) uint8 grid (`cols` wide, default square), cells upscaled
+    to at least `min_cell` pixels."""
     n, c, h, w = images.shape
-    cols = math.ceil(math.sqrt(n))
+    cols = cols or math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
     pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     if c < 3:  # grey (and grey + alpha): show the grey channel

@@ -1,0 +1,114 @@
+"""What G is given and what D judges: the one place where unconditional, class-conditional and paired
+(image-to-image) GANs differ. The trainer's loop is the same for all three; it asks its task.
+
+A sample from the data stream is a tuple of tensors: (images,), (images, labels) or (input, target).
+Every method here is a pure function of its arguments (no communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from ganscale.config import Config
+from ganscale.data.stream import Sample
+
+
+class Unconditional:
+    """G(z) -> image; D(image)."""
+
+    grid_columns: int | None = None  # sample grid width (None: square)
+
+    def labels(self, n: int, generator: torch.Generator) -> Tensor | None:
+        """Classes for n generated samples, drawn from `generator` (None: G takes no labels)."""
+        return None
+
+    def generate(self, G: nn.Module, real: Sample, z: Tensor, labels: Tensor | None) -> Tensor:
+        return G(z)
+
+    def real_images(self, real: Sample) -> Tensor:
+        return real[0]
+
+    def critic_view(self, real: Sample, images: Tensor) -> Tensor:
+        """What D sees of `images` (real or generated) next to this sample."""
+        return images
+
+    def critic_conditions(self, real: Sample | None, labels: Tensor | None) -> tuple[Tensor, ...]:
+        """Extra arguments of D (class labels) for the batch [real, fake], or [fake] when `real` is None; or ()."""
+        return ()
+
+    def reconstruction(self, fake: Tensor, real: Sample) -> Tensor:
+        """A supervised term added to G's loss (pix2pix's L1), zero here."""
+        return fake.new_zeros(())
+
+    def preview(self, G: nn.Module, z: Tensor) -> Tensor:
+        """Images for the sample grid, drawn from fixed inputs."""
+        return G(z)
+
+
+class ClassConditional(Unconditional):
+    """G(z, y) -> image; D(image, y) with a projection head. Generated samples get uniformly drawn classes;
+    the preview grid has one class per row."""
+
+    def __init__(self, n_classes: int, row: int = 8):
+        self.n_classes, self.row = n_classes, row
+        self.grid_columns = row
+
+    def labels(self, n: int, generator: torch.Generator) -> Tensor:
+        return torch.randint(self.n_classes, (n,), generator=generator)
+
+    def generate(self, G: nn.Module, real: Sample, z: Tensor, labels: Tensor | None) -> Tensor:
+        return G(z, labels)
+
+    def critic_conditions(self, real: Sample | None, labels: Tensor | None) -> tuple[Tensor, ...]:
+        return (labels if real is None else torch.cat([real[1], labels]),)
+
+    def preview(self, G: nn.Module, z: Tensor) -> Tensor:
+        rows = torch.arange(len(z), device=z.device) // self.row % self.n_classes
+        return G(z, rows)
+
+
+class Paired(Unconditional):
+    """pix2pix: G(input) -> output; D judges (input, output) concatenated on channels; G also minimises
+    `l1_weight` x L1(output, target). G's randomness is its dropout (per-rank RNG streams), not z."""
+
+    grid_columns = 3  # input, output, target
+
+    def __init__(self, l1_weight: float, preview_pairs: list[Sample]):
+        self.l1_weight = l1_weight
+        self.preview_pairs = preview_pairs
+
+    def generate(self, G: nn.Module, real: Sample, z: Tensor, labels: Tensor | None) -> Tensor:
+        return G(real[0])
+
+    def real_images(self, real: Sample) -> Tensor:
+        return real[1]
+
+    def critic_view(self, real: Sample, images: Tensor) -> Tensor:
+        return torch.cat([real[0], images], dim=1)
+
+    def reconstruction(self, fake: Tensor, real: Sample) -> Tensor:
+        return self.l1_weight * F.l1_loss(fake.float(), real[1].float())
+
+    def preview(self, G: nn.Module, z: Tensor) -> Tensor:
+        """Rows of (input, output, target) triples for fixed, un-augmented pairs."""
+        device = next(G.parameters()).device
+        inputs = torch.stack([pair[0] for pair in self.preview_pairs]).to(device)
+        targets = torch.stack([pair[1] for pair in self.preview_pairs]).to(device)
+        outputs = G(inputs)
+        return torch.stack([inputs, outputs.to(inputs.dtype), targets], dim=1).flatten(0, 1)
+
+
+def build_task(cfg: Config, dataset: Dataset) -> Unconditional:
+    if cfg.model.kind == "biggan":
+        return ClassConditional(cfg.model.n_classes)
+    if cfg.model.kind == "pix2pix":
+        from ganscale.data.paired import PairedImages
+
+        fixed = PairedImages(dataset.root, dataset.load_size, dataset.crop_size, dataset.direction,
+                             augment=False, channels=cfg.data.channels)
+        count = min(len(fixed), max(1, cfg.log.samples // 3))
+        return Paired(cfg.loss.l1_weight, [fixed[i] for i in range(count)])
+    return Unconditional()

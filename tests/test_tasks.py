@@ -1,0 +1,160 @@
+"""Class-conditional (BigGAN) and paired (pix2pix) training through the same loop: configs, data, and
+the 1-process == N-process proof for each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dist_helpers import max_relative_difference, run_ranks, train_and_collect, train_in_process
+from ganscale import config
+from ganscale.config import ConfigError
+from ganscale.data.synthetic import write_synthetic_facades
+from ganscale.tasks import ClassConditional, Paired
+
+QUIET = {"log.every": 1, "log.sample_every": 0, "checkpoint.every": 0, "log.tensorboard": "false",
+         "train.ema_half_life_images": 50}
+TINY_BIGGAN = {**QUIET, "model.kind": "biggan", "data.labels": "true", "model.z_dim": 8, "model.g_width": 4,
+               "model.d_width": 4, "model.shared_dim": 8, "loss.kind": "hinge", "train.batch_size": 8,
+               "train.steps": 3}
+
+
+def tiny_pix2pix(path) -> dict:
+    # 32x32 crops: a 5-level U-Net without dropout, so two ranks can reproduce one exactly.
+    return {**QUIET, "model.kind": "pix2pix", "data.kind": "paired", "data.path": str(path), "data.channels": 3,
+            "data.resolution": 32, "data.load_size": 36, "data.direction": "BtoA", "model.g_width": 4,
+            "model.d_width": 4, "model.norm": "instance", "loss.l1_weight": 100, "train.batch_size": 4,
+            "train.steps": 3, "optim.decay_start": 0.5}
+
+
+def build(overrides: dict, world: int = 1) -> config.Config:
+    cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    config.check(cfg, world, False)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def facades(tmp_path_factory):
+    return write_synthetic_facades(tmp_path_factory.mktemp("facades") / "train", n=8, seed=0, size=(96, 48))
+
+
+# ------------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize("overrides, key", [
+    ({"model.kind": "biggan"}, "data.labels"),                               # a class-conditional G without labels
+    ({"data.labels": "true"}, "data.labels"),                                # labels an unconditional G ignores
+    ({"model.kind": "pix2pix"}, "model.kind"),                               # pix2pix on unpaired digits
+    ({"loss.l1_weight": 100}, "loss.l1_weight"),                             # an L1 target that does not exist
+    ({**TINY_BIGGAN, "loss.kind": "wgan-gp"}, "loss.kind"),                  # GP interpolates across conditions
+    ({**TINY_BIGGAN, "model.n_classes": 7}, "model.n_classes")])             # digits have 10 classes
+def test_model_data_and_loss_must_agree(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        build(overrides)
+    assert info.value.key == key and info.value.fix
+
+
+def test_paired_load_size_below_crop_is_refused(facades):
+    with pytest.raises(ConfigError) as info:
+        build({**tiny_pix2pix(facades), "data.load_size": 30})
+    assert info.value.key == "data.load_size"
+    with pytest.raises(ConfigError) as info:
+        build({**tiny_pix2pix(facades), "data.resolution": 16, "data.load_size": 18})
+    assert info.value.key == "data.resolution"
+
+
+# ------------------------------------------------------------------------------------------ tasks
+def test_class_conditional_task_feeds_labels_to_both_networks():
+    task = ClassConditional(10)
+    labels = task.labels(6, torch.Generator().manual_seed(0))
+    assert labels.dtype == torch.int64 and labels.min() >= 0 and labels.max() < 10
+    real = (torch.zeros(6, 1, 8, 8), torch.arange(6))
+    (both,) = task.critic_conditions(real, labels)
+    assert both.tolist() == [*range(6), *labels.tolist()]  # D sees [real, fake] with their own classes
+    (fake_only,) = task.critic_conditions(None, labels)
+    assert torch.equal(fake_only, labels)
+
+
+def test_paired_task_judges_input_and_output_together_and_adds_weighted_l1():
+    source, target = torch.full((2, 3, 4, 4), -1.0), torch.full((2, 3, 4, 4), 0.5)
+    task = Paired(l1_weight=100.0, preview_pairs=[])
+    generated = torch.zeros(2, 3, 4, 4)
+    view = task.critic_view((source, target), generated)
+    assert view.shape == (2, 6, 4, 4) and torch.equal(view[:, :3], source) and torch.equal(view[:, 3:], generated)
+    assert torch.equal(task.real_images((source, target)), target)
+    assert float(task.reconstruction(generated, (source, target))) == pytest.approx(100 * 0.5)
+
+
+# ------------------------------------------------------------------------------------------ training
+def test_conditional_digits_train_and_draw_one_class_per_grid_row(tmp_path):
+    cfg = build({**TINY_BIGGAN, "log.sample_every": 3, "log.samples": 16})
+    trainer = train_in_process(cfg, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(torch.isfinite(torch.tensor(r["loss_d"])) for r in records)
+    assert (tmp_path / "samples" / "step-00000003.png").exists()
+    # The projection D really uses the label: the same images judged under other classes score differently.
+    x = torch.zeros(4, 1, 8, 8)
+    with torch.no_grad():
+        assert not torch.allclose(trainer.D.module(x, torch.zeros(4, dtype=torch.long)),
+                                  trainer.D.module(x, torch.full((4,), 7, dtype=torch.long)))
+
+
+def test_pix2pix_trains_on_synthetic_pairs_and_logs_l1(tmp_path, facades):
+    cfg = build({**tiny_pix2pix(facades), "train.steps": 4, "log.sample_every": 4, "log.samples": 6})
+    train_in_process(cfg, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["l1_g"] < 100 * 2 for r in records)  # L1 of [-1, 1] images, weighted by 100
+    assert all(r["loss_g"] > r["l1_g"] for r in records)   # G's loss = adversarial + L1
+    assert (tmp_path / "samples" / "step-00000004.png").exists()
+
+
+def network_outputs(overrides: dict, states: dict, inputs: dict) -> dict[str, torch.Tensor]:
+    """What G, G_ema (batch statistics) and D (eval) compute on fixed inputs, from collected states."""
+    from ganscale.models import build_networks
+
+    generator, discriminator = build_networks(build(overrides))
+    out = {}
+    with torch.no_grad():
+        for net in ("G", "G_ema"):
+            generator.load_state_dict(states[net])
+            out[net] = generator.train()(*inputs["G"])
+        discriminator.load_state_dict(states["D"])
+        out["D"] = discriminator.eval()(*inputs["D"])
+    return out
+
+
+def assert_same_functions(overrides: dict, reference: dict, others: list[dict], inputs: dict) -> None:
+    """N ranks == 1 process, compared by what the networks compute: biases of convolutions that feed a
+    normalisation get gradients that are zero up to rounding, which Adam scales up to lr-sized steps, so
+    their values depend on the summation order while the functions do not."""
+    expected = network_outputs(overrides, reference, inputs)
+    for other in others:
+        got = network_outputs(overrides, other, inputs)
+        for net in expected:
+            assert max_relative_difference({net: expected[net]}, {net: got[net]}) <= 1e-4, net
+
+
+@pytest.mark.slow
+def test_conditional_biggan_on_two_ranks_equals_one_process(tmp_path):
+    """G has (conditional) BatchNorm: with cross-rank statistics, 2 x 4 == 1 x 8, labels included."""
+    one = run_ranks(train_and_collect, 1, TINY_BIGGAN, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, {**TINY_BIGGAN, "parallel.sync_bn": "true"}, str(tmp_path / "two"))
+    gen = torch.Generator().manual_seed(1)
+    classes = torch.arange(32) % 10
+    inputs = {"G": (torch.randn(32, 8, generator=gen), classes), "D": (torch.rand(32, 1, 8, 8, generator=gen) * 2 - 1, classes)}
+    assert_same_functions(TINY_BIGGAN, one, two, inputs)
+    # Sensitivity: without cross-rank statistics the two trainings are measurably different.
+    local = run_ranks(train_and_collect, 2, TINY_BIGGAN, str(tmp_path / "local"))[0]
+    with pytest.raises(AssertionError):
+        assert_same_functions(TINY_BIGGAN, one, [local], inputs)
+
+
+@pytest.mark.slow
+def test_pix2pix_on_two_ranks_equals_one_process(tmp_path, facades):
+    """Crops and flips are functions of the stream position, so the ranks' union is one process's batch."""
+    overrides = tiny_pix2pix(facades)
+    one = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, overrides, str(tmp_path / "two"))
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"G": (torch.rand(2, 3, 32, 32, generator=gen) * 2 - 1,), "D": (torch.rand(2, 6, 32, 32, generator=gen) * 2 - 1,)}
+    assert_same_functions(overrides, one, two, inputs)
