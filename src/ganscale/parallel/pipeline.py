@@ -354,6 +354,23 @@ class PipelinedGAN:
         dist.broadcast(images, src=self._global(self.stages - 1), group=self.pp)
         return images
 
+    def average_batchnorm_stats(self, *parts: Part) -> None:
+        """Collective over the dp group: the pipeline replicas' BatchNorm running statistics averaged.
+
+        Each rank averages its own parts with the ranks holding the same stage (the world-wide
+        `parallel.average_batchnorm_stats` would mix different stages' layers). Call before sampling,
+        evaluating or saving, as the trainer does for the other strategies.
+        """
+        stats = [b for part in parts for layer in part.modules() if isinstance(layer, nn.modules.batchnorm._BatchNorm)
+                 for b in (layer.running_mean, layer.running_var) if b is not None]
+        if self.replicas == 1 or not stats:  # the same on every rank of a dp group: same stage, same layers
+            return
+        flat = torch.cat([s.reshape(-1).double() for s in stats])
+        dist.all_reduce(flat, group=self.dp)
+        flat /= self.replicas
+        for s, averaged in zip(stats, flat.split([s.numel() for s in stats])):
+            s.copy_(averaged.view_as(s))
+
     # --------------------------------------------------------------------------- norms, states
     def grad_norm(self, network: str, max_norm: float = 0.0) -> Tensor:
         """The norm of the whole network's gradient (all parts); clips to `max_norm` when it is > 0."""
