@@ -146,3 +146,27 @@ def test_learning_rates_follow_the_schedule_during_training(tmp_path):
     assert base_g == cfg.optim.g.lr
     assert math.isclose(trainer.opt_g.param_groups[0]["lr"], base_g * lr_factor(5, 6, 0.5))
     assert math.isclose(trainer.opt_d.param_groups[0]["lr"], base_d * lr_factor(5, 6, 0.5))
+
+
+def test_step_time_breakdown_is_logged_and_adds_up(tmp_path):
+    """Every part of the step is reported per logged step, and together they are at most the wall time."""
+    import json
+
+    from dist_helpers import train_in_process
+    from ganscale import config
+    from ganscale.observe.timing import PARTS
+
+    cfg = config.load(None, ["train.steps=4", "log.every=2", "train.batch_size=16", "log.sample_every=0",
+                             "checkpoint.every=0", "log.tensorboard=false"])
+    train_in_process(cfg, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        parts = [record[f"time_{part}_ms"] for part in PARTS]
+        assert all(t >= 0 for t in parts)
+        assert record["time_d_forward_backward_ms"] > 0 and record["time_g_forward_backward_ms"] > 0
+        assert sum(parts) / 1000 <= 16 / record["img_per_s"] * 1.05  # within the step's wall time
+    quiet = config.load(None, ["train.steps=2", "log.every=1", "log.step_times=false", "log.sample_every=0",
+                               "checkpoint.every=0", "log.tensorboard=false"])
+    train_in_process(quiet, tmp_path / "quiet")
+    assert not any(k.startswith("time_") for k in json.loads((tmp_path / "quiet" / "metrics.jsonl").read_text().splitlines()[0]))

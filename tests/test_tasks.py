@@ -158,3 +158,40 @@ def test_pix2pix_on_two_ranks_equals_one_process(tmp_path, facades):
     gen = torch.Generator().manual_seed(1)
     inputs = {"G": (torch.rand(2, 3, 32, 32, generator=gen) * 2 - 1,), "D": (torch.rand(2, 6, 32, 32, generator=gen) * 2 - 1,)}
     assert_same_functions(overrides, one, two, inputs)
+
+
+# ------------------------------------------------------------------------------------------ commands
+def test_make_facades_writes_a_set_the_pix2pix_recipe_trains_on(tmp_path):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    folder = tmp_path / "facades"
+    result = CliRunner().invoke(main, ["make-facades", str(folder), "--n", "3", "--size", "96x48"])
+    assert result.exit_code == 0, result.output
+    assert len(list(folder.glob("*.jpg"))) == 3 and "data.path=" in result.output
+    cfg = config.load("pix2pix", [f"data.path={folder}"])
+    config.check(cfg, 1, False)
+    assert (cfg.model.kind, cfg.data.direction, cfg.loss.l1_weight, cfg.train.batch_size) == ("pix2pix", "BtoA", 100, 1)
+    bad = CliRunner().invoke(main, ["make-facades", str(tmp_path / "x"), "--size", "wide"])
+    assert bad.exit_code == 2 and "--size" in bad.output
+
+
+def test_sample_draws_one_class_on_request_and_refuses_unknown_classes(tmp_path):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    train_in_process(build({**TINY_BIGGAN, "train.steps": 1, "checkpoint.every": 1}), tmp_path / "run")
+    runner = CliRunner()
+    ok = runner.invoke(main, ["sample", str(tmp_path / "run"), "--n", "16", "--class", "3", "--out", str(tmp_path / "3.png")])
+    assert ok.exit_code == 0, ok.output
+    assert (tmp_path / "3.png").stat().st_size > 0
+    refused = runner.invoke(main, ["sample", str(tmp_path / "run"), "--class", "10", "--out", str(tmp_path / "x.png")])
+    assert refused.exit_code == 2 and "--class" in refused.output and not (tmp_path / "x.png").exists()
+
+
+def test_the_conditional_digits_recipe_is_valid():
+    cfg = config.load("digits-biggan")
+    config.check(cfg, 2, False)
+    assert cfg.model.kind == "biggan" and cfg.data.labels and cfg.loss.kind == "hinge"

@@ -186,6 +186,9 @@ class LogConfig(Section):
     samples: int = Field(64, ge=1)
     """Images in a sample grid (fixed noise)."""
     tensorboard: bool = True
+    step_times: bool = True
+    """Log where each step's time goes (time_<part>_ms: data, D and G forward/backward, sync, optimizer,
+    outputs); on CUDA this synchronises the device at each part's boundary."""
 
 
 class FaultConfig(Section):

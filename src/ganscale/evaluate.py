@@ -22,6 +22,7 @@ from ganscale.metrics.images import dataset_features, image_metrics
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
+from ganscale.tasks import build_task
 from ganscale.trainer import MIXTURE_MODES
 
 REFERENCE_LIMIT = 10_000  # real images whose features form the reference set (a seeded subset beyond it)
@@ -45,11 +46,20 @@ def draw(generator: nn.Module, z_dim: int, n: int, seed: int) -> torch.Tensor:
     return generator(z).float()
 
 
-def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0) -> Path:
+def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int | None = None) -> Path:
+    """A grid of n samples (one class per row for a class-conditional G, or all of class `label`;
+    input | output | target rows for pix2pix), or a scatter plot for 2D data."""
     cfg, generator, _ = load_generator(run_dir)
-    samples = draw(generator, cfg.model.z_dim, n, seed)
+    task = build_task(cfg)
+    if label is not None and not 0 <= label < task.n_classes:
+        problem = (f"class {label} is not one of this run's {task.n_classes} classes" if task.n_classes
+                   else "this run's generator is not class-conditional")
+        raise ConfigError("--class", problem, f"use 0 to {task.n_classes - 1}" if task.n_classes else "drop --class")
+    z = torch.randn(n, cfg.model.z_dim, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        samples = task.preview(generator, z, label).float()
     modes = MIXTURE_MODES.get(cfg.data.kind)
-    picture = scatter(samples, modes()) if modes else image_grid(samples)
+    picture = scatter(samples, modes()) if modes else image_grid(samples, cols=task.grid_columns)
     write_png(picture, out)
     return out
 

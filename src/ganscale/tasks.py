@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset
 
 from ganscale.config import Config
 from ganscale.data.stream import Sample
@@ -20,6 +19,7 @@ class Unconditional:
     """G(z) -> image; D(image)."""
 
     grid_columns: int | None = None  # sample grid width (None: square)
+    n_classes = 0                     # classes G can be asked for (0: not class-conditional)
 
     def labels(self, n: int, generator: torch.Generator) -> Tensor | None:
         """Classes for n generated samples, drawn from `generator` (None: G takes no labels)."""
@@ -43,8 +43,8 @@ class Unconditional:
         """A supervised term added to G's loss (pix2pix's L1), zero here."""
         return fake.new_zeros(())
 
-    def preview(self, G: nn.Module, z: Tensor) -> Tensor:
-        """Images for the sample grid, drawn from fixed inputs."""
+    def preview(self, G: nn.Module, z: Tensor, label: int | None = None) -> Tensor:
+        """Images for the sample grid, drawn from fixed inputs (of one class, if given)."""
         return G(z)
 
 
@@ -65,7 +65,9 @@ class ClassConditional(Unconditional):
     def critic_conditions(self, real: Sample | None, labels: Tensor | None) -> tuple[Tensor, ...]:
         return (labels if real is None else torch.cat([real[1], labels]),)
 
-    def preview(self, G: nn.Module, z: Tensor) -> Tensor:
+    def preview(self, G: nn.Module, z: Tensor, label: int | None = None) -> Tensor:
+        if label is not None:
+            return G(z, torch.full((len(z),), label, dtype=torch.int64, device=z.device))
         rows = torch.arange(len(z), device=z.device) // self.row % self.n_classes
         return G(z, rows)
 
@@ -92,7 +94,7 @@ class Paired(Unconditional):
     def reconstruction(self, fake: Tensor, real: Sample) -> Tensor:
         return self.l1_weight * F.l1_loss(fake.float(), real[1].float())
 
-    def preview(self, G: nn.Module, z: Tensor) -> Tensor:
+    def preview(self, G: nn.Module, z: Tensor, label: int | None = None) -> Tensor:
         """Rows of (input, output, target) triples for fixed, un-augmented pairs."""
         device = next(G.parameters()).device
         inputs = torch.stack([pair[0] for pair in self.preview_pairs]).to(device)
@@ -101,14 +103,14 @@ class Paired(Unconditional):
         return torch.stack([inputs, outputs.to(inputs.dtype), targets], dim=1).flatten(0, 1)
 
 
-def build_task(cfg: Config, dataset: Dataset) -> Unconditional:
+def build_task(cfg: Config) -> Unconditional:
     if cfg.model.kind == "biggan":
         return ClassConditional(cfg.model.n_classes)
     if cfg.model.kind == "pix2pix":
         from ganscale.data.paired import PairedImages
 
-        fixed = PairedImages(dataset.root, dataset.load_size, dataset.crop_size, dataset.direction,
-                             augment=False, channels=cfg.data.channels)
+        d = cfg.data
+        fixed = PairedImages(d.path, d.load_size, d.resolution, d.direction, augment=False, channels=d.channels)
         count = min(len(fixed), max(1, cfg.log.samples // 3))
         return Paired(cfg.loss.l1_weight, [fixed[i] for i in range(count)])
     return Unconditional()

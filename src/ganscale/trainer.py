@@ -27,6 +27,7 @@ from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
+from ganscale.observe.timing import StepTimes
 from ganscale.parallel import Layout, Wrapped, average_batchnorm_stats, held_bytes, parallelize
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
@@ -77,13 +78,14 @@ class Trainer:
         self.saved_step = -1
         self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
         self.traffic = TrafficMeter()  # bytes communicated per step, measured on one step
+        self.times = StepTimes(device, cfg.log.step_times)  # where each step's wall time goes
         self.inject_fault = injected_fault()  # test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set
         self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics")
         seed_rank_streams(cfg.train.seed, runtime)
         if resume is not None:
             self._load(resume)
         self.dataset = build_dataset(cfg)
-        self.task = build_task(cfg, self.dataset)  # what G is given and D judges (unconditional, classes, pairs)
+        self.task = build_task(cfg)  # what G is given and D judges (unconditional, classes, pairs)
         self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
                                      start=self.step * cfg.loss.n_critic)
         self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
@@ -131,7 +133,7 @@ class Trainer:
 
     def _fit(self) -> dict:
         cfg, started = self.cfg, time.perf_counter()
-        start_step = self.step
+        start_step = logged_step = self.step
         record: dict[str, float] = {}
         quality: dict[str, float] = {}
         while self.step < cfg.train.steps:
@@ -146,7 +148,8 @@ class Trainer:
             self.traffic.enabled = step == min(start_step + 2, cfg.train.steps - 1)
             d_stats = {}
             for critic in range(cfg.loss.n_critic):
-                reals = next(self.batches)
+                with self.times.part("data"):
+                    reals = next(self.batches)
                 with self.traffic.measure("d_step"):
                     d_stats = self.discriminator_step(reals, step, critic)
                 if critic < cfg.loss.n_critic - 1:
@@ -158,7 +161,8 @@ class Trainer:
             self.step = step + 1
             beta = ema_beta(self.global_batch, self.step * self.global_batch, cfg.train.ema_half_life_images,
                             cfg.train.ema_rampup)
-            update_ema(self.G_ema, self.G.module, beta)
+            with self.times.part("optimizer"):
+                update_ema(self.G_ema, self.G.module, beta)
             self.log.advance()
             if self.step == start_step + 1:  # optimizer state exists after the first step
                 self.memory = self._memory_report()
@@ -169,18 +173,21 @@ class Trainer:
             if self.step % cfg.log.every == 0 or final:
                 held = {f"held_bytes_{net.lower()}": sum(self.memory[0][net].values()) for net in ("G", "D")}
                 sent = {f"comm_bytes_{phase}": n for phase, n in self.traffic.totals().items()}
-                record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held, **sent},
-                                      self.global_batch)
+                times = self.times.take(self.step - logged_step)  # this rank's; rank 0's are logged
+                logged_step = self.step
+                record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held, **sent,
+                                                  **times}, self.global_batch)
             # Both decisions below come from values every rank agreed on in _finish_step's collective.
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
                 self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
                 raise NonFiniteTraining(
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients (last: {record or g_stats}); "
                     f"the last good checkpoint is kept. Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32")
-            if (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final:
-                quality = self.write_samples()
-            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed:
-                self.save_checkpoint()
+            with self.times.part("outputs"):
+                if (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final:
+                    quality = self.write_samples()
+                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed:
+                    self.save_checkpoint()
             if self.stop_agreed and not final:
                 self.log.close(self._summary(start_step, started, record, quality, stopped="preempted"))
                 raise Preempted(f"stopped at step {self.step} on request ({self.stop_signal or 'another rank'}); "
@@ -218,11 +225,18 @@ class Trainer:
         self.watchdog.mark(f"step {step}: D step {critic} (DDP all-reduce in backward)")
         self.D.trainable(True)
         phase = PHASE_D + critic
-        z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
-        alpha_all = self._global_uniform(step, phase) if loss_cfg.kind == "wgan-gp" else None
         with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
-        accumulation = len(reals)
         totals = torch.zeros(2, device=self.runtime.device)  # adversarial loss, penalty
+        with self.times.part("d_forward_backward"):
+            self._discriminator_micro_steps(reals, step, phase, with_r1, totals)
+        loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, totals)
+        return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
+
+    def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int, with_r1: bool, totals: Tensor) -> None:
+        """Forward and backward of every micro-batch; D's gradients are reduced in the last one's backward."""
+        z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
+        alpha_all = self._global_uniform(step, phase) if self.cfg.loss.kind == "wgan-gp" else None
+        accumulation = len(reals)
         for micro, real in enumerate(reals):
             z, labels = self._take(z_all, micro), self._take(labels_all, micro)
             with self.D.gradient_sync(micro == accumulation - 1):  # no_sync covers forward and backward
@@ -231,8 +245,6 @@ class Trainer:
                 adversarial, penalty = self._d_objective(real, fake.float(), labels, with_r1, self._take(alpha_all, micro))
                 self.precision.scale((adversarial + penalty) / accumulation).backward()
             totals += torch.stack([adversarial.detach(), penalty.detach()]) / accumulation
-        loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, totals)
-        return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
 
     def _take(self, global_tensor: Tensor | None, micro: int) -> Tensor | None:
         return None if global_tensor is None else self.slicing.take(global_tensor, micro)
@@ -267,9 +279,17 @@ class Trainer:
     def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
         self.watchdog.mark(f"step {step}: G step (DDP all-reduce in backward)")
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
+        totals = torch.zeros(2, device=self.runtime.device)  # G's loss, its reconstruction (L1) part
+        with self.times.part("g_forward_backward"):
+            self._generator_micro_steps(reals, step, totals)
+        self.D.trainable(True)
+        (loss_g, reconstruction_g, grad_norm) = self._finish_step(self.G, self.opt_g, totals)
+        return {"loss_g": loss_g, "l1_g": reconstruction_g, "grad_norm_g": grad_norm}
+
+    def _generator_micro_steps(self, reals: list[Sample], step: int, totals: Tensor) -> None:
+        """Forward through G and the frozen D, backward into G; G's gradients are reduced in the last backward."""
         z_all, labels_all = self._global_latents(step, PHASE_G), self._global_labels(step, PHASE_G)
         accumulation = self.slicing.accumulation
-        totals = torch.zeros(2, device=self.runtime.device)  # G's loss, its reconstruction (L1) part
         for micro, sample in enumerate(reals):
             z, labels = self._take(z_all, micro), self._take(labels_all, micro)
             # D is frozen here: its DDP must not arm a gradient reduction it would then fire during
@@ -282,25 +302,25 @@ class Trainer:
                 loss = objectives.g_loss(self.cfg.loss.kind, logits) + reconstruction
                 self.precision.scale(loss / accumulation).backward()
             totals += torch.stack([loss.detach(), reconstruction.detach()]) / accumulation
-        self.D.trainable(True)
-        (loss_g, reconstruction_g, grad_norm) = self._finish_step(self.G, self.opt_g, totals)
-        return {"loss_g": loss_g, "l1_g": reconstruction_g, "grad_norm_g": grad_norm}
 
     def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer, local_losses: Tensor) -> tuple[float, ...]:
         """Clip, agree on skipping and stopping, step. Returns the global mean losses and the pre-clip grad norm."""
-        self.precision.unscale_(optimizer)
-        grad_norm = net.grad_norm(self.cfg.train.grad_clip)  # gradients are already averaged: same on all ranks
-        bad = ~(torch.isfinite(local_losses).all() & torch.isfinite(grad_norm))
+        with self.times.part("optimizer"):
+            self.precision.unscale_(optimizer)
+            grad_norm = net.grad_norm(self.cfg.train.grad_clip)  # gradients are already averaged: same on all ranks
+            bad = ~(torch.isfinite(local_losses).all() & torch.isfinite(grad_norm))
         stop = torch.tensor([float(self.stop_signal is not None)], device=local_losses.device)
         packed = torch.cat([local_losses, bad.float().view(1), stop])
         self.watchdog.mark(f"step {self.step}: all-reduce of losses and skip/stop flags")
-        dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
-        skip, self.stop_agreed = bool(packed[-2] > 0), self.stop_agreed or bool(packed[-1] > 0)
-        if skip:
-            self.skipped_steps += 1
-        else:
-            self.precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        with self.times.part("sync"):
+            dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
+            skip, self.stop_agreed = bool(packed[-2] > 0), self.stop_agreed or bool(packed[-1] > 0)
+        with self.times.part("optimizer"):
+            if skip:
+                self.skipped_steps += 1
+            else:
+                self.precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
         means = (packed[:-2] / self.runtime.world).tolist()
         return (*means, float(grad_norm))
 

@@ -1,0 +1,51 @@
+"""Where a step's wall time goes, so a user sees what to fix: data wait, D and G forward/backward, the
+per-step agreement collective, optimizer work, and outputs (logs, samples, checkpoints).
+
+Each part is timed on this rank with `time.perf_counter`. On CUDA the device is synchronised at each
+boundary so that a part is charged for its own kernels rather than for whichever later part happens to
+wait for them; that costs a little overlap, so `log.step_times=false` turns the breakdown off.
+DDP's and FSDP's gradient communication runs inside backward (overlapped with it), so it is part of
+`d_backward`/`g_backward`; `sync` is the wait in the one all-reduce per optimizer step, which is also
+where a rank waits for slower peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+PARTS = ("data", "d_forward_backward", "g_forward_backward", "sync", "optimizer", "outputs")
+
+
+class StepTimes:
+    """Seconds per part, summed since the last `take()`."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.enabled = enabled
+        self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.totals: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        self.synchronize()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.synchronize()
+            self.totals[name] += time.perf_counter() - started
+
+    def take(self, steps: int) -> dict[str, float]:
+        """Mean milliseconds per step of each part since the last call, as `time_<part>_ms`; then reset."""
+        if not self.enabled:
+            return {}
+        means = {f"time_{name}_ms": 1000 * self.totals.get(name, 0.0) / max(steps, 1) for name in PARTS}
+        self.totals.clear()
+        return means
