@@ -27,7 +27,7 @@ ADAM = dict(lr=1e-2, betas=(0.5, 0.999))
 
 def _networks(kind: str, seed: int = 0) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(seed)
-    if kind == "dcgan":
+    if kind.startswith("dcgan"):
         return DCGANGenerator(Z_DIM, 1, 8, 4, batchnorm=False), DCGANDiscriminator(1, 8, 4, spectral=True)
     G = MLPGenerator(Z_DIM, 2, 16, 3, batchnorm=kind == "mlp-bn")
     for layer, after in zip(G.net, G.net[1:]):
@@ -40,9 +40,14 @@ def _networks(kind: str, seed: int = 0) -> tuple[nn.Module, nn.Module]:
 
 def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    shape = (BATCH, 1, 8, 8) if kind == "dcgan" else (BATCH, 2)
+    shape = (BATCH, 1, 8, 8) if kind.startswith("dcgan") else (BATCH, 2)
     return (torch.randn(shape, generator=gen), torch.randn(BATCH, Z_DIM, generator=gen),
             torch.randn(BATCH, Z_DIM, generator=gen))
+
+
+def _precision(kind: str):
+    """bf16 cases run the passes under CPU autocast (as train.precision=bf16 does)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind.endswith("bf16"))
 
 
 def _reference(kind: str, accumulation: int) -> dict:
@@ -56,9 +61,10 @@ def _reference(kind: str, accumulation: int) -> dict:
     opt_g, opt_d = torch.optim.Adam(G.parameters(), **ADAM), torch.optim.Adam(D.parameters(), **ADAM)
     losses = torch.zeros(2)
     for real_m, z_m in zip(real.chunk(accumulation), z_d.chunk(accumulation)):
-        with torch.no_grad():
+        with torch.no_grad(), _precision(kind):
             fake = G(z_m)
-        real_logits, fake_logits = D(torch.cat([real_m, fake])).split(real_m.shape[0])
+        with _precision(kind):
+            real_logits, fake_logits = D(torch.cat([real_m, fake.float()])).split(real_m.shape[0])
         loss_d = objectives.d_loss(LOSS, real_logits, fake_logits) / accumulation
         loss_d.backward()
         losses[0] += loss_d.detach()
@@ -67,7 +73,9 @@ def _reference(kind: str, accumulation: int) -> dict:
     opt_d.zero_grad(set_to_none=True)
     D.requires_grad_(False)
     for z_m in z_g.chunk(accumulation):
-        loss_g = objectives.g_loss(LOSS, D(G(z_m))) / accumulation
+        with _precision(kind):
+            logits = D(G(z_m))
+        loss_g = objectives.g_loss(LOSS, logits) / accumulation
         loss_g.backward()
         losses[1] += loss_g.detach()
     D.requires_grad_(True)
@@ -104,13 +112,15 @@ def _pipelined(rank: int, world: int, cases: list[tuple], references: dict) -> l
         G.load_state_dict(_networks(kind)[0].state_dict())  # forget the running statistics of that forward
         ema_images = gan.generate(z_g, part=ema)
 
-        loss_d = gan.discriminator_pass(real[mine], z_d[mine])
+        with _precision(kind):
+            loss_d = gan.discriminator_pass(real[mine], z_d[mine])
         grads = {"G in D pass": [p.grad is not None for p in gan.parameters_of("G")],
                  "D in D pass": [p.grad is not None for p in gan.parameters_of("D")]}
         grad_norms = [gan.grad_norm("D")]
         opt_d.step()
         opt_d.zero_grad(set_to_none=True)
-        loss_g = gan.generator_pass(z_g[mine])
+        with _precision(kind):
+            loss_g = gan.generator_pass(z_g[mine])
         grads.update({"D in G pass": [p.grad is not None for p in gan.parameters_of("D")],
                       "G in G pass": [p.grad is not None for p in gan.parameters_of("G")]})
         grad_norms.append(gan.grad_norm("G"))
@@ -199,8 +209,10 @@ def test_two_stages_equal_one_process_and_checkpoints_are_portable():
     """2 ranks = one pipeline of 2 stages: GPipe and 1F1B (mlp), and 1F1B on DCGAN (convolutions, the latent
     reshape before G's first part, the flatten after D's last, spectral norm in D: one power iteration per
     micro-batch, as one process with as many micro-steps). With BatchNorm in G (mlp-bn) the pipeline equals
-    one process whose micro-batch is the pipeline's: statistics and running averages are per micro-batch."""
-    cases = [("mlp", 2, "gpipe", 4), ("mlp", 2, "1f1b", 4), ("dcgan", 2, "1f1b", 2), ("mlp-bn", 2, "gpipe", 2)]
+    one process whose micro-batch is the pipeline's: statistics and running averages are per micro-batch.
+    Under bf16 autocast (dcgan-bf16) activations cross stages in float32 and still equal one process."""
+    cases = [("mlp", 2, "gpipe", 4), ("mlp", 2, "1f1b", 4), ("dcgan", 2, "1f1b", 2), ("mlp-bn", 2, "gpipe", 2),
+             ("dcgan-bf16", 2, "gpipe", 2)]
     _check(cases, run_ranks(_pipelined, 2, cases, _references(cases, 2)), _references(cases, 2))
 
 
