@@ -38,6 +38,7 @@ the pipeline group.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable
 
 import torch
@@ -158,6 +159,14 @@ class PipelinedGAN:
     Build on every rank from identically initialised G and D. Inputs are the rank's batch (the same on
     every rank of a pipeline group: the first stage reads it, the others ignore it); the pipeline
     replica's batch is the dp shard of the global batch.
+
+    What a training loop does differently from the other strategies:
+    - shard data and noise by `dp_rank` over `replicas` (not by world rank); no gradient accumulation
+      around the passes (the micro-batches are the accumulation);
+    - optimizers over `parameters_of("G")` / `parameters_of("D")`; G_ema = `split_like("G", ema)`, whose
+      `update_ema(ema_part, parts["G"], beta)` needs no communication;
+    - BatchNorm statistics with `average_batchnorm_stats` (dp group); replica checks compare a rank with
+      the ranks of its dp group only (other stages hold other layers).
     """
 
     def __init__(self, G: nn.Module, D: nn.Module, mesh: DeviceMesh, *, microbatches: int, schedule: str,
@@ -254,9 +263,12 @@ class PipelinedGAN:
     def _forward_schedule(self, part: Part, batch: int):
         key = ("generate", id(part), batch)
         if key not in self._schedules:
-            shapes = self._shapes(("G",), torch.Size([self._micro(batch), self.z_dim]))
+            # Any batch (a sample grid): as many of the micro-batches as divide it. The D step's fakes, from the
+            # rank's batch, use exactly `microbatches` (BatchNorm in G normalises each micro-batch).
+            count = math.gcd(batch, self.microbatches)
+            shapes = self._shapes(("G",), torch.Size([batch // count, self.z_dim]))
             stage = self._stage(part, self.stage, self.stages, shapes, False)
-            self._schedules[key] = (ScheduleGPipe(stage, self.microbatches), shapes[-1])
+            self._schedules[key] = (ScheduleGPipe(stage, count), shapes[-1])
         return self._schedules[key]
 
     # --------------------------------------------------------------------------- objectives
