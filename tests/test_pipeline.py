@@ -19,6 +19,7 @@ from ganscale import objectives
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
 from ganscale.parallel import Wrapped
+from ganscale.parallel.traffic import TrafficMeter
 from ganscale.parallel.pipeline import PipelinedGAN, balanced_ranges, pipeline_mesh, split
 
 BATCH, Z_DIM, LOSS = 16, 8, "nonsaturating"
@@ -144,6 +145,16 @@ def _pipelined(rank: int, world: int, cases: list[tuple], references: dict) -> l
                         "images": images, "ema_images": ema_images, "ema_state": gan.model_state(ema),
                         "loaded": {"G": other.model_state("G"), "D": other.model_state("D"),
                                    "opt_g": other.optimizer_state("G", other_opt_g)}})
+        # Bytes communicated by a second pass of each kind (the first one also warms up the stages' links).
+        meter = TrafficMeter()
+        meter.enabled = True
+        with meter.measure("d_step"), _precision(kind):
+            gan.discriminator_pass(real[mine], z_d[mine])
+        with meter.measure("g_step"), _precision(kind):
+            gan.generator_pass(z_g[mine])
+        results[-1]["traffic"] = {phase: ({k: v for k, v in meter.by_phase[phase].items() if k != "ops"},
+                                          gan.expected_bytes(phase, share, tuple(real.shape[1:])))
+                                  for phase in ("d_step", "g_step")}
     return results
 
 
@@ -193,6 +204,10 @@ def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> Non
             same_stage = per_rank[rank % stages::stages]
             for k, v in result["running"].items():
                 assert torch.allclose(result["G"][k], sum(r["running"][k] for r in same_stage) / len(same_stage))
+        # Communication: what the analytic figure says, kind by kind, on every rank.
+        for result in per_rank:
+            for phase, (measured, expected) in result["traffic"].items():
+                assert measured == {kind: n for kind, n in expected.items() if n}, (case, phase)
         # ... and the pipelined checkpoint loads into an unsplit network and its Adam (ddp on one rank).
         G_loaded, D_loaded = _networks(kind)
         opt = torch.optim.Adam(G_loaded.parameters(), **ADAM)

@@ -366,6 +366,35 @@ class PipelinedGAN:
         dist.broadcast(images, src=self._global(self.stages - 1), group=self.pp)
         return images
 
+    # --------------------------------------------------------------------------- traffic
+    def expected_bytes(self, phase: str, batch: int, sample_shape: tuple[int, ...]) -> dict[str, int]:
+        """Payload bytes this rank communicates in one pass, by kind (as `traffic.TrafficMeter` counts them:
+        a send and a receive each count their tensor). `phase`: "g_step" or "d_step"; `batch`: the rank's.
+
+        Activations (forward) and their gradients (backward) cross each stage boundary once per micro-batch
+        in float32; the D step first runs G's stages forward only and moves the fakes from the last stage to
+        the first; the mean loss is broadcast; replicas all-reduce the stepped network's gradients.
+        """
+        micro, element = self._micro(batch), 4
+
+        def crossings(shapes: list[torch.Size], indices: list[int], backward: bool) -> int:
+            last = len(shapes) - 2  # the last stage's index
+            count = sum((i > 0) * shapes[i].numel() + (i < last) * shapes[i + 1].numel() for i in indices)
+            return count * (2 if backward else 1) * self.microbatches * element
+
+        if phase == "g_step":
+            shapes = self._shapes(("G", "D"), torch.Size([micro, self.z_dim]))
+            p2p = crossings(shapes, [self.stage, self.stages + self.stage], backward=True)
+            network = "G"
+        else:
+            fakes = self._shapes(("G",), torch.Size([micro, self.z_dim]))
+            scores = self._shapes(("D",), torch.Size([2 * micro, *sample_shape]))
+            p2p = crossings(fakes, [self.stage], backward=False) + crossings(scores, [self.stage], backward=True)
+            p2p += (self.is_first or self.is_last) * batch * math.prod(sample_shape) * element
+            network = "D"
+        gradients = sum(p.numel() * p.element_size() for p in self.parts[network].parameters())
+        return {"send_recv": p2p, "broadcast": element, "all_reduce": gradients if self.replicas > 1 else 0}
+
     def average_batchnorm_stats(self, *parts: Part) -> None:
         """Collective over the dp group: the pipeline replicas' BatchNorm running statistics averaged.
 
