@@ -150,11 +150,15 @@ def sample(run_dir: str, count: int, out: str, seed: int, label: int | None) -> 
               help="Image runs: feature extractor (default: digits for data.kind=digits, else inception).")
 @click.option("--inception-weights", type=click.Path(dir_okay=False), default=None,
               help="Local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded.")
-def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, inception_weights: str | None) -> None:
+@click.option("--pairs", type=click.Path(exists=True, file_okay=False), default=None,
+              help="pix2pix runs: a folder of held-out A|B pairs (default: the run's data.path).")
+def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, inception_weights: str | None,
+                 pairs: str | None) -> None:
     """Score a run's G_ema; writes RUN_DIR/eval.json.
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall,
     density/coverage against the run's training images (FD-digits with --features digits).
+    pix2pix: mean L1 to the targets, next to the input's own L1 (identity baseline).
     """
     import json
 
@@ -162,7 +166,7 @@ def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, in
 
     try:
         weights = Path(inception_weights) if inception_weights else None
-        result = evaluate(Path(run_dir), samples, seed, features, weights)
+        result = evaluate(Path(run_dir), samples, seed, features, weights, pairs=Path(pairs) if pairs else None)
     except ConfigError as e:
         _fail(e)
     click.echo(json.dumps(result))

@@ -65,7 +65,8 @@ def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int |
 
 
 def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, features: str | None = None,
-             inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT) -> dict:
+             inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT,
+             pairs: Path | None = None) -> dict:
     """Score G_ema; writes RUN_DIR/eval.json and returns the same dict.
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall and
@@ -79,6 +80,8 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
             raise ConfigError("--features", "2D mixture runs are scored by modes captured, not image features",
                               "drop --features")
         result.update(score_named(cfg.data.kind, draw(generator, cfg.model.z_dim, samples, seed)).as_dict())
+    elif cfg.data.kind == "paired":
+        result.update(score_pairs(cfg, generator, pairs))
     else:
         result.update(score_images(cfg, generator, samples, seed, features or default_features(cfg),
                                    inception_weights, reference_limit))
@@ -102,4 +105,23 @@ def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, fea
         chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:reference_limit]
         dataset = torch.utils.data.Subset(dataset, chosen.sort().values.tolist())
     reference = dataset_features(dataset, extractor)
-    return image_metrics(lambda z: generator(z).float(), cfg.model.z_dim, samples, seed, extractor, reference)
+    task = build_task(cfg)
+    return image_metrics(lambda z: task.from_noise(generator, z).float(), cfg.model.z_dim, samples, seed, extractor,
+                         reference)
+
+
+@torch.no_grad()
+def score_pairs(cfg: Config, generator: nn.Module, folder: Path | None = None) -> dict:
+    """pix2pix: mean L1 between G_ema(input) and the target over un-augmented pairs (the run's data, or
+    `folder`, e.g. held-out pairs), next to the L1 of the input itself (the identity baseline)."""
+    from ganscale.data.paired import PairedImages
+
+    d = cfg.data
+    pairs = PairedImages(folder or d.path, d.load_size, d.resolution, d.direction, augment=False, channels=d.channels)
+    l1 = identity = 0.0
+    for index in range(len(pairs)):
+        source, target = (t.unsqueeze(0) for t in pairs[index])
+        l1 += float((generator(source).float() - target).abs().mean())
+        identity += float((source - target).abs().mean())
+    return {"l1": l1 / len(pairs), "l1_identity": identity / len(pairs), "pairs": len(pairs),
+            "pairs_from": str(folder or d.path)}

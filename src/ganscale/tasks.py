@@ -47,6 +47,10 @@ class Unconditional:
         """Images for the sample grid, drawn from fixed inputs (of one class, if given)."""
         return G(z)
 
+    def from_noise(self, G: nn.Module, z: Tensor) -> Tensor:
+        """A sample that is a function of its noise alone (for metrics gathered across ranks)."""
+        return G(z)
+
 
 class ClassConditional(Unconditional):
     """G(z, y) -> image; D(image, y) with a projection head. Generated samples get uniformly drawn classes;
@@ -70,6 +74,12 @@ class ClassConditional(Unconditional):
             return G(z, torch.full((len(z),), label, dtype=torch.int64, device=z.device))
         rows = torch.arange(len(z), device=z.device) // self.row % self.n_classes
         return G(z, rows)
+
+    def from_noise(self, G: nn.Module, z: Tensor) -> Tensor:
+        # The class comes from the low-order digits of the last latent: uniform over the classes and,
+        # unlike its value, practically independent of what G receives.
+        classes = (torch.remainder(z[:, -1] * 2**16, 1.0) * self.n_classes).long().clamp(max=self.n_classes - 1)
+        return G(z, classes)
 
 
 class Paired(Unconditional):
