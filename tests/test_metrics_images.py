@@ -147,7 +147,13 @@ def test_shipped_digits_classifier_is_accurate_on_its_held_out_split():
 
 def test_digits_classifier_training_is_deterministic_from_its_seed(tmp_path):
     first, record = digits_classifier.fit(seed=3, epochs=1)
-    again, _ = digits_classifier.fit(seed=3, epochs=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the caller's thread count does not change the result
+    try:
+        again, _ = digits_classifier.fit(seed=3, epochs=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     other, _ = digits_classifier.fit(seed=4, epochs=1)
     state, same, different = first.state_dict(), again.state_dict(), other.state_dict()
     assert all(torch.equal(state[k], same[k]) for k in state)
