@@ -5,7 +5,9 @@ nonsaturating loss, one D step then one G step, EMA of G) in one process on one 
 alternate in blocks inside one process, so drift (thermal, other load on the machine) hits both:
 the trainer runs its `fit()` as a one-rank gloo group, and after every block of its steps a block of
 the plain loop runs (from a hook on the trainer's per-step progress call). A step of the trainer is
-the time between two of those calls, minus the plain block in between.
+the time between two of those calls, minus the plain block in between. Both wall time and the
+process's CPU time are measured per step: on a shared machine the wall time also holds the waits for
+a core (and the wake-up of gloo's worker thread), the CPU time only what the code does.
 
 What the trainer does on top of the plain loop, by design (and so inside the measured ratio):
 latents drawn from a per-(step, phase) seeded generator instead of the global RNG, a gradient norm
@@ -87,7 +89,7 @@ class PlainDCGAN:
 
 def measure(steps: int, repeats: int, warmup: int = 20, batch: int | None = None,
             profile: bool = False) -> dict:
-    """Alternate `repeats` blocks of `steps` steps of each loop; per-step times in seconds and the ratio."""
+    """Alternate `repeats` blocks of `steps` steps of each loop; per-step wall and CPU seconds, and the ratios."""
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
@@ -97,18 +99,23 @@ def measure(steps: int, repeats: int, warmup: int = 20, batch: int | None = None
     cfg = config.load(RECIPE, overrides)
     config.check(cfg, 1, False)
     plain = PlainDCGAN(cfg, build_dataset(cfg).tensors[0])
-    times: dict[str, list[list[float]]] = {"plain": [], "ganscale": []}
+    # Per step, per loop: wall seconds and this process's CPU seconds (all its threads). On a shared
+    # machine, wall time also holds the waits for a core; CPU time is what the code itself costs.
+    wall: dict[str, list[list[float]]] = {"plain": [], "ganscale": []}
+    cpu: dict[str, list[list[float]]] = {"plain": [], "ganscale": []}
     profiler = cProfile.Profile() if profile else None
-    clock = {"resumed": 0.0}
+    resumed = {"wall": 0.0, "cpu": 0.0}
 
     def plain_block(n: int, keep: bool) -> None:
-        block = []
+        walls, cpus = [], []
         for _ in range(n):
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             plain.step()
-            block.append(time.perf_counter() - started)
+            walls.append(time.perf_counter() - started)
+            cpus.append(time.process_time() - started_cpu)
         if keep:
-            times["plain"].append(block)
+            wall["plain"].append(walls)
+            cpu["plain"].append(cpus)
 
     runtime = start("cpu")
     try:
@@ -118,36 +125,39 @@ def measure(steps: int, repeats: int, warmup: int = 20, batch: int | None = None
 
             def timed_advance(n: int = 1) -> None:
                 advance(n)
-                now = time.perf_counter()
+                now, now_cpu = time.perf_counter(), time.process_time()
                 if profiler:
                     profiler.disable()
                 done = trainer.step
                 if done > warmup:
-                    times["ganscale"][-1].append(now - clock["resumed"])
+                    wall["ganscale"][-1].append(now - resumed["wall"])
+                    cpu["ganscale"][-1].append(now_cpu - resumed["cpu"])
                 if done >= warmup and (done - warmup) % steps == 0 and done < cfg.train.steps:
                     if done == warmup:
                         plain_block(warmup, keep=False)
                     plain_block(steps, keep=True)
-                    times["ganscale"].append([])
-                clock["resumed"] = time.perf_counter()
+                    wall["ganscale"].append([])
+                    cpu["ganscale"].append([])
+                resumed["wall"], resumed["cpu"] = time.perf_counter(), time.process_time()
                 if profiler and done >= warmup:
                     profiler.enable()
 
             trainer.log.advance = timed_advance
-            clock["resumed"] = time.perf_counter()
+            resumed["wall"], resumed["cpu"] = time.perf_counter(), time.process_time()
             trainer.fit()
     finally:
         if profiler:
             profiler.disable()
         runtime.close()
-    plain_all = [t for block in times["plain"] for t in block]
-    ours_all = [t for block in times["ganscale"] for t in block]
-    block_ratios = [median(o) / median(p) for p, o in zip(times["plain"], times["ganscale"])]
-    result = {"batch": cfg.train.batch_size, "steps_per_block": steps, "blocks": repeats, "warmup_steps": warmup,
-              "plain_median_s": median(plain_all), "ganscale_median_s": median(ours_all),
-              "plain_range_s": spread(plain_all), "ganscale_range_s": spread(ours_all),
-              "ratio": median(ours_all) / median(plain_all), "block_ratios": block_ratios,
-              "ratio_of_block_medians": median(block_ratios), "timed_steps": [len(plain_all), len(ours_all)]}
+    result = {"batch": cfg.train.batch_size, "steps_per_block": steps, "blocks": repeats, "warmup_steps": warmup}
+    for clock, blocks in (("wall", wall), ("cpu", cpu)):
+        plain_all = [t for block in blocks["plain"] for t in block]
+        ours_all = [t for block in blocks["ganscale"] for t in block]
+        block_ratios = [median(o) / median(p) for p, o in zip(blocks["plain"], blocks["ganscale"])]
+        result[clock] = {"plain_median_s": median(plain_all), "ganscale_median_s": median(ours_all),
+                         "plain_range_s": spread(plain_all), "ganscale_range_s": spread(ours_all),
+                         "ratio": median(ours_all) / median(plain_all), "block_ratios": block_ratios,
+                         "ratio_of_block_medians": median(block_ratios), "timed_steps": [len(plain_all), len(ours_all)]}
     if profiler:
         text = io.StringIO()
         with contextlib.redirect_stdout(text):

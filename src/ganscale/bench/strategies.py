@@ -3,7 +3,7 @@
 Each row is one `ganscale train --nproc N ...` started as a subprocess (the user's own launcher path:
 torch's elastic agent, gloo on CPU), with `log.every=1`, samples, TensorBoard and periodic checkpoints
 off, every worker on `--threads` threads (OMP_NUM_THREADS). What is read back:
-- step time: the median over logged steps of global batch / img_per_s from metrics.jsonl, leaving out
+- step time: the median (and the 10th percentile: on a shared machine, the least-contended steps) over logged steps of global batch / img_per_s from metrics.jsonl, leaving out
   the first `SETUP_STEPS` steps (one-time setup, the memory report after step 1, and step 3, whose
   collectives the trainer's traffic meter intercepts in Python);
 - memory: `held_bytes` of summary.json, the bytes each rank holds between steps for parameters,
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ganscale.bench.report import median, spread
+from ganscale.bench.report import median, quantile, spread
 
 SETUP_STEPS = 3
 PAIRS = {"ddp": ("ddp", "ddp"), "zero1": ("zero1", "zero1"), "zero2": ("zero2", "zero2"), "fsdp": ("fsdp", "fsdp"),
@@ -64,6 +64,7 @@ def train_run(recipe: str, overrides: list[str], nproc: int, run_dir: Path, thre
             if kind != "ops":
                 per_kind[kind] = per_kind.get(kind, 0) + n
     return {"step_times_s": step_times, "step_median_s": median(step_times), "step_range_s": spread(step_times),
+            "step_p10_s": quantile(step_times, 0.1),
             "held_bytes_max_rank": max(held), "optimizer_bytes_max_rank": max(optimizer),
             "comm_bytes_per_step": sum(per_kind.values()), "comm_bytes_by_kind": per_kind,
             "comm_ops_per_step": sum(kinds.get("ops", 0) for kinds in traffic.values()),
@@ -99,4 +100,6 @@ def ddp_scaling(model: str, nproc: int, per_rank_batch: int, steps: int, repeats
                               Path(scratch) / f"many-{repeat}", threads)["step_times_s"]
     return {"one_process_median_s": median(one), "one_process_range_s": spread(one),
             "n_process_median_s": median(many), "n_process_range_s": spread(many),
-            "ratio": median(many) / median(one), "steps_measured": [len(one), len(many)]}
+            "one_process_p10_s": quantile(one, 0.1), "n_process_p10_s": quantile(many, 0.1),
+            "ratio": median(many) / median(one), "ratio_p10": quantile(many, 0.1) / quantile(one, 0.1),
+            "steps_measured": [len(one), len(many)]}
