@@ -18,14 +18,12 @@ from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, build
 from ganscale.data import build_dataset
 from ganscale.metrics.features import build_extractor
-from ganscale.metrics.images import dataset_features, image_metrics
+from ganscale.metrics.images import REFERENCE_LIMIT, image_metrics, reference_features
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.tasks import build_task
 from ganscale.trainer import MIXTURE_MODES
-
-REFERENCE_LIMIT = 10_000  # real images whose features form the reference set (a seeded subset beyond it)
 
 
 def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, nn.Module, int]:
@@ -100,11 +98,7 @@ def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, fea
         raise ConfigError("--samples", f"{samples} samples are too few for density/coverage (k = 5)",
                           "use at least 6 (thousands for stable numbers)")
     extractor = build_extractor(features, "cpu", inception_weights)
-    dataset = build_dataset(cfg)
-    if reference_limit is not None and len(dataset) > reference_limit:
-        chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:reference_limit]
-        dataset = torch.utils.data.Subset(dataset, chosen.sort().values.tolist())
-    reference = dataset_features(dataset, extractor)
+    reference = reference_features(build_dataset(cfg), extractor, reference_limit, seed)
     task = build_task(cfg)
     return image_metrics(lambda z: task.from_noise(generator, z).float(), cfg.model.z_dim, samples, seed, extractor,
                          reference)

@@ -15,12 +15,13 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from ganscale.metrics.distances import all_distances
 from ganscale.metrics.features import FeatureExtractor
 
 EVAL_BATCH = 500  # images per forward; bounds memory, not the result
+REFERENCE_LIMIT = 10_000  # real images whose features form the reference set (a seeded subset beyond it)
 
 
 def _world() -> tuple[int, int]:
@@ -57,6 +58,15 @@ def dataset_features(dataset: Dataset, extractor: FeatureExtractor, limit: int |
     def images_at(start: int, stop: int) -> torch.Tensor:
         return torch.stack([dataset[min(i, n - 1)][0] for i in range(start, stop)])  # past n: padding
     return gathered_features(images_at, n, extractor, batch_size)
+
+
+def reference_features(dataset: Dataset, extractor: FeatureExtractor, limit: int | None = REFERENCE_LIMIT,
+                       seed: int = 0) -> torch.Tensor:
+    """Collective: features of the training images, or of a seeded random `limit` of them (in data set order)."""
+    if limit is not None and len(dataset) > limit:
+        chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit]
+        dataset = Subset(dataset, chosen.sort().values.tolist())
+    return dataset_features(dataset, extractor)
 
 
 def generated_features(generate: Callable[[torch.Tensor], torch.Tensor], z_dim: int, n: int, seed: int,
