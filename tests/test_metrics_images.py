@@ -12,7 +12,7 @@ from ganscale.metrics import digits_classifier
 from ganscale.metrics.distances import (all_distances, density_coverage, frechet_distance, frechet_distance_from_fits,
                                         gaussian_fit, kernel_inception_distance, knn_radii, precision_recall)
 from ganscale.metrics.features import DigitsFeatures, build_extractor
-from ganscale.metrics.images import dataset_features, image_metrics
+from ganscale.metrics.images import dataset_features, image_metrics, reference_features
 from dist_helpers import run_ranks
 
 
@@ -192,6 +192,16 @@ def test_fd_digits_of_a_constant_generator_is_far_worse_than_held_out_real_digit
     assert real["precision"] > 0.8 and real["recall"] > 0.8 and real["coverage"] > 0.5  # 359 fakes vs 1438 balls
     assert constant["recall"] < 0.05 and constant["coverage"] < 0.05
     assert constant["samples"] == len(held_out) and constant["reference_samples"] == len(train)
+
+
+def test_reference_features_take_a_seeded_subset_of_a_large_data_set():
+    images, _ = digits_classifier.labelled_digits()
+    dataset = torch.utils.data.TensorDataset(images[:40])
+    extractor = DigitsFeatures()
+    subset = reference_features(dataset, extractor, limit=10, seed=5)
+    chosen = torch.randperm(40, generator=torch.Generator().manual_seed(5))[:10].sort().values
+    assert torch.allclose(subset, extractor(images[chosen]), atol=1e-6)
+    assert torch.allclose(reference_features(dataset, extractor, limit=None), extractor(images[:40]), atol=1e-6)
 
 
 # --- computed by every rank together ------------------------------------------------------------------------------
