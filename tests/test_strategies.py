@@ -58,6 +58,33 @@ def test_hsdp_on_a_two_by_two_mesh_equals_one_process(tmp_path):
     assert traffic["d_step"]["all_reduce"] > 1000  # gradients are all-reduced across the two replica groups
 
 
+PIPELINE = {"parallel.generator": "pipeline", "parallel.discriminator": "pipeline"}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_of_two_stages_trains_as_one_process(tmp_path, schedule):
+    """G and D each split over 2 ranks; 4 micro-batches per step run through the schedule."""
+    one = run_ranks(train_and_collect, 1, MLP_ADAM, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, {**MLP_ADAM, **PIPELINE, "parallel.schedule": schedule}, str(tmp_path / "two"))
+    for rank in two:
+        for net in ("G", "D", "G_ema"):
+            assert max_relative_difference(one[net], rank[net]) <= TOLERANCE, net
+        assert rank["summary"]["accumulation_steps"] == 1 and rank["summary"]["micro_batch"] == 16
+    assert two[0]["summary"]["communicated_bytes"]["g_step"]["send_recv"] > 0  # activations cross the stages
+
+
+def test_hybrid_data_parallel_over_two_pipelines_trains_as_one_process(tmp_path):
+    """4 processes: 2 pipeline replicas (dp) x 2 stages (pp); each replica trains on half of the batch."""
+    one = run_ranks(train_and_collect, 1, MLP_ADAM, str(tmp_path / "one"))[0]
+    four = run_ranks(train_and_collect, 4, {**MLP_ADAM, **PIPELINE, "parallel.mesh": "[2,2]",
+                                            "checkpoint.every": 5}, str(tmp_path / "four"))
+    for rank in four:
+        for net in ("G", "D", "G_ema"):
+            assert max_relative_difference(one[net], rank[net]) <= TOLERANCE, net
+        assert rank["summary"]["micro_batch"] == 8
+    assert four[0]["summary"]["communicated_bytes"]["d_step"]["all_reduce"] > 1000  # replicas average gradients
+
+
 def test_sharded_generator_with_cross_rank_batchnorm_equals_one_process(tmp_path):
     one = run_ranks(train_and_collect, 1, {**SMALL_DCGAN, "train.micro_batch": 16}, str(tmp_path / "one"))[0]
     two = run_ranks(train_and_collect, 2, {**SMALL_DCGAN, "train.micro_batch": 8, "parallel.sync_bn": "true",
@@ -72,7 +99,8 @@ def _train_to(rank, world, overrides, run_dir, resume=None):
 
 
 @pytest.mark.parametrize("first, first_world, second, second_world", [
-    ("zero1", 2, "ddp", 1), ("fsdp", 2, "ddp", 1), ("ddp", 1, "fsdp", 2)])
+    ("zero1", 2, "ddp", 1), ("fsdp", 2, "ddp", 1), ("ddp", 1, "fsdp", 2), ("pipeline", 2, "ddp", 1),
+    ("ddp", 1, "pipeline", 2)])
 def test_checkpoint_written_by_one_strategy_resumes_under_another(tmp_path, first, first_world, second, second_world):
     from ganscale import checkpoint
 
@@ -173,7 +201,12 @@ def test_communicated_bytes_per_step_match_the_analytic_figure(tmp_path, generat
     (["parallel.generator=hsdp", "parallel.mesh=[2,2]"], "parallel.mesh"),      # 4 != 2 ranks
     (["parallel.mesh=[1,2]"], "parallel.mesh"),                                  # nobody uses the mesh
     (["parallel.generator=fsdp", "parallel.cpu_offload=true"], "parallel.cpu_offload"),  # CPU run
-    (["parallel.cpu_offload=true"], "parallel.cpu_offload")])                    # nothing sharded to offload
+    (["parallel.cpu_offload=true"], "parallel.cpu_offload"),                     # nothing sharded to offload
+    (["parallel.generator=pipeline"], "parallel.discriminator"),                 # G's pipeline runs through D's stages
+    (["parallel.generator=pipeline", "parallel.discriminator=pipeline", "loss.r1_gamma=1"], "parallel.discriminator"),
+    (["parallel.generator=pipeline", "parallel.discriminator=pipeline", "parallel.sync_bn=true"], "parallel.sync_bn"),
+    (["parallel.generator=pipeline", "parallel.discriminator=pipeline", "parallel.pipeline_stages=3"],
+     "parallel.pipeline_stages")])                                               # 3 stages on 2 ranks
 def test_mesh_and_offload_mistakes_are_refused_before_start(tmp_path, overrides, key):
     args = [a for o in overrides for a in ("--set", o)]
     result = subprocess.run([sys.executable, "-m", "ganscale", "train", "--nproc", "2", "--run-dir", str(tmp_path / "r"), *args],

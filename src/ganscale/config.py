@@ -131,7 +131,7 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
-STRATEGIES = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp"]
+STRATEGIES = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp", "pipeline"]
 FULLY_SHARDED = ("zero2", "fsdp", "hsdp")  # FSDP2-based strategies: parameters are DTensor shards
 
 
@@ -167,6 +167,11 @@ class ParallelConfig(Section):
 
     def strategies(self) -> tuple[str, str]:
         return self.generator, self.discriminator
+
+    @property
+    def pipelined(self) -> bool:
+        """G and D run as one pipeline (both networks' strategy is `pipeline`; a mixed pair is refused)."""
+        return "pipeline" in self.strategies()
 
 
 class CheckpointConfig(Section):
@@ -212,11 +217,16 @@ class Config(Section):
     log: LogConfig = LogConfig()
     fault: FaultConfig = FaultConfig()
 
+    def data_ranks(self, world_size: int) -> int:
+        """Ranks that each take their own share of the global batch: all of them, or one per pipeline replica."""
+        return world_size // self.parallel.pipeline_stages if self.parallel.pipelined else world_size
+
     def accumulation_steps(self, world_size: int) -> int:
-        return self.train.batch_size // (world_size * self.micro_batch(world_size))
+        return self.train.batch_size // (self.data_ranks(world_size) * self.micro_batch(world_size))
 
     def micro_batch(self, world_size: int) -> int:
-        return self.train.micro_batch or self.train.batch_size // world_size
+        """Samples per rank per micro-step (a pipeline replica's whole share: its micro-batches are the pipeline's)."""
+        return self.train.micro_batch or self.train.batch_size // self.data_ranks(world_size)
 
 
 DEFAULT_RECIPE = "digits"
@@ -305,11 +315,14 @@ def load(source: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Con
 def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     """Combinations that cannot be right, checked once the world size is known."""
     t = cfg.train
-    if t.micro_batch is not None and t.batch_size % (world_size * t.micro_batch):
+    pipelined = cfg.parallel.pipelined
+    if pipelined:
+        _check_pipeline(cfg, world_size)  # first: the batch split below depends on stages and replicas
+    elif t.micro_batch is not None and t.batch_size % (world_size * t.micro_batch):
         raise ConfigError("train.batch_size",
                           f"global batch {t.batch_size} is not divisible by world size {world_size} x micro_batch {t.micro_batch}",
                           f"make train.batch_size a multiple of {world_size * t.micro_batch}, or change train.micro_batch")
-    if t.micro_batch is None and t.batch_size % world_size:
+    elif t.micro_batch is None and t.batch_size % world_size:
         raise ConfigError("train.batch_size", f"global batch {t.batch_size} is not divisible by world size {world_size}",
                           f"make train.batch_size a multiple of {world_size}")
     on_cuda = t.device == "cuda" or (t.device == "auto" and cuda_available)
@@ -323,7 +336,8 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "use parallel.backend=gloo or auto")
     _check_task(cfg)
     micro = cfg.micro_batch(world_size)
-    if cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1 and not (cfg.parallel.sync_bn and world_size > 1):
+    if (not pipelined and cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1
+            and not (cfg.parallel.sync_bn and world_size > 1)):
         raise ConfigError("train.micro_batch", "BatchNorm in G with one sample per rank has no batch statistics",
                           "raise train.micro_batch, set parallel.sync_bn=true, or model.g_batchnorm=false")
     if cfg.data.kind in ("folder", "paired") and not cfg.data.path:
@@ -348,7 +362,6 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
-    _check_pipeline(cfg, world_size)
 
 
 def _check_task(cfg: Config) -> None:
@@ -382,8 +395,6 @@ def _check_task(cfg: Config) -> None:
 def _check_pipeline(cfg: Config, world_size: int) -> None:
     """The pipeline strategy (parallel/pipeline.py): what it cannot compute like one process, refused."""
     p, t = cfg.parallel, cfg.train
-    if "pipeline" not in p.strategies():
-        return
     if p.generator != p.discriminator:
         raise ConfigError("parallel.discriminator", f"pipeline for one network only ({p.generator}, {p.discriminator}): "
                           "the G step runs G's stages and then D's in one pipeline",

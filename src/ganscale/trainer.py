@@ -28,7 +28,8 @@ from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.observe.timing import StepTimes
-from ganscale.parallel import Layout, Wrapped, average_batchnorm_stats, held_bytes, parallelize
+from ganscale.parallel import Layout, held_bytes, parallelize
+from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
@@ -56,15 +57,21 @@ class Trainer:
     def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path, resume: Path | None = None):
         self.cfg, self.runtime, self.run_dir = cfg, runtime, Path(run_dir)
         world, device = runtime.world, runtime.device
-        self.slicing = Slicing(runtime.rank, world, cfg.micro_batch(world), cfg.accumulation_steps(world))
+        data_ranks = cfg.data_ranks(world)  # a pipeline's stages share one slice of the batch
+        self.slicing = Slicing(runtime.rank // (world // data_ranks), data_ranks, cfg.micro_batch(world),
+                               cfg.accumulation_steps(world))
         self.global_batch = cfg.train.batch_size
 
         generator, discriminator = build_networks(cfg)  # same seed on every rank: identical init
         ema = make_ema(generator)  # copied before sharding: a sharded module cannot be deep-copied
-        layout = Layout(runtime, cfg.parallel)
-        self.G: Wrapped = parallelize(generator, cfg.parallel.generator, layout)
-        self.D: Wrapped = parallelize(discriminator, cfg.parallel.discriminator, layout)
-        self.G_ema = self.G.shard_like(ema)  # placed (and sharded) exactly like G
+        if cfg.parallel.pipelined:  # the one capability branch: G and D split into stages of one pipeline
+            self.G, self.D = pipeline_networks(generator, discriminator, runtime, cfg.parallel, cfg.loss.kind)
+        else:
+            layout = Layout(runtime, cfg.parallel)
+            self.G, self.D = (parallelize(generator, cfg.parallel.generator, layout),
+                              parallelize(discriminator, cfg.parallel.discriminator, layout))
+        self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
+        self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
         self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1)
         lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
         self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy)
@@ -228,7 +235,12 @@ class Trainer:
         with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
         totals = torch.zeros(2, device=self.runtime.device)  # adversarial loss, penalty
         with self.times.part("d_forward_backward"):
-            self._discriminator_micro_steps(reals, step, phase, with_r1, totals)
+            if self.pipeline is not None:
+                real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
+                with self.precision.autocast():
+                    totals[0] = self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale)
+            else:
+                self._discriminator_micro_steps(reals, step, phase, with_r1, totals)
         loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, totals)
         return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
 
@@ -281,7 +293,12 @@ class Trainer:
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
         totals = torch.zeros(2, device=self.runtime.device)  # G's loss, its reconstruction (L1) part
         with self.times.part("g_forward_backward"):
-            self._generator_micro_steps(reals, step, totals)
+            if self.pipeline is not None:
+                z = self.slicing.take(self._global_latents(step, PHASE_G), 0)
+                with self.precision.autocast():
+                    totals[0] = self.pipeline.generator_pass(z, scale_loss=self.precision.scale)
+            else:
+                self._generator_micro_steps(reals, step, totals)
         self.D.trainable(True)
         (loss_g, reconstruction_g, grad_norm) = self._finish_step(self.G, self.opt_g, totals)
         return {"loss_g": loss_g, "l1_g": reconstruction_g, "grad_norm_g": grad_norm}
@@ -328,7 +345,7 @@ class Trainer:
     def synchronise_buffers(self) -> None:
         """Collective: make per-rank BatchNorm statistics one (before sampling, evaluating, saving)."""
         self.watchdog.mark(f"step {self.step}: all-reduce of BatchNorm statistics")
-        average_batchnorm_stats(self.G.module, self.D.module, self.G_ema)
+        self.G.synchronise_batchnorm(self.G.module, self.D.module, self.G_ema)
 
     def write_samples(self) -> dict[str, float]:
         """Every rank draws from G_ema (a collective when G_ema is sharded); rank 0 writes the picture.
@@ -366,7 +383,8 @@ class Trainer:
         self.saved_step = self.step
         self.synchronise_buffers()
         if self.cfg.checkpoint.check_replicas:
-            check_replicas({"G": self.G.replicated(), "D": self.D.replicated(), "G_ema": self.G.replicated(self.G_ema)})
+            check_replicas({"G": self.G.replicated(), "D": self.D.replicated(), "G_ema": self.G.replicated(self.G_ema)},
+                           group=self.G.replica_group)
         self.watchdog.mark(f"step {self.step}: replica check and RNG all-gather for the checkpoint")
         rng_states = checkpoint.gather_rng_states()  # collective
         networks = {"G": self.G.model_state(), "D": self.D.model_state(), "G_ema": self.G.model_state(self.G_ema),
@@ -406,9 +424,10 @@ def fingerprint(tensor: Tensor) -> Tensor:
     return torch.stack([(ints.long() * weights).sum(), ints.long().sum()])
 
 
-def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]]) -> None:
-    """Collective: the named tensors are bitwise identical across ranks, or name the first that is not."""
-    if dist.get_world_size() == 1:
+def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]], group: dist.ProcessGroup | None = None) -> None:
+    """Collective over `group` (default: all ranks): the named tensors are bitwise identical across its
+    ranks, or name the first that is not."""
+    if dist.get_world_size(group) == 1:
         return
     names, prints = [], []
     for prefix, named in tensors.items():
@@ -418,9 +437,10 @@ def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]]) -> None:
     if not prints:  # e.g. fully sharded networks without buffers: nothing is replicated (same on every rank)
         return
     local = torch.stack(prints)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    for rank, other in enumerate(gathered):
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(gathered))
+    for rank, other in zip(ranks, gathered):
         differs = (other != gathered[0]).any(1).nonzero()
         if len(differs):
-            raise ReplicaDivergence(f"{names[int(differs[0])]} differs between rank 0 and rank {rank}")
+            raise ReplicaDivergence(f"{names[int(differs[0])]} differs between rank {ranks[0]} and rank {rank}")

@@ -79,6 +79,9 @@ def local(tensor: Tensor) -> Tensor:
 class Wrapped:
     """A network as the trainer uses it, whatever the strategy. This base class is a full replica."""
 
+    pipeline = None       # the PipelinedGAN running this network's passes (parallel/pipeline.py), if any
+    replica_group = None  # the ranks that hold the same tensors (None: all of them)
+
     def __init__(self, module: nn.Module, net: nn.Module):
         self.module = module  # the network (sharded in place under FSDP): weights, EMA, saving
         self.net = net        # what forward goes through (may communicate)
@@ -121,6 +124,10 @@ class Wrapped:
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         set_optimizer_state_dict(self.module, optimizer, state, options=FULL)
+
+    def synchronise_batchnorm(self, *modules: nn.Module) -> None:
+        """Collective: average BatchNorm running statistics of `modules` over the ranks that hold them."""
+        average_batchnorm_stats(*modules)
 
     def grad_norm(self, max_norm: float) -> Tensor:
         """The gradient norm before clipping; clips to `max_norm` when it is > 0."""

@@ -49,9 +49,11 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleLoopedBFS)
 
 from ganscale import objectives
-from ganscale.config import ConfigError
+from ganscale.config import ConfigError, ParallelConfig
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
+from ganscale.parallel import Wrapped
+from ganscale.runtime import Runtime
 
 # schedule name -> (one stage per rank, several stages per rank)
 SCHEDULES = {"gpipe": (ScheduleGPipe, ScheduleLoopedBFS), "1f1b": (Schedule1F1B, ScheduleInterleaved1F1B)}
@@ -464,3 +466,75 @@ class PipelinedGAN:
         optimizer.load_state_dict({
             "state": {i: state["state"][n] for i, n in enumerate(names) if n in state["state"]},
             "param_groups": [{**group, "params": list(range(len(names)))}]})
+
+
+# ------------------------------------------------------------------------------------------- for the trainer
+class PipelinedSampler(nn.Module):
+    """G_ema as the trainer uses it: this rank's part of it (EMA updates, checkpoints), and sampling
+    through G's stages (a collective over the pipeline group)."""
+
+    def __init__(self, gan: PipelinedGAN, part: Part):
+        super().__init__()
+        self.part = part
+        self._gan = gan  # not a module: its parts are G's and D's, not G_ema's
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self._gan.generate(z, part=self.part)
+
+
+def _part_of(module: nn.Module) -> nn.Module:
+    return module.part if isinstance(module, PipelinedSampler) else module
+
+
+class PipelineStages(Wrapped):
+    """One network (G or D) of a PipelinedGAN behind the trainer's `Wrapped` interface. Its passes are
+    not forwards: the trainer calls `pipeline.generator_pass` / `discriminator_pass` instead."""
+
+    def __init__(self, gan: PipelinedGAN, network: str):
+        super().__init__(gan.parts[network], gan.parts[network])
+        self.pipeline, self.network = gan, network
+        self.replica_group = gan.dp  # the ranks that hold the same stage
+
+    def __call__(self, *args, **kwargs) -> Tensor:
+        raise RuntimeError("a pipelined network runs through PipelinedGAN's passes, not a forward call")
+
+    def trainable(self, flag: bool) -> None:
+        self.module.requires_grad_(flag)
+
+    def shard_like(self, module: nn.Module) -> nn.Module:
+        return PipelinedSampler(self.pipeline, self.pipeline.split_like(self.network, module))
+
+    def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        module = _part_of(module or self.module)
+        return [*module.named_parameters(), *module.named_buffers()]
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        return optimizer_class(self.pipeline.parameters_of(self.network), **kwargs)
+
+    def model_state(self, module: nn.Module | None = None) -> dict[str, Tensor]:
+        return self.pipeline.model_state(self.network if module is None else _part_of(module))
+
+    def load_model_state(self, state: dict[str, Tensor], module: nn.Module | None = None) -> None:
+        self.pipeline.load_model_state(self.network if module is None else _part_of(module), state)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return self.pipeline.optimizer_state(self.network, optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        self.pipeline.load_optimizer_state(self.network, optimizer, state)
+
+    def synchronise_batchnorm(self, *modules: nn.Module) -> None:
+        self.pipeline.average_batchnorm_stats(*(_part_of(m) for m in modules))
+
+    def grad_norm(self, max_norm: float) -> Tensor:
+        return self.pipeline.grad_norm(self.network, max_norm)
+
+
+def pipeline_networks(G: nn.Module, D: nn.Module, runtime: Runtime, options: ParallelConfig,
+                      loss_kind: str) -> tuple[PipelineStages, PipelineStages]:
+    """G and D split into `options.pipeline_stages` stages over each pipeline group, replicated over the
+    groups. Creates the (dp, pp) mesh: a collective every rank calls at the same point."""
+    mesh = pipeline_mesh(runtime.world, options.pipeline_stages, runtime.device.type, options.mesh)
+    gan = PipelinedGAN(G, D, mesh, microbatches=options.microbatches, schedule=options.schedule,
+                       loss_kind=loss_kind, device=runtime.device)
+    return PipelineStages(gan, "G"), PipelineStages(gan, "D")
