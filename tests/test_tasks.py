@@ -215,3 +215,37 @@ def test_class_conditional_samples_from_noise_are_deterministic_and_cover_the_cl
     counts = torch.bincount(seen[0], minlength=10)
     assert torch.equal(seen[0][:100], seen[1])              # a function of each sample's own noise
     assert counts.min() > 300 and counts.max() < 500          # about uniform (400 each)
+
+
+# ------------------------------------------------------------------------------------------ eval.every
+EVAL_DIGITS = {**QUIET, "model.z_dim": 16, "model.g_width": 16, "model.d_width": 16, "model.g_batchnorm": "false",
+               "train.batch_size": 16, "train.steps": 4, "eval.every": 2, "eval.samples": 64}
+
+
+def test_image_metrics_during_training_go_to_metrics_and_summary(tmp_path):
+    trainer = train_in_process(build(EVAL_DIGITS), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in records if "eval_fd_digits" in r]
+    assert [r["step"] for r in scored] == [2, 4]
+    assert all(r["eval_fd_digits"] > 0 and 0 <= r["eval_coverage"] <= 1 for r in scored)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["quality"]["fd_digits"] == pytest.approx(scored[-1]["eval_fd_digits"])
+    assert trainer.image_scorer.reference.shape[0] == 1797  # every training digit
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"eval.every": 10, "model.kind": "mlp", "data.kind": "ring8"}, "eval.every"),        # scored at sample grids
+    ({"eval.every": 10, "eval.features": "inception"}, "eval.inception_weights")])         # no local weights file
+def test_eval_settings_that_cannot_work_are_refused(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        build(overrides)
+    assert info.value.key == key
+
+
+@pytest.mark.slow
+def test_image_metrics_during_training_on_two_sharded_ranks_equal_one_process(tmp_path):
+    """Each rank generates its share through an FSDP-sharded G_ema (every rank the same number of forwards)."""
+    one = run_ranks(train_and_collect, 1, EVAL_DIGITS, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, {**EVAL_DIGITS, "parallel.generator": "fsdp"}, str(tmp_path / "two"))
+    for rank in two:
+        assert rank["summary"]["quality"]["fd_digits"] == pytest.approx(one["summary"]["quality"]["fd_digits"], rel=1e-3)

@@ -196,6 +196,23 @@ class LogConfig(Section):
     outputs); on CUDA this synchronises the device at each part's boundary."""
 
 
+class EvalConfig(Section):
+    every: int = Field(0, ge=0)
+    """Score G_ema every this many steps and at the end (0: off): FD, KID, precision/recall and
+    density/coverage of generated images against the training images' features, computed across ranks
+    (each rank generates its share). Image runs only; 2D mixtures are scored at every sample grid."""
+    samples: int = Field(2500, ge=6)
+    """Generated images per evaluation (the reference is up to 10,000 training images)."""
+    features: Literal["auto", "digits", "inception"] = "auto"
+    """Feature extractor: auto is digits (the shipped classifier, FD-digits) for data.kind=digits and
+    inception otherwise."""
+    inception_weights: str | None = None
+    """A local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded."""
+
+    def extractor(self, data_kind: str) -> str:
+        return ("digits" if data_kind == "digits" else "inception") if self.features == "auto" else self.features
+
+
 class FaultConfig(Section):
     hang_timeout_s: float = Field(300.0, gt=0)
     """No progress on a rank for this long: write diagnostics/, name the ranks that did not arrive, exit 5."""
@@ -215,6 +232,7 @@ class Config(Section):
     parallel: ParallelConfig = ParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    eval: EvalConfig = EvalConfig()
     fault: FaultConfig = FaultConfig()
 
     def data_ranks(self, world_size: int) -> int:
@@ -348,6 +366,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
     _check_parallel(cfg.parallel, world_size, on_cuda)
+    _check_eval(cfg)
     sharded_d = cfg.parallel.discriminator in FULLY_SHARDED
     if sharded_d and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
         raise ConfigError("parallel.discriminator",
@@ -432,6 +451,23 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
         generator, discriminator = build_networks(cfg)
     split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
     split(discriminator, p.pipeline_stages, "D")
+
+
+def _check_eval(cfg: Config) -> None:
+    e = cfg.eval
+    if not e.every:
+        return
+    if cfg.data.kind in ("ring8", "grid25", "paired"):
+        how = ("2D mixtures are scored (modes, % high quality) at every sample grid: set log.sample_every"
+               if cfg.data.kind != "paired" else "score pix2pix runs with `ganscale eval RUN --pairs HELD_OUT_DIR`")
+        raise ConfigError("eval.every", f"image metrics do not apply to data.kind={cfg.data.kind}", f"set eval.every=0; {how}")
+    if cfg.parallel.pipelined:
+        raise ConfigError("eval.every", "periodic image metrics are not wired to the pipeline yet (each rank would "
+                          "need its own noise through the shared stages)", "set eval.every=0 and run `ganscale eval RUN`")
+    if e.extractor(cfg.data.kind) == "inception" and not (e.inception_weights and Path(e.inception_weights).is_file()):
+        raise ConfigError("eval.inception_weights", f"Inception features need a local weights file; got {e.inception_weights!r}",
+                          "set eval.inception_weights to pytorch-fid's pt_inception-2015-12-05 .pth file (or torch-fidelity's), "
+                          "or eval.every=0")
 
 
 def _check_parallel(p: ParallelConfig, world_size: int, on_cuda: bool) -> None:

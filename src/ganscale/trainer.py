@@ -28,6 +28,7 @@ from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.observe.timing import StepTimes
+from ganscale.metrics.images import ImageScorer
 from ganscale.parallel import Layout, held_bytes, parallelize
 from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.traffic import TrafficMeter
@@ -96,6 +97,7 @@ class Trainer:
         self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
                                      start=self.step * cfg.loss.n_critic)
         self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
+        self.image_scorer = ImageScorer(cfg, self.dataset, device) if cfg.eval.every else None  # collective
         if runtime.is_main:  # only now: a bad data set or checkpoint leaves nothing behind
             self.run_dir.mkdir(parents=True, exist_ok=True)
             resolved = to_yaml(cfg)
@@ -193,6 +195,8 @@ class Trainer:
             with self.times.part("outputs"):
                 if (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final:
                     quality = self.write_samples()
+                if self.image_scorer is not None and (self.step % cfg.eval.every == 0 or final):
+                    quality = {**quality, **self.score_images()}
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed:
                     self.save_checkpoint()
             if self.stop_agreed and not final:
@@ -370,6 +374,16 @@ class Trainer:
         write_png(picture, self.run_dir / "samples" / f"step-{self.step:08d}.png")
         self.log.add_image("samples", picture, self.step)
         return quality
+
+    def score_images(self) -> dict[str, float]:
+        """Collective: image metrics of G_ema, every rank generating its share; rank 0 logs them."""
+        self.synchronise_buffers()
+        self.watchdog.mark(f"step {self.step}: image metrics (features all-gathered)")
+        scores = self.image_scorer.score(lambda z: self.task.from_noise(self.G_ema, z).float(), self.step)
+        if self.runtime.is_main:
+            self.log.add_scalars("quality", scores, self.step)
+            self.log.log_extra(self.step, {f"eval_{k}": v for k, v in scores.items()})
+        return scores
 
     def state_dict(self, rng_states: list[dict], networks: dict[str, dict]) -> dict:
         """Everything a resume needs; `networks` holds the full model and optimizer states."""

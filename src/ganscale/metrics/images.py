@@ -92,3 +92,26 @@ def image_metrics(generate: Callable[[torch.Tensor], torch.Tensor], z_dim: int, 
     fake = generated_features(generate, z_dim, n, seed, extractor, device)
     return {**all_distances(reference_features, fake, seed=seed), "samples": n,
             "reference_samples": int(reference_features.shape[0]), "features": extractor.name}
+
+
+SCORES = ("fd", "kid", "precision", "recall", "density", "coverage")
+
+
+class ImageScorer:
+    """Image metrics during training (`eval.every`): the extractor and the reference features are made
+    once, at start (a collective: every rank computes its share of the reference features)."""
+
+    def __init__(self, cfg, dataset: Dataset, device: torch.device):
+        from ganscale.metrics.features import build_extractor
+
+        self.extractor = build_extractor(cfg.eval.extractor(cfg.data.kind), device, cfg.eval.inception_weights)
+        self.reference = reference_features(dataset, self.extractor, seed=cfg.train.seed)
+        self.samples, self.z_dim, self.seed, self.device = cfg.eval.samples, cfg.model.z_dim, cfg.train.seed, device
+
+    def score(self, generate: Callable[[torch.Tensor], torch.Tensor], step: int) -> dict[str, float]:
+        """Collective: {fd_<features>, kid_<features>, precision, recall, density, coverage} of `generate`,
+        on the same noise at every step (so successive values compare G_ema, not noise)."""
+        result = image_metrics(generate, self.z_dim, self.samples, self.seed, self.extractor, self.reference,
+                               device=self.device)
+        name = self.extractor.name
+        return {(f"{key}_{name}" if key in ("fd", "kid") else key): float(result[key]) for key in SCORES}

@@ -49,6 +49,14 @@ class RunLog:
             print(f"step {step} {line}", flush=True)
         return record
 
+    def log_extra(self, step: int, values: dict[str, float]) -> None:
+        """A record of its own (e.g. image metrics at an evaluation step): metrics.jsonl and the console."""
+        if not self.enabled:
+            return
+        self.metrics.write(json.dumps({"step": step, **values}) + "\n")
+        line = " ".join(f"{k} {v:.4g}" for k, v in values.items())
+        (self.bar.write if self.bar is not None else print)(f"step {step} {line}")
+
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(steps)
