@@ -185,6 +185,9 @@ def test_hang_on_one_rank_is_named_with_diagnostics_and_exits_fast(tmp_path):
     for rank in (0, 1):
         assert "File" in (run / "diagnostics" / f"rank{rank}-stacks.txt").read_text()
         assert "step 3" in (run / "diagnostics" / f"rank{rank}-collectives.txt").read_text()
+        # PyTorch's own flight recorder: the collectives issued, with their sizes and states.
+        recorded = json.loads((run / "diagnostics" / f"rank{rank}-flight-recorder.json").read_text())
+        assert any("all_reduce" in entry["profiling_name"] for entry in recorded["entries"])
 
 
 def test_a_data_set_that_does_not_divide_by_ranks_times_batch_does_not_hang(tmp_path):

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
 @dataclass
 class Runtime:
     rank: int
@@ -45,6 +48,9 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
     else:
         dev = torch.device("cpu")
     owns = not dist.is_initialized()
+    # PyTorch's flight recorder keeps each process group's last collectives (NCCL's and gloo's); the hang
+    # watchdog writes it to RUN_DIR/diagnostics/. It must be sized before the group is made.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     if owns:
         chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
         timeout = datetime.timedelta(seconds=timeout_s)

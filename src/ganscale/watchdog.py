@@ -3,8 +3,9 @@
 The trainer marks progress (`mark`) at each phase and right before each of its own collectives; a
 mark is one counter increment and a tuple, nothing more. The watchdog thread publishes the rank's
 latest mark to the process group's store every few seconds. When a rank has made no progress for
-`fault.hang_timeout_s`, its watchdog writes that rank's Python stacks and its last marks (the
-record of ganscale's collectives) to RUN_DIR/diagnostics/, reads every rank's published progress,
+`fault.hang_timeout_s`, its watchdog writes that rank's Python stacks, its last marks (the
+record of ganscale's collectives) and PyTorch's flight recorder (every collective of every process
+group, NCCL or gloo, with sizes and states; read it with `torchfrtrace`) to RUN_DIR/diagnostics/, reads every rank's published progress,
 names the ranks that are behind (they never arrived at the collective the others wait in), and
 exits with code 5. The elastic agent then stops the remaining workers.
 """
@@ -12,6 +13,7 @@ exits with code 5. The elastic agent then stops the remaining workers.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import sys
 import threading
@@ -87,6 +89,7 @@ class Watchdog:
             f.write("time\tmark\twhere (ganscale's phases and collectives, oldest first)\n")
             for stamp, count, where in self.history:
                 f.write(f"{stamp:.3f}\t{count}\t{where}\n")
+        _write_flight_recorder(self.diagnostics_dir / f"rank{self.rank}-flight-recorder.json")
         progress = self._others()
         progress[self.rank] = (self.count, self.where)
         ahead = max(count for count, _ in progress.values())
@@ -103,3 +106,14 @@ class Watchdog:
         print(f"ganscale: hang detected on rank {self.rank}: no progress for {self.timeout_s:.0f} s. {verdict}. "
               f"Stacks and each rank's last collectives: {self.diagnostics_dir}/", file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
+
+
+def _write_flight_recorder(path: Path) -> None:
+    """PyTorch's record of every collective this process issued (op, sizes, state, sequence number), as
+    `torchfrtrace` reads it; empty when TORCH_FR_BUFFER_SIZE=0."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        path.write_bytes(_dump_fr_trace_json(True, True))
+    except Exception as e:  # a diagnosis must not fail on the way out
+        path.write_text(json.dumps({"error": f"flight recorder unavailable: {e}"}))
