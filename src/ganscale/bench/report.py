@@ -44,7 +44,9 @@ def median(values: list[float]) -> float:
 
 def quantile(values: list[float], q: float) -> float:
     """The q-quantile (0..1): on a shared machine a low quantile is the least-contended steps' time."""
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else median(values)
+    if len(values) < 2:
+        return median(values)
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def spread(values: list[float]) -> tuple[float, float]:

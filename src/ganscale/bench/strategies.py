@@ -1,9 +1,10 @@
-"""`ganscale bench strategies` and `ganscale bench scaling`: real training runs, side by side.
+"""`ganscale bench strategies`: every parallel strategy in real training runs, side by side.
 
 Each row is one `ganscale train --nproc N ...` started as a subprocess (the user's own launcher path:
 torch's elastic agent, gloo on CPU), with `log.every=1`, samples, TensorBoard and periodic checkpoints
 off, every worker on `--threads` threads (OMP_NUM_THREADS). What is read back:
-- step time: the median (and the 10th percentile: on a shared machine, the least-contended steps) over logged steps of global batch / img_per_s from metrics.jsonl, leaving out
+- step time: the median (and the 10th percentile: on a shared machine, the least-contended steps) over
+  logged steps of global batch / img_per_s from metrics.jsonl, leaving out
   the first `SETUP_STEPS` steps (one-time setup, the memory report after step 1, and step 3, whose
   collectives the trainer's traffic meter intercepts in Python);
 - memory: `held_bytes` of summary.json, the bytes each rank holds between steps for parameters,
@@ -48,7 +49,8 @@ def train_run(recipe: str, overrides: list[str], nproc: int, run_dir: Path, thre
               timeout_s: float = 900) -> dict:
     """Train through `ganscale train --nproc` in a subprocess; returns its step times, memory and traffic."""
     sets = [arg for override in [*QUIET, *overrides] for arg in ("--set", override)]
-    command = [sys.executable, "-m", "ganscale", "train", recipe, *sets, "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    command = [sys.executable, "-m", "ganscale", "train", recipe, *sets,
+               "--nproc", str(nproc), "--run-dir", str(run_dir)]
     done = subprocess.run(command, env=worker_env(threads), capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RunFailed(f"`{' '.join(command[1:])}` exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -85,21 +87,3 @@ def compare_strategies(model: str, nproc: int, steps: int, batch: int | None, pa
                                      f"parallel.discriminator={discriminator}"], nproc, Path(scratch) / name, threads)
             rows.append({"strategy": name, "generator": generator, "discriminator": discriminator, **run})
     return rows
-
-
-def ddp_scaling(model: str, nproc: int, per_rank_batch: int, steps: int, repeats: int, threads: int) -> dict:
-    """An N-process DDP step against a 1-process step of the same per-rank batch, alternating runs."""
-    recipe, base = MODELS[model]
-    overrides = [*base, f"train.steps={steps}", "train.device=cpu"]
-    one, many = [], []
-    with tempfile.TemporaryDirectory() as scratch:
-        for repeat in range(repeats):
-            one += train_run(recipe, [*overrides, f"train.batch_size={per_rank_batch}"], 1,
-                             Path(scratch) / f"one-{repeat}", threads)["step_times_s"]
-            many += train_run(recipe, [*overrides, f"train.batch_size={per_rank_batch * nproc}"], nproc,
-                              Path(scratch) / f"many-{repeat}", threads)["step_times_s"]
-    return {"one_process_median_s": median(one), "one_process_range_s": spread(one),
-            "n_process_median_s": median(many), "n_process_range_s": spread(many),
-            "one_process_p10_s": quantile(one, 0.1), "n_process_p10_s": quantile(many, 0.1),
-            "ratio": median(many) / median(one), "ratio_p10": quantile(many, 0.1) / quantile(one, 0.1),
-            "steps_measured": [len(one), len(many)]}
