@@ -76,6 +76,28 @@ def test_throughput_counts_flops_and_mfu_against_the_given_peak(tmp_path):
     assert rows[1]["gflop_per_iter"] == pytest.approx(2 * rows[0]["gflop_per_iter"], rel=0.05)
 
 
+def test_throughput_runs_bf16_autocast(tmp_path):
+    record = run_bench(tmp_path, "throughput", "--device", "cpu", "--batch", "2", "--resolution", "8", "--dcgan-width", "8",
+                       "--biggan-ch", "4", "--iters", "1", "--warmup", "1", "--precision", "bf16")
+    assert {row["precision"] for row in record["rows"]} == {"bf16"} and all(r["gflop_per_iter"] > 0 for r in record["rows"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_throughput_on_cuda_without_a_gpu_exits_2_naming_the_option(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "throughput", "--device", "cuda", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--device cuda" in result.output
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_throughput_on_cuda_reports_mfu_against_the_h100_bf16_peak(tmp_path):
+    record = run_bench(tmp_path, "throughput", "--device", "cuda", "--batch", "2", "--resolution", "8",
+                       "--dcgan-width", "8", "--biggan-ch", "4", "--iters", "1", "--warmup", "1")
+    for row in record["rows"]:
+        assert row["precision"] == "bf16" and row["peak_tflops"] == 989.0
+        assert 0 < row["mfu"] < 1 and row["max_memory_allocated_bytes"] > 0
+
+
 @pytest.mark.slow
 def test_strategies_reads_step_time_memory_and_traffic_from_real_runs(tmp_path):
     record = run_bench(tmp_path, "strategies", "--model", "mlp", "--steps", "5", "--batch", "8",

@@ -166,6 +166,7 @@ def strategies(ctx: click.Context, nproc: int, model: str, steps: int, batch: in
     columns = list(rows[0])
     notes = [f"model {model}, {nproc} processes, global batch {runs[0]['global_batch']}, {steps} steps, "
              f"{threads} thread(s) per process; median over steps {bench_strategies.SETUP_STEPS + 1}..{steps}",
+             "every row logs a metrics line per step (log.every=1); samples, TensorBoard and periodic checkpoints off",
              "held = bytes of parameters + gradients + optimizer state of G and D on the rank holding most "
              "(summary.json held_bytes; activations and process memory not included)",
              "comm = payload bytes of every collective in one measured iteration (summary.json communicated_bytes)"]
