@@ -59,6 +59,34 @@ def test_hsdp_on_a_two_by_two_mesh_equals_one_process(tmp_path):
 
 
 PIPELINE = {"parallel.generator": "pipeline", "parallel.discriminator": "pipeline"}
+CLIPPED = {**MLP_ADAM, "train.grad_clip": 0.002}  # below the gradient norms: every step is clipped
+
+
+@pytest.mark.parametrize("overrides", [
+    {"parallel.generator": "zero1", "parallel.discriminator": "fsdp", "train.micro_batch": 4},
+    {"parallel.generator": "zero2", "parallel.discriminator": "zero2", "train.micro_batch": 4},
+    PIPELINE], ids=["zero1-fsdp-accumulated", "zero2-accumulated", "pipeline"])
+def test_clipping_and_accumulation_under_sharding_equal_one_process(tmp_path, overrides):
+    """The clip uses the global gradient norm over all shards and stages, not one rank's part."""
+    one = run_ranks(train_and_collect, 1, CLIPPED, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, {**CLIPPED, **overrides}, str(tmp_path / "two"))
+    assert one["summary"]["final"]["grad_norm_d"] > 0.002 and one["summary"]["final"]["grad_norm_g"] > 0.002
+    for rank in two:
+        assert rank["summary"]["final"]["grad_norm_d"] == pytest.approx(one["summary"]["final"]["grad_norm_d"], rel=1e-4)
+        for net in ("G", "D", "G_ema"):
+            assert max_relative_difference(one[net], rank[net]) <= TOLERANCE, net
+
+
+def test_bf16_under_fsdp_trains_as_one_process_within_bf16_rounding(tmp_path):
+    bf16 = {**MLP_ADAM, "train.precision": "bf16"}
+    one = run_ranks(train_and_collect, 1, bf16, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, {**bf16, "parallel.generator": "fsdp", "parallel.discriminator": "fsdp"},
+                    str(tmp_path / "two"))
+    fp32 = run_ranks(train_and_collect, 1, MLP_ADAM, str(tmp_path / "fp32"))[0]
+    for net in ("G", "D"):
+        sharded = max_relative_difference(one[net], two[0][net])
+        assert sharded <= 1e-2, net
+        assert sharded < max_relative_difference(one[net], fp32[net]) / 4, net  # far closer than fp32 is to bf16
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
