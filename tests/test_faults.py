@@ -24,10 +24,10 @@ def _sigterm_rank1_at_step(step: int):
     def hook(trainer):
         original = trainer.generator_step
 
-        def generator_step(current):
+        def generator_step(current, *args):
             if trainer.runtime.rank == 1 and current == step:
                 os.kill(os.getpid(), signal.SIGTERM)  # delivered to this rank only, mid-step
-            return original(current)
+            return original(current, *args)
         trainer.generator_step = generator_step
     return hook
 
@@ -106,6 +106,31 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
                              cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == stopped_at + 5
+
+
+def test_a_rank_that_cannot_finish_its_step_after_sigterm_exits_within_exit_timeout(tmp_path):
+    """Rank 1 hangs at step 3 and rank 0 waits for it inside a collective (where Python signal handlers do
+    not run); a SIGTERM then starts each rank's exit clock, and both write diagnostics and exit 5."""
+    run = tmp_path / "run"
+    env = {**clean_env(), "GANSCALE_INJECT_FAULT": "sleep@1:3:300"}
+    launcher = subprocess.Popen([sys.executable, "-m", "ganscale", "train", "--nproc", "2", "--run-dir", str(run),
+                                 "--set", "train.steps=100000", "--set", "log.tensorboard=false", "--set", "log.every=1",
+                                 "--set", "fault.hang_timeout_s=300", "--set", "fault.exit_timeout_s=3"],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert time.time() < deadline and launcher.poll() is None, "training never reached step 3"
+        time.sleep(0.2)
+    time.sleep(1)  # both ranks are now stuck: rank 1 asleep, rank 0 in the step's collective
+    asked = time.time()
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=90)
+    elapsed = time.time() - asked
+    assert launcher.returncode == 5, stderr[-3000:]
+    assert "asked to stop 3 s ago (fault.exit_timeout_s)" in stderr
+    assert elapsed < 3 + 15, f"took {elapsed:.0f} s after SIGTERM"  # the timeout, one watchdog period, teardown
+    for rank in (0, 1):
+        assert "File" in (run / "diagnostics" / f"rank{rank}-stacks.txt").read_text()
 
 
 def test_exception_on_one_rank_stops_all_fast_with_its_traceback(tmp_path):

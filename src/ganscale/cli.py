@@ -63,7 +63,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     if nproc and not worker:
         args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), []),
                 "--run-dir", str(resolved_dir), *(["--resume", str(resume_from)] if resume_from else [])]
-        sys.exit(launch.launch_local(nproc, args, max_restarts))
+        sys.exit(launch.launch_local(nproc, args, max_restarts, resolved_dir))
     try:
         summary = launch.run_worker(cfg, resolved_dir, resume_from)
     except ConfigError as e:

@@ -7,6 +7,7 @@ collective, so no rank is left waiting in a collective the others have abandoned
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from collections.abc import Callable
 
@@ -46,6 +47,9 @@ class StopSignals:
     def __init__(self, on_signal: Callable[[str], None]):
         self.on_signal = on_signal
         self.previous: dict[int, object] = {}
+        self.wakeup: socket.socket | None = None  # readable as soon as a signal arrives (see __enter__)
+        self._wakeup_write: socket.socket | None = None
+        self._previous_wakeup_fd = -1
 
     def __enter__(self) -> StopSignals:
         try:
@@ -53,6 +57,13 @@ class StopSignals:
                 self.previous[sig] = signal.signal(sig, self._handle)
         except ValueError:  # not the main thread (e.g. embedded use): leave signals alone
             self.previous.clear()
+            return self
+        # A Python handler runs only when the main thread returns to the interpreter, which a rank blocked
+        # in a collective never does. The C-level handler also writes the signal number to this socket at
+        # once, so another thread (the watchdog) learns of the request while the main thread is stuck.
+        self.wakeup, self._wakeup_write = socket.socketpair()
+        self._wakeup_write.setblocking(False)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._wakeup_write.fileno(), warn_on_full_buffer=False)
         return self
 
     def _handle(self, signum: int, _frame) -> None:
@@ -63,6 +74,10 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if self.wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            self.wakeup.close()
+            self._wakeup_write.close()
 
 
 # ----------------------------------------------------------------------------------- fault injection

@@ -80,7 +80,7 @@ def agree_on_run(run_dir: Path, resume: Path | None) -> tuple[Path, Path | None]
     return Path(chosen[0]), (Path(chosen[1]) if chosen[1] else None)
 
 
-def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> int:
+def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0, run_dir: Path | None = None) -> int:
     """Start `nproc` workers running `python -m ganscale <worker_args>` via torch's elastic agent."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -95,10 +95,19 @@ def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0) -> i
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           monitor_interval=0.5)
+    started = time.time()
     try:
         elastic_launch(config, sys.executable)("-m", "ganscale", *worker_args)
     except SignalException as e:
-        # The agent forwarded the signal; workers finished their step and checkpointed before exiting.
+        # The agent forwarded the signal; workers finish their step and checkpoint before exiting, unless a rank
+        # could not within fault.exit_timeout_s: it then wrote diagnostics (the signal hides the exit codes).
+        stalled = [p.name.split("-")[0] for p in sorted(Path(run_dir or ".").glob("diagnostics/rank*-stacks.txt"))
+                   if p.stat().st_mtime >= started]
+        if stalled:
+            print(f"ganscale: {e.sigval.name} received, but {', '.join(stalled)} did not finish the step within "
+                  f"fault.exit_timeout_s; stacks and collectives are in {run_dir}/diagnostics/; the previous "
+                  "checkpoint is kept", file=sys.stderr)
+            return EXIT_HANG
         print(f"ganscale: {e.sigval.name} received; workers were asked to checkpoint. Continue with --resume auto",
               file=sys.stderr)
         return EXIT_PREEMPTED

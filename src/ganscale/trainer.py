@@ -88,7 +88,8 @@ class Trainer:
         self.traffic = TrafficMeter()  # bytes communicated per step, measured on one step
         self.times = StepTimes(device, cfg.log.step_times)  # where each step's wall time goes
         self.inject_fault = injected_fault()  # test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set
-        self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics")
+        self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics",
+                                 exit_timeout_s=cfg.fault.exit_timeout_s)
         seed_rank_streams(cfg.train.seed, runtime)
         if resume is not None:
             self._load(resume)
@@ -134,7 +135,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict:
         """Train to `train.steps`. Raises `Preempted` after a stop signal, `NonFiniteTraining` after too many skips."""
-        with StopSignals(self._request_stop), self.watchdog:
+        with StopSignals(self._request_stop) as signals, self.watchdog.watching(signals.wakeup):
             return self._fit()
 
     def _request_stop(self, signal_name: str) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -23,20 +25,29 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ganscale.fault import EXIT_HANG
+from ganscale.fault import EXIT_HANG, StopSignals
 
 KEY = "ganscale/progress/{rank}"
+STOP_SIGNALS = {int(sig) for sig in StopSignals.SIGNALS}
 
 
 class Watchdog:
-    def __init__(self, rank: int, world: int, timeout_s: float, diagnostics_dir: Path):
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+    def __init__(self, rank: int, world: int, timeout_s: float, diagnostics_dir: Path, exit_timeout_s: float = 30.0):
+        self.rank, self.world, self.timeout_s, self.exit_timeout_s = rank, world, timeout_s, exit_timeout_s
+        self.stop_requested_at: float | None = None  # when a stop signal arrived (monotonic)
+        self.signals: socket.socket | None = None  # readable when a stop signal arrives (fault.StopSignals)
         self.diagnostics_dir = Path(diagnostics_dir)
         self.count, self.where, self.last_progress = 0, "start", time.monotonic()
         self.history: deque[tuple[float, int, str]] = deque(maxlen=64)
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self._stop = threading.Event()
+        self._wake, self._waker = socket.socketpair()  # __exit__ wakes the thread through it
         self._thread = threading.Thread(target=self._run, name="ganscale-watchdog", daemon=True)
+
+    def watching(self, signals: socket.socket | None) -> Watchdog:
+        """Also bound the time from a stop signal to this rank's exit (fault.exit_timeout_s)."""
+        self.signals = signals
+        return self
 
     def __enter__(self) -> Watchdog:
         self._thread.start()
@@ -44,7 +55,10 @@ class Watchdog:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        self._waker.send(b"x")
         self._thread.join(timeout=5)
+        self._wake.close()
+        self._waker.close()
 
     def mark(self, where: str) -> None:
         """Progress: called by the training loop's own thread (cheap: no I/O, no locks)."""
@@ -55,11 +69,31 @@ class Watchdog:
 
     # ------------------------------------------------------------------ watchdog thread
     def _run(self) -> None:
-        period = max(0.2, min(5.0, self.timeout_s / 4))
-        while not self._stop.wait(period):
+        period = max(0.2, min(5.0, self.timeout_s / 4, self.exit_timeout_s / 4))
+        while not self._stop.is_set():
+            self._wait_for_signal(period)
+            if self._stop.is_set():
+                return
             self._publish()
-            if time.monotonic() - self.last_progress > self.timeout_s:
-                self._diagnose_and_exit()
+            now = time.monotonic()
+            if self.stop_requested_at is not None and now - self.stop_requested_at > self.exit_timeout_s:
+                self._diagnose_and_exit(f"asked to stop {self.exit_timeout_s:.0f} s ago (fault.exit_timeout_s), "
+                                        f"this rank has not finished its step")
+            elif now - self.last_progress > self.timeout_s:
+                self._diagnose_and_exit(f"no progress for {self.timeout_s:.0f} s")
+
+    def _wait_for_signal(self, period: float) -> None:
+        """Sleep for `period`, noting a stop signal the moment it arrives (even if the main thread is blocked)."""
+        watched = [self._wake] if self.signals is None else [self._wake, self.signals]
+        readable, _, _ = select.select(watched, [], [], period)
+        if self.signals in readable:
+            try:
+                arrived = self.signals.recv(64)  # one byte per signal: its number
+            except OSError:  # closed: training is over
+                return
+            # Other handled signals (a DataLoader's SIGCHLD) arrive here too; only stop requests start the clock.
+            if self.stop_requested_at is None and any(number in STOP_SIGNALS for number in arrived):
+                self.stop_requested_at = time.monotonic()
 
     def _publish(self) -> None:
         if self.store is None:
@@ -81,7 +115,7 @@ class Watchdog:
                 pass
         return progress
 
-    def _diagnose_and_exit(self) -> None:
+    def _diagnose_and_exit(self, why: str) -> None:
         self.diagnostics_dir.mkdir(parents=True, exist_ok=True)
         with open(self.diagnostics_dir / f"rank{self.rank}-stacks.txt", "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
@@ -103,7 +137,7 @@ class Watchdog:
             verdict = f"rank(s) {', '.join(map(str, behind))} did not arrive ({where})"
         else:
             verdict = f"all ranks stopped at the same point ('{self.where}'): a hang inside it"
-        print(f"ganscale: hang detected on rank {self.rank}: no progress for {self.timeout_s:.0f} s. {verdict}. "
+        print(f"ganscale: hang detected on rank {self.rank}: {why}. {verdict}. "
               f"Stacks and each rank's last collectives: {self.diagnostics_dir}/", file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
 
