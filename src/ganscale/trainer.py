@@ -8,6 +8,7 @@ limit) is a function of the step counter and of agreed values, the same on every
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -62,6 +63,7 @@ class Trainer:
         self.slicing = Slicing(runtime.rank // (world // data_ranks), data_ranks, cfg.micro_batch(world),
                                cfg.accumulation_steps(world))
         self.global_batch = cfg.train.batch_size
+        self._noise = torch.Generator()  # latents and labels: reseeded per (step, phase), on the CPU
 
         generator, discriminator = build_networks(cfg)  # same seed on every rank: identical init
         ema = make_ema(generator)  # copied before sharding: a sharded module cannot be deep-copied
@@ -119,13 +121,15 @@ class Trainer:
     # ----------------------------------------------------------------------------------- noise
     def _global_latents(self, step: int, phase: int, n: int | None = None) -> Tensor:
         """Latents for the whole global batch (or `n` samples): the same on every rank."""
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase))
-        return torch.randn(n or self.global_batch, self.cfg.model.z_dim, generator=gen).to(self.runtime.device)
+        self._noise.manual_seed(derive_seed(self.cfg.train.seed, step, phase))  # one generator, reseeded
+        return torch.randn(n or self.global_batch, self.cfg.model.z_dim, generator=self._noise).to(self.runtime.device)
 
     def _global_labels(self, step: int, phase: int, n: int | None = None) -> Tensor | None:
         """Classes of the generated samples of the whole global batch (None for unconditional G)."""
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase, 2))
-        labels = self.task.labels(n or self.global_batch, gen)
+        if not self.task.n_classes:  # unconditional G: no seed to derive, no generator to build
+            return None
+        self._noise.manual_seed(derive_seed(self.cfg.train.seed, step, phase, 2))
+        labels = self.task.labels(n or self.global_batch, self._noise)
         return None if labels is None else labels.to(self.runtime.device)
 
     def _global_uniform(self, step: int, phase: int) -> Tensor:
@@ -330,21 +334,24 @@ class Trainer:
         with self.times.part("optimizer"):
             self.precision.unscale_(optimizer)
             grad_norm = net.grad_norm(self.cfg.train.grad_clip)  # gradients are already averaged: same on all ranks
-            bad = ~(torch.isfinite(local_losses).all() & torch.isfinite(grad_norm))
-        stop = torch.tensor([float(self.stop_signal is not None)], device=local_losses.device)
-        packed = torch.cat([local_losses, bad.float().view(1), stop])
+        stop = float(self.stop_signal is not None)
+        # Summed over ranks, a non-finite loss or gradient norm on any rank is non-finite on every rank:
+        # the skip decision needs no flag of its own, and is taken on Python floats (no more tensor ops).
+        packed = torch.cat([local_losses, grad_norm.detach().reshape(1).to(local_losses), local_losses.new_tensor([stop])])
         self.watchdog.mark(f"step {self.step}: all-reduce of losses and skip/stop flags")
         with self.times.part("sync"):
-            dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
-            skip, self.stop_agreed = bool(packed[-2] > 0), self.stop_agreed or bool(packed[-1] > 0)
+            if self.runtime.world > 1:  # one rank: its values already are the global ones (and gloo's hand-off costs)
+                dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
+            *loss_sums, norm_sum, stops = packed.tolist()
+        skip = not all(math.isfinite(v) for v in (*loss_sums, norm_sum))
+        self.stop_agreed = self.stop_agreed or stops > 0
         with self.times.part("optimizer"):
             if skip:
                 self.skipped_steps += 1
             else:
                 self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-        means = (packed[:-2] / self.runtime.world).tolist()
-        return (*means, float(grad_norm))
+        return (*(v / self.runtime.world for v in loss_sums), float(grad_norm))
 
     # ----------------------------------------------------------------------------------- outputs
     def synchronise_buffers(self) -> None:

@@ -54,8 +54,10 @@ class _RankSampler(Sampler[list[int]]):
     def indices(self, batch: int, micro_step: int) -> list[int]:
         first = batch * self.slicing.global_batch + self.slicing.offset(micro_step)
         positions = torch.arange(first, first + self.slicing.micro_batch)
-        epochs, offsets = positions // self.size, positions % self.size
-        return [int(self._perm(int(e))[int(o)]) for e, o in zip(epochs, offsets)]
+        epochs = positions // self.size
+        # One gather per epoch the micro-batch touches (almost always one), not a Python step per sample.
+        return torch.cat([self._perm(e)[positions[epochs == e] % self.size]
+                          for e in range(int(epochs[0]), int(epochs[-1]) + 1)]).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         batch = self.start
