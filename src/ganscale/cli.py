@@ -7,6 +7,7 @@ process starts or anything is written.
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 
 import click
@@ -71,12 +72,18 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     except (Preempted, NonFiniteTraining) as e:
         click.echo(f"ganscale: {e}", err=True)
         sys.exit(e.exit_code)
-    except RuntimeError as e:
-        if not is_peer_failure(e):
+    except Exception as e:  # noqa: BLE001 - any error of this rank's own
+        if isinstance(e, RuntimeError) and is_peer_failure(e):
+            click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "
+                       f"({str(e).splitlines()[0][:200]})", err=True)
+            sys.exit(EXIT_PEER_FAILED)
+        if not worker:
             raise
-        click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "
-                   f"({str(e).splitlines()[0][:200]})", err=True)
-        sys.exit(EXIT_PEER_FAILED)
+        # Show the error, then leave at once, connections still open: this rank must exit before the peers
+        # whose collectives its exit breaks, so the launcher names it, not them, as the root cause.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     if launch.rank_from_environment() == 0:
         click.echo(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
 

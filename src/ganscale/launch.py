@@ -127,11 +127,17 @@ def run_worker(cfg: Config, run_dir: Path, resume: Path | None) -> dict:
     from ganscale import runtime as rt
     from ganscale.trainer import Trainer
 
+    from ganscale.fault import NonFiniteTraining, Preempted
+
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
         run_dir, resume = agree_on_run(run_dir, resume)
         summary = Trainer(cfg, runtime, run_dir, resume).fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them
-        return summary
-    finally:
-        runtime.close()
+    except (ConfigError, Preempted, NonFiniteTraining):
+        runtime.close()  # decisions every rank reached together: leave together
+        raise
+    # Any other error is this rank's own: the group stays open until the process exits, so the peers'
+    # collectives break only then and the launcher sees this rank fail first.
+    runtime.close()
+    return summary
