@@ -1,9 +1,12 @@
 """Full training state on disk: atomic writes, checksums, keep-latest-k, resume.
 
 A checkpoint holds G, D, G_ema, both optimizers, the loss scaler, the step, the data position and
-every rank's RNG state. Rank 0 writes `step-N.pt` under a temporary name and renames it into place,
-then writes `step-N.json` (size and SHA-256) the same way: that manifest is the completion marker.
-A checkpoint without its manifest, or whose bytes do not match it, is reported and passed over.
+every rank's RNG state. In the full format rank 0 writes `step-N.pt` under a temporary name and renames
+it into place; in the sharded format (`checkpoint.format=sharded`) every rank writes its own shards with
+torch.distributed.checkpoint into a temporary folder, rank 0 adds `meta.pt` (everything but the networks)
+and renames the folder to `step-N.dcp`. Then rank 0 writes `step-N.json` (size and SHA-256 of every
+file) the same way: that manifest is the completion marker. A checkpoint without its manifest, or whose
+bytes do not match it, is reported and passed over. Both formats load under any strategy and world size.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +26,8 @@ import torch.distributed as dist
 
 from ganscale.config import ConfigError
 
-PATTERN = re.compile(r"^step-(\d{8})\.pt$")
+PATTERN = re.compile(r"^step-(\d{8})\.(pt|dcp)$")
+META = "meta.pt"  # inside a sharded checkpoint: step, data position, RNG states, scaler, config
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -45,6 +51,22 @@ def manifest_path(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
+def is_sharded(path: Path) -> bool:
+    return Path(path).suffix == ".dcp"
+
+
+def _files(path: Path) -> dict[str, Path]:
+    """The files a checkpoint consists of, by name relative to it."""
+    if not path.is_dir():
+        return {path.name: path}
+    return {str(p.relative_to(path)): p for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _manifest(path: Path, step: int) -> dict:
+    return {"step": step, "file": path.name,
+            "files": {name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for name, p in _files(path).items()}}
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -62,10 +84,15 @@ def problem(path: Path) -> str | None:
         manifest = json.loads(marker.read_text())
     except (OSError, ValueError) as e:
         return f"unreadable completion marker {marker.name} ({e})"
-    if path.stat().st_size != manifest.get("bytes"):
-        return f"truncated: {path.stat().st_size} bytes, {manifest.get('bytes')} expected"
-    if _sha256(path) != manifest.get("sha256"):
-        return "corrupted: SHA-256 does not match its completion marker"
+    expected = manifest.get("files") or {path.name: manifest}  # older full-format markers describe one file
+    present = _files(path)
+    for name, want in expected.items():
+        if name not in present:
+            return f"incomplete: {name} is missing"
+        if present[name].stat().st_size != want.get("bytes"):
+            return f"truncated: {name} has {present[name].stat().st_size} bytes, {want.get('bytes')} expected"
+        if _sha256(present[name]) != want.get("sha256"):
+            return f"corrupted: the SHA-256 of {name} does not match its completion marker"
     return None
 
 
@@ -120,12 +147,76 @@ def save(state: dict, run_dir: Path, step: int, keep: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:08d}.pt"
     _write_atomically(path, lambda f: torch.save(state, f))
-    manifest = {"step": step, "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return _complete(path, run_dir, step, keep)
+
+
+def _complete(path: Path, run_dir: Path, step: int, keep: int) -> Path:
+    """Write the completion marker of a checkpoint that is in place, then prune to the newest `keep`."""
+    manifest = _manifest(path, step)
     _write_atomically(manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
     for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-        manifest_path(old).unlink(missing_ok=True)
+        manifest_path(old).unlink(missing_ok=True)  # first: a half-removed checkpoint is then plainly incomplete
+        shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
     return path
+
+
+def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) -> Path | None:
+    """Collective: every rank writes its shards of `shards` (torch.distributed.checkpoint), rank 0 the
+    rest (`meta`), the folder is renamed into place and marked complete. Returns the path on rank 0."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = checkpoint_dir(run_dir)
+    path = folder / f"step-{step:08d}.dcp"
+    staging = folder / f".{path.name}.tmp"  # the same name on every rank: one folder, written by all
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # left over by an interrupted write
+        staging.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(shards, checkpoint_id=staging)  # collective: each rank its own file, rank 0 the metadata
+    if dist.get_rank() != 0:
+        dist.barrier()  # rank 0 moves the folder into place
+        return None
+    _write_atomically(staging / META, lambda f: torch.save(meta, f))
+    shutil.rmtree(path, ignore_errors=True)  # an incomplete one from before, never a marked one (step numbers grow)
+    os.replace(staging, path)
+    dist.barrier()
+    return _complete(path, run_dir, step, keep)
+
+
+def load_sharded(path: Path, shards: dict) -> None:
+    """Collective: fill this rank's `shards` (same structure as saved, any strategy and world size) from `path`."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(shards, checkpoint_id=path)
+
+
+def _full_networks(path: Path) -> dict[str, dict]:
+    """One process: G, D and G_ema as full tensors from a sharded checkpoint (whoever wrote which shard)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(path))
+    wanted = {"G.model.": "G", "D.model.": "D", "G.ema.": "G_ema"}
+    nested: dict[str, dict] = {"G": {"model": {}, "ema": {}}, "D": {"model": {}}}
+    for key, info in reader.read_metadata().state_dict_metadata.items():
+        prefix = next((p for p in wanted if key.startswith(p)), None)
+        if prefix is not None and isinstance(info, TensorStorageMetadata):
+            net, part = prefix[:-1].split(".")
+            nested[net][part][key[len(prefix):]] = torch.empty(info.size, dtype=info.properties.dtype)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(nested, storage_reader=reader, no_dist=not dist.is_initialized())
+    return {"G": nested["G"]["model"], "D": nested["D"]["model"], "G_ema": nested["G"]["ema"]}
+
+
+def load_meta(path: Path) -> dict:
+    """A sharded checkpoint's step, data position, RNG states, scaler and config (checked like `load`)."""
+    reason = problem(path)
+    if reason is not None:
+        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})",
+                          "resume from an intact one with --resume PATH, or start a new --run-dir")
+    return torch.load(Path(path) / META, map_location="cpu", weights_only=True)
 
 
 def load(path: Path) -> dict:
@@ -134,6 +225,8 @@ def load(path: Path) -> dict:
         raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})",
                           "resume from an intact one with --resume PATH, or start a new --run-dir")
     try:
+        if is_sharded(path):  # everything but the optimizers, which only a training run's DCP load restores
+            return {**torch.load(path / META, map_location="cpu", weights_only=True), **_full_networks(path)}
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})",

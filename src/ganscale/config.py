@@ -181,6 +181,10 @@ class CheckpointConfig(Section):
     """Keep the newest k checkpoints."""
     check_replicas: bool = True
     """At each checkpoint, check that every parameter and buffer is bitwise identical across ranks."""
+    format: Literal["full", "sharded"] = "full"
+    """full: rank 0 writes one file of full tensors (gathered). sharded: every rank writes its own shards with
+    torch.distributed.checkpoint into a step-N.dcp folder (no rank ever holds the whole model; on several
+    nodes the run directory must be shared). Both load under any strategy and world size."""
 
 
 class LogConfig(Section):
@@ -372,6 +376,11 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
     _check_parallel(cfg.parallel, world_size, on_cuda)
     _check_eval(cfg)
+    unsupported = sorted({s for s in cfg.parallel.strategies() if s in ("zero1", "pipeline")})
+    if cfg.checkpoint.format == "sharded" and unsupported:
+        raise ConfigError("checkpoint.format", f"sharded checkpoints are written through torch's state-dict API, "
+                          f"which {', '.join(unsupported)} does not offer", "use checkpoint.format=full with "
+                          f"{', '.join(unsupported)}, or zero2/fsdp/hsdp (which shard the optimizer state too)")
     sharded_d = cfg.parallel.discriminator in FULLY_SHARDED
     if sharded_d and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
         raise ConfigError("parallel.discriminator",

@@ -38,10 +38,11 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
         if not source.exists():
             raise ConfigError("--resume", f"no checkpoint at '{resume}'",
                               "pass a checkpoint file, a run directory holding checkpoints/, or 'auto'")
-        found = _resumable(source) if source.is_dir() else source
-        if source.is_file() and checkpoint.problem(source):
+        is_run = source.is_dir() and not checkpoint.is_sharded(source)  # a step-N.dcp folder is one checkpoint
+        found = _resumable(source) if is_run else source
+        if not is_run and checkpoint.problem(source):
             raise ConfigError("--resume", f"{source}: {checkpoint.problem(source)}", "pass an intact checkpoint")
-        return (Path(run_dir) if run_dir else (source if source.is_dir() else source.parent.parent)), found
+        return (Path(run_dir) if run_dir else (source if is_run else source.parent.parent)), found
     if run_dir is None and resume == "auto":
         own = re.compile(rf"^{re.escape(cfg.name)}-\d{{8}}-\d{{6}}(-\d+)?$")  # not another recipe's prefix
         candidates = sorted((p for p in RUNS_ROOT.glob(f"{cfg.name}-*") if own.match(p.name) and checkpoint.latest(p)),

@@ -409,6 +409,9 @@ class Trainer:
                            group=self.G.replica_group)
         self.watchdog.mark(f"step {self.step}: replica check and RNG all-gather for the checkpoint")
         rng_states = checkpoint.gather_rng_states()  # collective
+        if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards: collective
+            return checkpoint.save_sharded(self._sharded_state(), self.state_dict(rng_states, {}), self.run_dir,
+                                           self.step, self.cfg.checkpoint.keep)
         networks = {"G": self.G.model_state(), "D": self.D.model_state(), "G_ema": self.G.model_state(self.G_ema),
                     "opt_g": self.G.optimizer_state(self.opt_g), "opt_d": self.D.optimizer_state(self.opt_d)}
         if self.runtime.is_main:  # the full states above were gathered by every rank (collectives when sharded)
@@ -416,14 +419,25 @@ class Trainer:
             return checkpoint.save(state, self.run_dir, self.step, self.cfg.checkpoint.keep)
         return None
 
+    def _sharded_state(self) -> dict:
+        """This rank's shards of G (with G_ema), D and their optimizers, for torch.distributed.checkpoint."""
+        return {"G": self.G.sharded_state(self.opt_g, self.G_ema), "D": self.D.sharded_state(self.opt_d)}
+
     def _load(self, path: Path) -> None:
-        state = checkpoint.load(path)
         try:
-            self.G.load_model_state(state["G"])
-            self.D.load_model_state(state["D"])
-            self.G.load_model_state(state["G_ema"], self.G_ema)
-            self.G.load_optimizer_state(self.opt_g, state["opt_g"])
-            self.D.load_optimizer_state(self.opt_d, state["opt_d"])
+            if checkpoint.is_sharded(path):  # any strategy or world size: DCP reads the shards this rank needs
+                state = checkpoint.load_meta(path)
+                shards = self._sharded_state()
+                checkpoint.load_sharded(path, shards)  # collective
+                self.G.load_sharded_state(shards["G"], self.opt_g, self.G_ema)
+                self.D.load_sharded_state(shards["D"], self.opt_d)
+            else:
+                state = checkpoint.load(path)
+                self.G.load_model_state(state["G"])
+                self.D.load_model_state(state["D"])
+                self.G.load_model_state(state["G_ema"], self.G_ema)
+                self.G.load_optimizer_state(self.opt_g, state["opt_g"])
+                self.D.load_optimizer_state(self.opt_d, state["opt_d"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({e})",
                               "resume with the config the checkpoint was written with (its config.yaml)") from None

@@ -122,6 +122,20 @@ class Wrapped:
         """Full optimizer state keyed by parameter name. Collective when sharded."""
         return get_optimizer_state_dict(self.module, optimizer, options=FULL)
 
+    def sharded_state(self, optimizer: torch.optim.Optimizer, ema: nn.Module | None = None) -> dict:
+        """This rank's part of the network's (and its EMA's) weights and optimizer state, as DTensor shards
+        (or plain tensors when replicated), for torch.distributed.checkpoint."""
+        state = {"model": get_model_state_dict(self.module), "optim": get_optimizer_state_dict(self.module, optimizer)}
+        if ema is not None:
+            state["ema"] = get_model_state_dict(ema)
+        return state
+
+    def load_sharded_state(self, state: dict, optimizer: torch.optim.Optimizer, ema: nn.Module | None = None) -> None:
+        set_model_state_dict(self.module, state["model"])
+        set_optimizer_state_dict(self.module, optimizer, state["optim"])
+        if ema is not None:
+            set_model_state_dict(ema, state["ema"])
+
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         set_optimizer_state_dict(self.module, optimizer, state, options=FULL)
 
