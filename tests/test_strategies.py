@@ -280,3 +280,25 @@ def test_sharded_checkpoints_are_refused_where_the_state_dict_api_does_not_reach
     with pytest.raises(ConfigError) as info:
         config.check(cfg, 2, False)
     assert info.value.key == "checkpoint.format" and "zero1" in str(info.value)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="FSDP2's CPU offload needs a CUDA device")
+def test_cpu_offload_keeps_shards_and_optimizer_state_in_host_memory(tmp_path):
+    """ZeRO-offload on one GPU: FSDP2 over a group of one (NCCL), parameters and Adam state on the CPU."""
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    cfg = config.load(None, [f"{k}={v}" for k, v in {**MLP_ADAM, "train.device": "cuda", "parallel.generator": "fsdp",
+                                                       "parallel.cpu_offload": "true"}.items()])
+    config.check(cfg, 1, True)
+    runtime = start("cuda")
+    try:
+        trainer = Trainer(cfg, runtime, tmp_path)
+        summary = trainer.fit()
+        assert {p.device.type for p in trainer.G.module.parameters()} == {"cpu"}
+        assert {v.device.type for state in trainer.opt_g.state.values() for v in state.values()
+                if hasattr(v, "device") and v.dim() > 0} == {"cpu"}
+        assert summary["max_memory_allocated"] > 0
+    finally:
+        runtime.close()

@@ -234,6 +234,8 @@ class Trainer:
                 "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
                 "final": record, "quality": quality, "held_bytes": self.memory,
                 "communicated_bytes": {phase: dict(kinds) for phase, kinds in self.traffic.by_phase.items()},
+                "max_memory_allocated": (torch.cuda.max_memory_allocated(self.runtime.device)  # rank 0's peak
+                                         if self.runtime.device.type == "cuda" else None),
                 "checkpoint": str(checkpoint.latest(self.run_dir))}
 
     def discriminator_step(self, reals: list[Sample], step: int, critic: int) -> dict[str, float]:

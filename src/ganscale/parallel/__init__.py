@@ -235,10 +235,12 @@ def held_bytes(wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def parallelize(module: nn.Module, strategy: str, layout: Layout) -> Wrapped:
-    """Apply a network's strategy (see the module docstring); one process gets the plain network."""
+    """Apply a network's strategy (see the module docstring); one process gets the plain network, unless
+    it offloads to host memory (ZeRO-offload on one GPU: FSDP2 over a group of one)."""
     runtime = layout.runtime
     module.to(runtime.device)
-    if runtime.world == 1:
+    offloaded = layout.options.cpu_offload and strategy in FULLY_SHARDED
+    if runtime.world == 1 and not offloaded:
         return Wrapped(module, module)
     if layout.options.sync_bn:
         module = convert_batchnorm(module, use_cuda=runtime.device.type == "cuda")
