@@ -19,11 +19,7 @@ class Unconditional:
     """G(z) -> image; D(image)."""
 
     grid_columns: int | None = None  # sample grid width (None: square)
-    n_classes = 0                     # classes G can be asked for (0: not class-conditional)
-
-    def labels(self, n: int, generator: torch.Generator) -> Tensor | None:
-        """Classes for n generated samples, drawn from `generator` (None: G takes no labels)."""
-        return None
+    n_classes = 0  # classes G can be asked for (0: not class-conditional)
 
     def generate(self, G: nn.Module, real: Sample, z: Tensor, labels: Tensor | None) -> Tensor:
         return G(z)
@@ -61,6 +57,7 @@ class ClassConditional(Unconditional):
         self.grid_columns = row
 
     def labels(self, n: int, generator: torch.Generator) -> Tensor:
+        """Classes for n generated samples, drawn from `generator`."""
         return torch.randint(self.n_classes, (n,), generator=generator)
 
     def generate(self, G: nn.Module, real: Sample, z: Tensor, labels: Tensor | None) -> Tensor:

@@ -20,16 +20,16 @@ from torch import Tensor
 from ganscale import checkpoint, objectives
 from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
-from ganscale.data.stream import Sample
 from ganscale.data.mixtures import grid25_modes, ring8_modes
+from ganscale.data.stream import Sample
 from ganscale.ema import ema_beta, make_ema, update_ema
 from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault
+from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.observe.timing import StepTimes
-from ganscale.metrics.images import ImageScorer
 from ganscale.parallel import Layout, held_bytes, parallelize
 from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.traffic import TrafficMeter
@@ -129,8 +129,7 @@ class Trainer:
         if not self.task.n_classes:  # unconditional G: no seed to derive, no generator to build
             return None
         self._noise.manual_seed(derive_seed(self.cfg.train.seed, step, phase, 2))
-        labels = self.task.labels(n or self.global_batch, self._noise)
-        return None if labels is None else labels.to(self.runtime.device)
+        return self.task.labels(n or self.global_batch, self._noise).to(self.runtime.device)
 
     def _global_uniform(self, step: int, phase: int) -> Tensor:
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase, 1))
@@ -389,7 +388,7 @@ class Trainer:
         """Collective: image metrics of G_ema, every rank generating its share; rank 0 logs them."""
         self.synchronise_buffers()
         self.watchdog.mark(f"step {self.step}: image metrics (features all-gathered)")
-        scores = self.image_scorer.score(lambda z: self.task.from_noise(self.G_ema, z).float(), self.step)
+        scores = self.image_scorer.score(lambda z: self.task.from_noise(self.G_ema, z).float())
         if self.runtime.is_main:
             self.log.add_scalars("quality", scores, self.step)
             self.log.log_extra(self.step, {f"eval_{k}": v for k, v in scores.items()})

@@ -5,9 +5,9 @@ mark is one counter increment and a tuple, nothing more. The watchdog thread pub
 latest mark to the process group's store every few seconds. When a rank has made no progress for
 `fault.hang_timeout_s`, its watchdog writes that rank's Python stacks, its last marks (the
 record of ganscale's collectives) and PyTorch's flight recorder (every collective of every process
-group, NCCL or gloo, with sizes and states; read it with `torchfrtrace`) to RUN_DIR/diagnostics/, reads every rank's published progress,
-names the ranks that are behind (they never arrived at the collective the others wait in), and
-exits with code 5. The elastic agent then stops the remaining workers.
+group, NCCL or gloo, with sizes and states; read it with `torchfrtrace`) to RUN_DIR/diagnostics/,
+reads every rank's published progress, names the ranks that are behind (they never arrived at the
+collective the others wait in), and exits with code 5. The elastic agent then stops the remaining workers.
 """
 
 from __future__ import annotations

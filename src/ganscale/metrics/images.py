@@ -108,7 +108,7 @@ class ImageScorer:
         self.reference = reference_features(dataset, self.extractor, seed=cfg.train.seed)
         self.samples, self.z_dim, self.seed, self.device = cfg.eval.samples, cfg.model.z_dim, cfg.train.seed, device
 
-    def score(self, generate: Callable[[torch.Tensor], torch.Tensor], step: int) -> dict[str, float]:
+    def score(self, generate: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """Collective: {fd_<features>, kid_<features>, precision, recall, density, coverage} of `generate`,
         on the same noise at every step (so successive values compare G_ema, not noise)."""
         result = image_metrics(generate, self.z_dim, self.samples, self.seed, self.extractor, self.reference,

@@ -498,9 +498,6 @@ class PipelineStages(Wrapped):
     def __call__(self, *args, **kwargs) -> Tensor:
         raise RuntimeError("a pipelined network runs through PipelinedGAN's passes, not a forward call")
 
-    def trainable(self, flag: bool) -> None:
-        self.module.requires_grad_(flag)
-
     def shard_like(self, module: nn.Module) -> nn.Module:
         return PipelinedSampler(self.pipeline, self.pipeline.split_like(self.network, module))
 
