@@ -177,7 +177,7 @@ def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) 
         dist.barrier()  # rank 0 moves the folder into place
         return None
     _write_atomically(staging / META, lambda f: torch.save(meta, f))
-    shutil.rmtree(path, ignore_errors=True)  # an incomplete one from before, never a marked one (step numbers grow)
+    shutil.rmtree(path, ignore_errors=True)  # one of the same step (e.g. an interrupted write) is replaced, as a .pt is
     os.replace(staging, path)
     dist.barrier()
     return _complete(path, run_dir, step, keep)
