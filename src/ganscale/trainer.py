@@ -287,7 +287,7 @@ class Trainer:
             parts.append(interp)
         with self.precision.autocast():
             logits = self.D(torch.cat(parts), *self.task.critic_conditions(sample, labels))
-        real_logits, fake_logits, *interp_logits = logits.split(b)
+        real_logits, fake_logits, *interp_logits = logits.chunk(len(parts))  # a packed D (model.pack) gives b/pack each
         adversarial = objectives.d_loss(loss_cfg.kind, real_logits, fake_logits)
         penalty = torch.zeros((), device=real.device)
         scale = self.precision.loss_scale
