@@ -48,6 +48,12 @@ class ModelConfig(Section):
     """BatchNorm in G (the DCGAN and PacGAN-style MLP default)."""
     d_spectral_norm: bool = False
     """Spectral normalisation on D's layers."""
+    pack: int = Field(1, ge=1)
+    """mlp only: PacGAN packing (Lin et al. 2018). D judges `pack` samples (real ones or generated ones) at once,
+    concatenated, and returns one logit per pack; 1 = no packing. Each rank's micro-batch must split into packs.
+    R1 stays the mean over samples of the per-sample squared input gradient (the per-pack penalty / pack)."""
+    d_maxout: int = Field(0, ge=0)
+    """mlp only: maxout units in D with this many pieces (PacGAN's 2D D: 5); 0 = LeakyReLU(0.2)."""
     n_classes: int = Field(10, ge=1)
     """biggan only: number of classes (the digits have 10)."""
     shared_dim: int = Field(32, gt=0)
@@ -363,6 +369,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "use parallel.backend=gloo or auto")
     _check_task(cfg)
     micro = cfg.micro_batch(world_size)
+    _check_mlp_discriminator(cfg, micro)
     if (not pipelined and cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1
             and not (cfg.parallel.sync_bn and world_size > 1)):
         raise ConfigError("train.micro_batch", "BatchNorm in G with one sample per rank has no batch statistics",
@@ -395,6 +402,29 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
+
+
+def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
+    m = cfg.model
+    for key, value, default in (("model.pack", m.pack, 1), ("model.d_maxout", m.d_maxout, 0)):
+        if value != default and m.kind != "mlp":
+            raise ConfigError(key, f"{key}={value} applies to the mlp discriminator only, not model.kind={m.kind}",
+                              f"set {key}={default}, or use model.kind=mlp (ring8/grid25)")
+    if m.d_maxout == 1:
+        raise ConfigError("model.d_maxout", "maxout with 1 piece is no non-linearity (a linear D)",
+                          "set model.d_maxout=0 (LeakyReLU) or 2 or more pieces (PacGAN: 5)")
+    if m.pack == 1:
+        return
+    if cfg.parallel.pipelined:
+        raise ConfigError("model.pack", "a packed D reshapes its input before its layers, which the pipeline's "
+                          "stages do not see", "set model.pack=1 with the pipeline strategy, or use ddp/zero1")
+    if cfg.loss.kind == "wgan-gp":
+        raise ConfigError("model.pack", "the gradient penalty is taken per sample, not per packed input",
+                          "set model.pack=1 with loss.kind=wgan-gp, or use another loss.kind (R1 works with packing)")
+    if micro % m.pack:
+        how = "train.micro_batch" if cfg.train.micro_batch else "train.batch_size / world size"
+        raise ConfigError("model.pack", f"each rank's micro-batch of {micro} samples ({how}) does not split into "
+                          f"packs of {m.pack}", f"make model.pack a divisor of {micro}, or change {how.split(' ')[0]}")
 
 
 def _check_task(cfg: Config) -> None:

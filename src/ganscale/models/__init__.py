@@ -18,7 +18,7 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(cfg.train.seed)
     if m.kind == "mlp":
         G = MLPGenerator(m.z_dim, 2, m.g_width, m.g_layers, m.g_batchnorm)
-        D = MLPDiscriminator(2, m.d_width, m.d_layers, m.d_spectral_norm)
+        D = MLPDiscriminator(2, m.d_width, m.d_layers, m.d_spectral_norm, m.pack, m.d_maxout)
     elif m.kind == "biggan":
         G = BigGANGenerator(d.resolution, m.g_width, m.z_dim, m.n_classes, d.channels, m.shared_dim, m.attn_resolution)
         D = BigGANDiscriminator(d.resolution, m.d_width, m.n_classes, d.channels, m.attn_resolution)
