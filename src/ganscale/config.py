@@ -113,6 +113,8 @@ class OptimConfig(Section):
     """Adam for G."""
     d: OptimizerConfig = OptimizerConfig()
     """Adam for D."""
+    fused: bool = False
+    """Adam's fused kernel (one kernel for every parameter's update) instead of its for-each form."""
     decay_start: float = Field(1.0, gt=0, le=1)
     """Fraction of train.steps after which both learning rates decay linearly towards 0 at the last
     step (1.0: constant; pix2pix's schedule is 0.5)."""
@@ -135,6 +137,11 @@ class TrainConfig(Section):
     ema_rampup: float = Field(0.05, ge=0)
     """EMA half-life ramp-up: at most this fraction of the images seen so far (0: off)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    channels_last: bool = False
+    """Image networks' weights (hence their activations) in NHWC layout: faster convolutions on GPUs."""
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
+    """torch.compile G and D (the mode): reduce-overhead also captures CUDA graphs on GPU (what a batch-1
+    step needs). Not with R1 or the gradient penalty (no double backward), FSDP2 strategies or pipeline."""
 
 
 STRATEGIES = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp", "pipeline"]
@@ -383,6 +390,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
     _check_parallel(cfg.parallel, world_size, on_cuda)
     _check_eval(cfg)
+    _check_compile(cfg)
     unsupported = sorted({s for s in cfg.parallel.strategies() if s in ("zero1", "pipeline")})
     if cfg.checkpoint.format == "sharded" and unsupported:
         raise ConfigError("checkpoint.format", f"sharded checkpoints are written through torch's state-dict API, "
@@ -495,6 +503,21 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
         generator, discriminator = build_networks(cfg)
     split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
     split(discriminator, p.pipeline_stages, "D")
+
+
+def _check_compile(cfg: Config) -> None:
+    """torch.compile where it computes what eager does: no double backward, no FSDP2 hooks or pipeline stages."""
+    if cfg.train.compile == "off":
+        return
+    if cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp":
+        raise ConfigError("train.compile", "compiled networks cannot take the double backward of R1 or the gradient "
+                          "penalty (aot_autograd does not support it)",
+                          "set train.compile=off, or loss.r1_gamma=0 with a loss other than wgan-gp")
+    eager_only = sorted({s for s in cfg.parallel.strategies() if s in (*FULLY_SHARDED, "pipeline")})
+    if eager_only:
+        raise ConfigError("train.compile", f"compiling {', '.join(eager_only)} networks is not supported by ganscale "
+                          "(their communication runs in hooks and stages the compiled graph would have to cross)",
+                          "set train.compile=off, or use ddp or zero1 for both networks")
 
 
 def _check_eval(cfg: Config) -> None:

@@ -32,6 +32,7 @@ from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.observe.timing import StepTimes
 from ganscale.parallel import Layout, held_bytes, parallelize
 from ganscale.parallel.pipeline import pipeline_networks
+from ganscale.parallel.speed import begin_iteration, compiled, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
@@ -65,19 +66,20 @@ class Trainer:
         self.global_batch = cfg.train.batch_size
         self._noise = torch.Generator()  # latents and labels: reseeded per (step, phase), on the CPU
 
-        generator, discriminator = build_networks(cfg)  # same seed on every rank: identical init
+        # Same seed on every rank: identical init; in the memory layout the fast path asks for.
+        generator, discriminator = (in_layout(net, cfg.train.channels_last) for net in build_networks(cfg))
         ema = make_ema(generator)  # copied before sharding: a sharded module cannot be deep-copied
         if cfg.parallel.pipelined:  # the one capability branch: G and D split into stages of one pipeline
             self.G, self.D = pipeline_networks(generator, discriminator, runtime, cfg.parallel, cfg.loss.kind)
         else:
             layout = Layout(runtime, cfg.parallel)
-            self.G, self.D = (parallelize(generator, cfg.parallel.generator, layout),
-                              parallelize(discriminator, cfg.parallel.discriminator, layout))
+            self.G, self.D = (compiled(parallelize(generator, cfg.parallel.generator, layout), cfg.train.compile),
+                              compiled(parallelize(discriminator, cfg.parallel.discriminator, layout), cfg.train.compile))
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
-        self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1)
+        self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1, fused=cfg.optim.fused)
         lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
-        self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy)
+        self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy, fused=cfg.optim.fused)
         self.precision = Precision(cfg.train.precision, device)
         for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
             group.setdefault("initial_lr", group["lr"])  # the schedule scales this; restored with the optimizer
@@ -111,12 +113,13 @@ class Trainer:
         self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
 
     @staticmethod
-    def _adam(net: Wrapped, opt_cfg, lazy_interval: int) -> torch.optim.Optimizer:
+    def _adam(net: Wrapped, opt_cfg, lazy_interval: int, fused: bool) -> torch.optim.Optimizer:
         # Lazy regularisation (StyleGAN2): a penalty every k steps, scaled by k, with lr and betas
         # corrected by k/(k+1) so the effective optimiser matches applying it every step.
         c = lazy_interval / (lazy_interval + 1) if lazy_interval > 1 else 1.0
         betas = (opt_cfg.betas[0] ** c, opt_cfg.betas[1] ** c)
-        return net.make_optimizer(torch.optim.Adam, lr=opt_cfg.lr * c, betas=betas, weight_decay=opt_cfg.weight_decay)
+        return net.make_optimizer(torch.optim.Adam, lr=opt_cfg.lr * c, betas=betas, weight_decay=opt_cfg.weight_decay,
+                                  fused=fused)
 
     # ----------------------------------------------------------------------------------- noise
     def _global_latents(self, step: int, phase: int, n: int | None = None) -> Tensor:
@@ -241,6 +244,7 @@ class Trainer:
         loss_cfg = self.cfg.loss
         self.watchdog.mark(f"step {step}: D step {critic} (DDP all-reduce in backward)")
         self.D.trainable(True)
+        begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
         phase = PHASE_D + critic
         with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
         totals = torch.zeros(2, device=self.runtime.device)  # adversarial loss, penalty
@@ -301,6 +305,7 @@ class Trainer:
     def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
         self.watchdog.mark(f"step {step}: G step (DDP all-reduce in backward)")
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
+        begin_iteration()
         totals = torch.zeros(2, device=self.runtime.device)  # G's loss, its reconstruction (L1) part
         with self.times.part("g_forward_backward"):
             if self.pipeline is not None:

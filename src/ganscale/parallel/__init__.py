@@ -85,9 +85,10 @@ class Wrapped:
     def __init__(self, module: nn.Module, net: nn.Module):
         self.module = module  # the network (sharded in place under FSDP): weights, EMA, saving
         self.net = net        # what forward goes through (may communicate)
+        self.forward = net    # the same, or its compiled form (parallel/speed.py)
 
     def __call__(self, *args, **kwargs) -> Tensor:
-        return self.net(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Around forward *and* backward of a micro-step: off for every micro-step but the last."""

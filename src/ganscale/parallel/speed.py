@@ -1,0 +1,39 @@
+"""The fast path: memory layout, compilation and CUDA graphs, applied to networks the way strategies are.
+
+- `in_layout(module, channels_last)` puts an image network's 4-D weights in NHWC before it is wrapped
+  (DDP's gradient buckets then take the same strides); convolutions follow their weights' layout, so the
+  activations are NHWC too, which is what tensor-core convolutions want.
+- `compiled(wrapped, mode)` runs the wrapped network's forward through `torch.compile`; mode
+  `reduce-overhead` also records CUDA graphs on a GPU, replaying a batch-1 step without launch overhead.
+  The strategy keeps working underneath: a compiled DDP module still reduces gradients in backward and
+  still honours `no_sync`, since `Wrapped.gradient_sync` acts on the DDP module itself.
+- Fused Adam is the optimizer's own option (`optim.fused`), set where the trainer builds its optimizers.
+
+What compilation cannot do is refused by config.check: double backward (R1, gradient penalty), FSDP2's
+hooks and pipeline stages.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ganscale.parallel import Wrapped
+
+
+def in_layout(module: nn.Module, channels_last: bool) -> nn.Module:
+    """The network with its 4-D weights in channels-last (NHWC) layout when asked; others are unchanged."""
+    return module.to(memory_format=torch.channels_last) if channels_last else module
+
+
+def compiled(wrapped: Wrapped, mode: str) -> Wrapped:
+    """The network's forward compiled with `torch.compile(mode=mode)` ("off": left eager)."""
+    if mode != "off":
+        wrapped.forward = torch.compile(wrapped.net, mode=mode)
+    return wrapped
+
+
+def begin_iteration() -> None:
+    """Before a step's first forward: tells CUDA-graph trees that a new iteration starts, so a replay may
+    reuse the previous step's output memory (a no-op without compiled CUDA graphs)."""
+    torch.compiler.cudagraph_mark_step_begin()

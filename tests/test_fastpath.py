@@ -1,0 +1,95 @@
+"""The fast path (parallel/speed.py, optim.fused): the same training, in another layout, kernel or graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_helpers import max_relative_difference, run_ranks, train_and_collect
+from test_distributed import SMALL_DCGAN, SMALL_MLP
+
+FAST = {"train.channels_last": "true", "optim.fused": "true"}
+COMPILED = {**FAST, "train.compile": "default"}
+
+
+def _trainer_layout(rank, world, overrides, run_dir):
+    """Inspect a trainer without training: layouts of G's and D's weights and the optimizers' options."""
+    from pathlib import Path
+
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    trainer = Trainer(cfg, start("cpu"), Path(run_dir))
+    convs = [p for net in (trainer.G.module, trainer.D.module, trainer.G_ema) for p in net.parameters() if p.dim() == 4]
+    return {"convs": len(convs), "nhwc": sum(p.is_contiguous(memory_format=torch.channels_last) for p in convs),
+            "fused": (trainer.opt_g.defaults["fused"], trainer.opt_d.defaults["fused"]),
+            "compiled": trainer.G.forward is not trainer.G.net and trainer.D.forward is not trainer.D.net}
+
+
+def test_fast_path_options_reach_the_networks_and_optimizers(tmp_path):
+    plain = run_ranks(_trainer_layout, 1, SMALL_DCGAN, str(tmp_path / "plain"))[0]
+    fast = run_ranks(_trainer_layout, 1, {**SMALL_DCGAN, **COMPILED}, str(tmp_path / "fast"))[0]
+    assert plain["convs"] == fast["convs"] > 0
+    assert plain["nhwc"] < plain["convs"] and fast["nhwc"] == fast["convs"]  # every 4-D weight in NHWC
+    assert not any(plain["fused"]) and all(fast["fused"])
+    assert not plain["compiled"] and fast["compiled"]
+
+
+def test_channels_last_and_fused_adam_train_like_the_default(tmp_path):
+    default = run_ranks(train_and_collect, 1, SMALL_DCGAN, str(tmp_path / "default"))[0]
+    fast = run_ranks(train_and_collect, 1, {**SMALL_DCGAN, **FAST}, str(tmp_path / "fast"))[0]
+    for net in ("G", "D", "G_ema"):
+        assert max_relative_difference(default[net], fast[net]) <= 1e-4, net
+
+
+def test_compiled_ddp_with_accumulation_equals_one_eager_process(tmp_path):
+    """torch.compile over DDP: gradients still reduced in backward, no_sync still honoured per micro-step."""
+    plain = {**SMALL_DCGAN, "train.steps": 3, "model.g_batchnorm": "false"}  # BatchNorm would see micro-batches
+    accumulate = {**plain, "train.micro_batch": 4}  # 2 ranks x 2 micro-steps of 4 = one process's batch of 16
+    eager = run_ranks(train_and_collect, 1, plain, str(tmp_path / "eager"))[0]
+    ranks = run_ranks(train_and_collect, 2, {**accumulate, **COMPILED}, str(tmp_path / "compiled"))
+    for rank in ranks:
+        for net in ("G", "D", "G_ema"):
+            assert max_relative_difference(eager[net], rank[net]) <= 1e-4, net
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"train.compile": "default", "loss.r1_gamma": 1}, "double backward"),
+    ({"train.compile": "default", "loss.kind": "wgan-gp"}, "double backward"),
+    ({"train.compile": "reduce-overhead", "parallel.generator": "fsdp"}, "fsdp"),
+    ({"train.compile": "default", "parallel.generator": "pipeline", "parallel.discriminator": "pipeline"}, "pipeline")])
+def test_compile_is_refused_where_it_cannot_compute_what_eager_does(overrides, says):
+    from ganscale import config
+
+    cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    with pytest.raises(config.ConfigError) as refused:
+        config.check(cfg, 2, False)
+    assert refused.value.key == "train.compile" and says in str(refused.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_batch_one_step_trains_like_eager(tmp_path):
+    """reduce-overhead (CUDA graphs) at batch 1 on a small pix2pix-like conv GAN: same training as eager."""
+    from ganscale import config
+    from dist_helpers import train_in_process
+
+    base = {**SMALL_DCGAN, "train.device": "cuda", "train.batch_size": 1, "model.g_batchnorm": "false",
+            "train.steps": 4}
+    runs = {}
+    for name, extra in (("eager", {}), ("graphs", {**FAST, "train.compile": "reduce-overhead"})):
+        cfg = config.load(None, [f"{k}={v}" for k, v in {**base, **extra}.items()])
+        trainer = train_in_process(cfg, tmp_path / name)
+        runs[name] = {k: v.detach().cpu() for k, v in trainer.G.model_state().items()}
+    assert max_relative_difference(runs["eager"], runs["graphs"]) <= 1e-3
+
+
+def test_fused_adam_under_sharded_optimizers_equals_one_process(tmp_path):
+    """Fused Adam on ZeRO-1's shard of the parameters (G) and on FSDP2's DTensor shards (D)."""
+    mlp = {**SMALL_MLP, "train.steps": 4, "loss.r1_gamma": 0}  # R1 is refused on an FSDP2 D
+    one = run_ranks(train_and_collect, 1, mlp, str(tmp_path / "one"))[0]
+    sharded = {**mlp, "optim.fused": "true", "parallel.generator": "zero1", "parallel.discriminator": "fsdp"}
+    for rank in run_ranks(train_and_collect, 2, sharded, str(tmp_path / "sharded")):
+        for net in ("G", "D"):
+            assert max_relative_difference(one[net], rank[net]) <= 1e-5, net
