@@ -118,3 +118,27 @@ def test_scaling_compares_one_process_with_two(tmp_path):
     assert result["one_process"]["steps_measured"] == 6 - 3 and result["n_process"]["steps_measured"] == 2 * (6 - 3)
     assert result["wall_ratio"] == pytest.approx(two["median wall (ms)"] / one["median wall (ms)"])
     assert result["n_process"]["cpu_median_s"] > 0
+
+
+@pytest.mark.slow
+def test_pix2pix_table_runs_each_row_as_a_training_and_skips_cuda_only_rows(tmp_path):
+    record = run_bench(tmp_path, "pix2pix-table", "--images", "2", "--epochs", "2", "--device", "cpu", "--threads", "1",
+                       "--rows", "baseline,accumulation-4,fsdp-offload")
+    baseline, accumulation, offload = record["rows"]
+    assert baseline["status"] == accumulation["status"] == "ok"
+    assert (baseline["global batch"], baseline["steps/epoch"]) == (1, 2)    # batch 1: one step per image
+    assert (accumulation["global batch"], accumulation["steps/epoch"]) == (4, 1)  # at least one step per epoch
+    for row in (baseline, accumulation):
+        assert len(row["epoch_s"]) == 2 and all(t > 0 for t in row["epoch_s"])
+        assert row["epoch median s"] == row["epoch_s"][1]  # later epochs only: the first carries start-up
+        assert math.isfinite(row["loss_d"]) and math.isfinite(row["loss_g"]) and row["peak MiB"] > 0
+        assert 0 <= row["data wait %"] < 100
+    assert offload["status"].startswith("skipped") and offload["epoch median s"] is None
+    assert baseline["document s/epoch"] == 40.38
+
+
+def test_pix2pix_table_names_an_unknown_row(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "pix2pix-table", "--rows", "baseline,warp-speed", "--out-dir",
+                                       str(tmp_path)])
+    assert result.exit_code == 2 and "warp-speed" in result.output and "--rows" in result.output
+    assert not list(tmp_path.iterdir())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -238,6 +239,7 @@ class Trainer:
                 "communicated_bytes": {phase: dict(kinds) for phase, kinds in self.traffic.by_phase.items()},
                 "max_memory_allocated": (torch.cuda.max_memory_allocated(self.runtime.device)  # rank 0's peak
                                          if self.runtime.device.type == "cuda" else None),
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # rank 0's host peak
                 "checkpoint": str(checkpoint.latest(self.run_dir))}
 
     def discriminator_step(self, reals: list[Sample], step: int, critic: int) -> dict[str, float]:

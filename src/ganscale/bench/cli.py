@@ -41,7 +41,7 @@ def publish(ctx: click.Context, command: str, columns: list[str], rows: list[dic
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: trainer overhead, model throughput, parallel strategies, DDP scaling."""
+    """Benchmarks: trainer overhead, model throughput, parallel strategies, DDP scaling, the pix2pix table."""
 
 
 @bench.command()
@@ -208,3 +208,67 @@ def scaling(ctx: click.Context, nproc: int, model: str, per_rank_batch: int, ste
              "CPU = each rank's process CPU time per step (all threads): the work DDP adds; wall - CPU is time a rank "
              "is not running: waiting in a collective for its peer, or for a core on a shared machine"]
     publish(ctx, "scaling", list(rows[0]), rows, notes, {"result": result})
+
+
+@bench.command("pix2pix-table")
+@click.option("--data", type=click.Path(exists=True, file_okay=False), default=None,
+              help="A folder of A|B pairs (facades layout). Default: a synthetic facades-shaped set of --images pairs.")
+@click.option("--images", type=click.IntRange(min=1), default=None,
+              help="Pairs in the synthetic set (default 400, as facades; 8 on the CPU). With --data: its size.")
+@click.option("--epochs", type=click.IntRange(min=2), default=3, show_default=True,
+              help="Epochs per row: the first is reported on its own (one-time work), the rest give median and spread.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when visible.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Processes of the data-parallel and ZeRO rows (default: every visible GPU, or 2 on the CPU).")
+@click.option("--rows", "rows_csv", default=None,
+              help="Comma-separated rows to run (default all): baseline, ddp, amp-bf16, amp-fp16, accumulation-4, "
+                   "clip-2, zero1, zero2, fsdp, fsdp-offload, fast.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads per run, shared by its processes (default: all usable cores).")
+@OUT_DIR
+@click.pass_context
+def pix2pix_table(ctx: click.Context, data: str | None, images: int | None, epochs: int, device: str | None,
+                  nproc: int | None, rows_csv: str | None, threads: int | None,
+                  out_dir: str) -> None:
+    """The source document's pix2pix table (facades, 256x256, batch 1), every row on this machine."""
+    import os
+
+    import torch
+
+    from ganscale.bench import pix2pix
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    names = [n.strip() for n in rows_csv.split(",")] if rows_csv else pix2pix.ROW_NAMES
+    unknown = sorted(set(names) - set(pix2pix.ROW_NAMES))
+    if unknown:
+        raise click.BadParameter(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(pix2pix.ROW_NAMES)}",
+                                 param_hint="--rows")
+    if data is not None:
+        from ganscale.data.paired import PairedImages
+
+        images = len(PairedImages(data))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ctx.params.update(device=device, images=images or (400 if device == "cuda" else 8),
+                      nproc=nproc or (torch.cuda.device_count() if device == "cuda" else 2),
+                      threads=threads or usable, rows_csv=",".join(names))
+    p = ctx.params
+    results = pix2pix.table(Path(data) if data else None, p["images"], epochs, p["nproc"], device, p["threads"], names)
+    baseline = next((r for r in results if r["row"] == "baseline" and r["status"] == "ok"), None)
+    notes = [f"pix2pix (U-Net 256 + 70x70 PatchGAN, BCE + 100 L1, Adam 2e-4), {p['images']} images of 256x256 per "
+             f"epoch ({'--data ' + data if data else 'synthetic facades-shaped set'}), {epochs} epochs per row, "
+             f"device {device}; each row is one `ganscale train pix2pix` run",
+             "first epoch: start-up, autotuning and compilation included; median/min/max over the later epochs",
+             "peak MiB: CUDA max_memory_allocated of rank 0 on a GPU, else rank 0's peak host RSS",
+             "data wait %: the trainer's time_data_ms share of its step-time breakdown (log.step_times, later epochs)",
+             "document s/epoch: the seed document's numbers for its one GPU, 400 images (see "
+             "../shared/notes/reference-numbers.md: its 'data parallel' row ran one process; its ZeRO is one row)"]
+    fast = next((r for r in results if r["row"] == "fast" and r["status"] == "ok"), None)
+    if baseline and fast:
+        speedup = baseline["epoch median s"] / fast["epoch median s"]
+        notes.append(f"fast path vs ganscale's eager fp32 baseline in this run: {speedup:.2f}x (GPU target >= 3x)")
+        if device == "cuda":
+            epoch_400 = fast["epoch median s"] * 400 / p["images"]
+            notes.append(f"fast path, a 400-image epoch: {epoch_400:.2f} s (target <= 4 s, the document's 40.38 s / 10)")
+    publish(ctx, "pix2pix-table", pix2pix.COLUMNS, results, notes, {"rows_detail": results})

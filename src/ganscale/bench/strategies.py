@@ -45,9 +45,10 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
-def train_run(recipe: str, overrides: list[str], nproc: int, run_dir: Path, threads: int = 1,
-              timeout_s: float = 900) -> dict:
-    """Train through `ganscale train --nproc` in a subprocess; returns its step times, memory and traffic."""
+def run_training(recipe: str, overrides: list[str], nproc: int, run_dir: Path, threads: int = 1,
+                 timeout_s: float = 900) -> tuple[dict, list[dict]]:
+    """`ganscale train --nproc` in a subprocess (outputs quiet unless `overrides` say otherwise);
+    returns its summary.json and its metrics.jsonl records (training lines only, not eval lines)."""
     sets = [arg for override in [*QUIET, *overrides] for arg in ("--set", override)]
     command = [sys.executable, "-m", "ganscale", "train", recipe, *sets,
                "--nproc", str(nproc), "--run-dir", str(run_dir)]
@@ -56,6 +57,13 @@ def train_run(recipe: str, overrides: list[str], nproc: int, run_dir: Path, thre
         raise RunFailed(f"`{' '.join(command[1:])}` exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return summary, [r for r in records if "img_per_s" in r]
+
+
+def train_run(recipe: str, overrides: list[str], nproc: int, run_dir: Path, threads: int = 1,
+              timeout_s: float = 900) -> dict:
+    """Train through `ganscale train --nproc` in a subprocess; returns its step times, memory and traffic."""
+    summary, records = run_training(recipe, overrides, nproc, run_dir, threads, timeout_s)
     step_times = [summary["global_batch"] / r["img_per_s"] for r in records if r["step"] > SETUP_STEPS]
     held = [sum(sum(parts.values()) for parts in nets.values()) for nets in summary["held_bytes"]]
     optimizer = [sum(nets[net].get("optim", 0) for net in nets) for nets in summary["held_bytes"]]
