@@ -112,8 +112,9 @@ def test_strategies_reads_step_time_memory_and_traffic_from_real_runs(tmp_path):
 @pytest.mark.slow
 def test_scaling_compares_one_process_with_two(tmp_path):
     record = run_bench(tmp_path, "scaling", "--model", "mlp", "--per-rank-batch", "8", "--steps", "6", "--repeats", "1")
-    one, two = record["rows"]
-    assert (one["global batch"], two["global batch"]) == (8, 16)
+    one, two, apart = record["rows"]
+    assert (one["global batch"], two["global batch"], apart["global batch"]) == (8, 16, 8)
+    assert record["result"]["independent"]["steps_measured"] == 2 * (6 - 3)  # both processes' steps
     result = record["result"]
     assert result["one_process"]["steps_measured"] == 6 - 3 and result["n_process"]["steps_measured"] == 2 * (6 - 3)
     assert result["wall_ratio"] == pytest.approx(two["median wall (ms)"] / one["median wall (ms)"])

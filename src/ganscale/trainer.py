@@ -33,7 +33,7 @@ from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.observe.timing import StepTimes
 from ganscale.parallel import Layout, held_bytes, parallelize
 from ganscale.parallel.pipeline import pipeline_networks
-from ganscale.parallel.speed import begin_iteration, compiled, in_layout
+from ganscale.parallel.speed import compiled, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
@@ -246,7 +246,7 @@ class Trainer:
         loss_cfg = self.cfg.loss
         self.watchdog.mark(f"step {step}: D step {critic} (DDP all-reduce in backward)")
         self.D.trainable(True)
-        begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
+        self.D.begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
         phase = PHASE_D + critic
         with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
         totals = torch.zeros(2, device=self.runtime.device)  # adversarial loss, penalty
@@ -307,7 +307,7 @@ class Trainer:
     def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
         self.watchdog.mark(f"step {step}: G step (DDP all-reduce in backward)")
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
-        begin_iteration()
+        self.G.begin_iteration()
         totals = torch.zeros(2, device=self.runtime.device)  # G's loss, its reconstruction (L1) part
         with self.times.part("g_forward_backward"):
             if self.pipeline is not None:

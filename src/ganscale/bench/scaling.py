@@ -31,16 +31,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, out_dir: str, recipe: str, overrides: list[str], threads: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _rank(rank: int, world: int, port: int, out_dir: str, recipe: str, overrides: list[str], threads: int,
+          independent: bool = False) -> None:
+    if not independent:  # independent: every process trains alone (a group of one), at the same time as the others
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     from ganscale import config
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
     cfg = config.load(recipe, overrides)
-    config.check(cfg, world, False)
+    config.check(cfg, 1 if independent else world, False)
     runtime = start("cpu")
     steps: list[tuple[float, float]] = []
     try:
@@ -60,11 +62,12 @@ def _rank(rank: int, world: int, port: int, out_dir: str, recipe: str, overrides
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(steps[SETUP_STEPS:]))
 
 
-def step_times(recipe: str, overrides: list[str], world: int, threads: int) -> list[list[tuple[float, float]]]:
-    """Per rank, per step (after setup): (wall seconds, CPU seconds)."""
+def step_times(recipe: str, overrides: list[str], world: int, threads: int,
+               independent: bool = False) -> list[list[tuple[float, float]]]:
+    """Per rank (or per independent process), per step (after setup): (wall seconds, CPU seconds)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(world, _free_port(), out_dir, recipe, overrides, threads), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(_rank, args=(world, _free_port(), out_dir, recipe, overrides, threads, independent),
+                           nprocs=world, join=True, start_method="spawn")
         return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -81,12 +84,18 @@ def ddp_scaling(recipe: str, base: list[str], nproc: int, per_rank_batch: int, s
     """1 process x per-rank batch against nproc processes x the same per-rank batch (DDP), alternating runs."""
     quiet = ["log.sample_every=0", "log.tensorboard=false", "checkpoint.every=0", "train.device=cpu",
              "parallel.generator=ddp", "parallel.discriminator=ddp", f"train.steps={steps}"]
-    one, many = [], []
+    one, many, apart = [], [], []
+    alone = [*base, *quiet, f"train.batch_size={per_rank_batch}"]
     for _ in range(repeats):
-        one.append(step_times(recipe, [*base, *quiet, f"train.batch_size={per_rank_batch}"], 1, threads))
+        one.append(step_times(recipe, alone, 1, threads))
         many.append(step_times(recipe, [*base, *quiet, f"train.batch_size={per_rank_batch * nproc}"], nproc, threads))
-    single, multi = _summary(one), _summary(many)
-    return {"one_process": single, "n_process": multi,
+        # The machine's own ceiling: the same 1-process training N times at once, nothing shared but the cores,
+        # caches and memory. DDP cannot beat this; the gap between it and DDP is what DDP itself costs.
+        apart.append(step_times(recipe, alone, nproc, threads, independent=True))
+    single, multi, independent = _summary(one), _summary(many), _summary(apart)
+    return {"one_process": single, "n_process": multi, "independent": independent,
             "wall_ratio": multi["wall_median_s"] / single["wall_median_s"],
             "wall_p10_ratio": multi["wall_p10_s"] / single["wall_p10_s"],
-            "cpu_ratio": multi["cpu_median_s"] / single["cpu_median_s"]}
+            "cpu_ratio": multi["cpu_median_s"] / single["cpu_median_s"],
+            "independent_wall_ratio": independent["wall_median_s"] / single["wall_median_s"],
+            "independent_cpu_ratio": independent["cpu_median_s"] / single["cpu_median_s"]}

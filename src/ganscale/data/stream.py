@@ -51,24 +51,34 @@ class _RankSampler(Sampler[list[int]]):
             self._perms[epoch] = torch.randperm(self.size, generator=generator)
         return self._perms[epoch]
 
-    def indices(self, batch: int, micro_step: int) -> list[int]:
+    def index_tensor(self, batch: int, micro_step: int) -> torch.Tensor:
+        """Data set indices of this rank's micro-batch: a slice of each epoch's permutation it touches
+        (almost always one; the stream runs on through epochs without dropping or repeating a sample)."""
         first = batch * self.slicing.global_batch + self.slicing.offset(micro_step)
-        positions = torch.arange(first, first + self.slicing.micro_batch)
-        epochs = positions // self.size
-        # One gather per epoch the micro-batch touches (almost always one), not a Python step per sample.
-        return torch.cat([self._perm(e)[positions[epochs == e] % self.size]
-                          for e in range(int(epochs[0]), int(epochs[-1]) + 1)]).tolist()
+        end = first + self.slicing.micro_batch
+        parts = [self._perm(e)[max(first, e * self.size) - e * self.size:min(end, (e + 1) * self.size) - e * self.size]
+                 for e in range(first // self.size, (end - 1) // self.size + 1)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def indices(self, batch: int, micro_step: int) -> list[int]:
+        return self.index_tensor(batch, micro_step).tolist()
+
+    def index_tensors(self) -> Iterator[torch.Tensor]:
+        """Every micro-step's indices as a tensor, forever (in-memory data: one gather per field)."""
         batch = self.start
         while True:
             for micro_step in range(self.slicing.accumulation):
-                indices = self.indices(batch, micro_step)
-                if self.keyed_by_position:
-                    first = batch * self.slicing.global_batch + self.slicing.offset(micro_step)
-                    indices = [(index, first + j) for j, index in enumerate(indices)]
-                yield indices
+                yield self.index_tensor(batch, micro_step)
             batch += 1
+
+    def __iter__(self) -> Iterator[list]:
+        for batch_offset, indices in enumerate(self.index_tensors()):
+            indices = indices.tolist()
+            if self.keyed_by_position:
+                batch, micro_step = divmod(batch_offset, self.slicing.accumulation)
+                first = (self.start + batch) * self.slicing.global_batch + self.slicing.offset(micro_step)
+                indices = [(index, first + j) for j, index in enumerate(indices)]
+            yield indices
 
 
 Sample = tuple[torch.Tensor, ...]  # one micro-batch: (images,), (images, labels) or (input, target)
@@ -84,7 +94,7 @@ class GlobalBatches:
         sampler = _RankSampler(len(dataset), slicing, seed, start, getattr(dataset, "keyed_by_position", False))
         if isinstance(dataset, TensorDataset) and workers == 0:
             # In-memory data: index the tensors directly, no per-sample collation.
-            self._micro = (tuple(t[torch.tensor(idx)] for t in dataset.tensors) for idx in sampler)
+            self._micro = (tuple(t[idx] for t in dataset.tensors) for idx in sampler.index_tensors())
         else:
             loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                 pin_memory=device.type == "cuda", persistent_workers=workers > 0)
