@@ -150,11 +150,14 @@ def test_conditional_biggan_on_two_ranks_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_pix2pix_on_two_ranks_equals_one_process(tmp_path, facades):
-    """Crops and flips are functions of the stream position, so the ranks' union is one process's batch."""
+@pytest.mark.parametrize("generator, discriminator", [("ddp", "ddp"), ("fsdp", "zero2")])
+def test_pix2pix_on_two_ranks_equals_one_process(tmp_path, facades, generator, discriminator):
+    """Crops and flips are functions of the stream position, so the ranks' union is one process's batch.
+    G's output is kept with its graph from D's step to G's (a sharded G re-gathers for that backward)."""
     overrides = tiny_pix2pix(facades)
     one = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "one"))[0]
-    two = run_ranks(train_and_collect, 2, overrides, str(tmp_path / "two"))
+    two = run_ranks(train_and_collect, 2, {**overrides, "parallel.generator": generator,
+                                           "parallel.discriminator": discriminator}, str(tmp_path / "two"))
     gen = torch.Generator().manual_seed(1)
     inputs = {"G": (torch.rand(2, 3, 32, 32, generator=gen) * 2 - 1,), "D": (torch.rand(2, 6, 32, 32, generator=gen) * 2 - 1,)}
     assert_same_functions(overrides, one, two, inputs)
@@ -249,3 +252,38 @@ def test_image_metrics_during_training_on_two_sharded_ranks_equal_one_process(tm
     two = run_ranks(train_and_collect, 2, {**EVAL_DIGITS, "parallel.generator": "fsdp"}, str(tmp_path / "two"))
     for rank in two:
         assert rank["summary"]["quality"]["fd_digits"] == pytest.approx(one["summary"]["quality"]["fd_digits"], rel=1e-3)
+
+
+def _forwards(cfg: config.Config, run_dir) -> tuple[int, list[torch.Tensor], bool]:
+    """Train `cfg` in this process; G's forward count and every input D saw, in order."""
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    runtime = start("cpu")
+    try:
+        trainer = Trainer(cfg, runtime, run_dir)
+        g_calls, d_inputs = [], []
+        trainer.G.module.register_forward_hook(lambda module, args, out: g_calls.append(1))
+        trainer.D.module.register_forward_hook(lambda module, args, out: d_inputs.append(args[0].detach().clone()))
+        dropout = any(isinstance(m, torch.nn.Dropout) for m in trainer.G.module.modules())
+        trainer.fit()
+    finally:
+        runtime.close()
+    return len(g_calls), d_inputs, dropout
+
+
+def test_pix2pix_runs_g_once_per_iteration_and_its_step_judges_what_d_judged(tmp_path, facades):
+    """As the reference trains: G's output is computed once; D's step judges it detached, G's step the very
+    same tensor (one dropout mask, one BatchNorm update), so G runs once per iteration instead of twice."""
+    steps, batch = 3, 4
+    cfg = build({**tiny_pix2pix(facades), "data.resolution": 64, "data.load_size": 72, "train.steps": steps})
+    g_calls, d_inputs, dropout = _forwards(cfg, tmp_path / "pix2pix")
+    assert dropout  # a 64 px U-Net has a dropout block: two G forwards would give two different outputs
+    assert g_calls == steps
+    for step in range(steps):
+        d_step, g_step = d_inputs[2 * step], d_inputs[2 * step + 1]  # [real, fake] pairs, then [fake] pairs
+        assert d_step.shape[0] == 2 * batch and torch.equal(d_step[batch:], g_step)
+    # Unconditional GANs draw fresh latents for G's step: G runs twice per iteration there.
+    unconditional = build({**QUIET, "model.z_dim": 8, "model.g_width": 8, "model.d_width": 8, "train.batch_size": 8,
+                           "train.steps": steps})
+    assert _forwards(unconditional, tmp_path / "dcgan")[0] == 2 * steps

@@ -20,6 +20,8 @@ class Unconditional:
 
     grid_columns: int | None = None  # sample grid width (None: square)
     n_classes = 0  # classes G can be asked for (0: not class-conditional)
+    # G's step judges the output D's step judged (one G forward per iteration), rather than fresh samples.
+    same_fake_for_g = False
 
     def generate(self, G: nn.Module, real: Sample, z: Tensor, labels: Tensor | None) -> Tensor:
         return G(z)
@@ -84,6 +86,9 @@ class Paired(Unconditional):
     `l1_weight` x L1(output, target). G's randomness is its dropout (per-rank RNG streams), not z."""
 
     grid_columns = 3  # input, output, target
+    # As the reference trains: G translates the batch once; D's step judges the output detached, G's step
+    # the same output (the same dropout mask), and G's BatchNorm statistics move once per iteration.
+    same_fake_for_g = True
 
     def __init__(self, l1_weight: float, preview_pairs: list[Sample]):
         self.l1_weight = l1_weight
