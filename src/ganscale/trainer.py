@@ -314,7 +314,8 @@ class Trainer:
     def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
         self.watchdog.mark(f"step {step}: G step (DDP all-reduce in backward)")
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
-        self.G.begin_iteration()
+        if self._fake_for_g is None:  # else G's output and saved activations from D's step are still needed
+            self.G.begin_iteration()
         totals = torch.zeros(2, device=self.runtime.device)  # G's loss, its reconstruction (L1) part
         with self.times.part("g_forward_backward"):
             if self.pipeline is not None:
