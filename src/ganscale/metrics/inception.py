@@ -4,8 +4,14 @@ torchvision's Inception3 layout and parameter names (so pytorch-fid's `pt_incept
 and torch-fidelity's `weights-inception-2015-12-05-*.pth`, both ports of TensorFlow's FID graph,
 load directly), with the FID graph's differences from torchvision that pytorch-fid patches in:
 average pools in the mixed blocks do not count padding, and the last block (Mixed_7c) max-pools.
-Preprocessing as pytorch-fid: bilinear resize to 299x299, inputs in [-1, 1], grey repeated to RGB.
-Not checked against published FID numbers here (no weights file in this repository).
+Preprocessing as pytorch-fid by default: bilinear resize to 299x299 (F.interpolate, half-pixel centres),
+inputs in [-1, 1], grey repeated to RGB. `preprocess="torch-fidelity"` instead does what torch-fidelity and
+the original TensorFlow FID graph do: images read as 0..255 (u = (x + 1) * 127.5), TensorFlow 1.x's bilinear
+resize (no half-pixel offset), then (u - 128) / 128. The two differ by ~0.4% of the features at 299x299
+(normalisation) and ~2% at 32x32 (resize), so FIDs are comparable only with the same preprocessing.
+Checked with random weights against torch-fidelity 0.4.0 and pytorch-fid 0.3.0 (on torchvision's Inception3):
+equal features, see scripts/verify_inception.py. Not checked against published FID numbers here (no real
+weights file in this repository).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ganscale.config import ConfigError
 
 FID_RESOLUTION = 299
 _PER_FORWARD = 50  # 299x299 activations are large: bound host/GPU memory per forward
+PREPROCESSING = ("pytorch-fid", "torch-fidelity")
 
 
 class BasicConv2d(nn.Module):
@@ -177,14 +184,44 @@ def load_weights(model: FIDInceptionV3, path: Path) -> None:
                           "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file")
 
 
+def resize_like_tensorflow1(x: torch.Tensor, size: int = FID_RESOLUTION) -> torch.Tensor:
+    """TensorFlow 1.x's resize_bilinear(align_corners=False), as in the FID graph and torch-fidelity: source
+    coordinate = output index * (in / out), no half-pixel offset, no antialiasing, edge rows repeated."""
+    def taps(n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        src = torch.arange(size, dtype=torch.float32, device=x.device) * torch.tensor(n_in / size, dtype=torch.float32)
+        lo = src.long()
+        return lo, (lo + 1).clamp_max(n_in - 1), src - lo.float()
+    y_lo, y_hi, dy = taps(x.shape[-2])
+    x_lo, x_hi, dx = taps(x.shape[-1])
+    left, right = x[..., x_lo], x[..., x_hi]
+    rows = left + (right - left) * dx
+    top, bottom = rows[..., y_lo, :], rows[..., y_hi, :]
+    return top + (bottom - top) * dy[:, None]
+
+
 class InceptionFeatures:
+    """(N, C, H, W) images in [-1, 1] (C = 1, 3 or 4) -> (N, 2048) FID pool features.
+
+    `preprocess`: "pytorch-fid" (default; F.interpolate bilinear, [-1, 1] as is) or "torch-fidelity"
+    (the TensorFlow FID graph's: 0..255 values, TF 1.x bilinear, (u - 128) / 128); see the module docstring.
+    """
+
     name = "inception"
 
-    def __init__(self, weights: Path, device: torch.device | str = "cpu"):
+    def __init__(self, weights: Path, device: torch.device | str = "cpu", preprocess: str = "pytorch-fid"):
+        if preprocess not in PREPROCESSING:
+            raise ConfigError("preprocess", f"unknown Inception preprocessing {preprocess!r}",
+                              f"use one of {', '.join(PREPROCESSING)}")
         self.device = torch.device(device)
+        self.preprocess = preprocess
         model = FIDInceptionV3()
         load_weights(model, weights)
         self.model = model.eval().to(self.device)
+
+    def _input(self, images: torch.Tensor) -> torch.Tensor:
+        if self.preprocess == "torch-fidelity":
+            return (resize_like_tensorflow1((images + 1) * 127.5) - 128) / 128
+        return F.interpolate(images, size=(FID_RESOLUTION, FID_RESOLUTION), mode="bilinear", align_corners=False)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
@@ -193,6 +230,4 @@ class InceptionFeatures:
             images = images.expand(-1, 3, -1, -1)
         elif images.shape[1] != 3:
             images = images[:, :3]  # RGBA: drop alpha
-        return torch.cat([self.model(F.interpolate(chunk, size=(FID_RESOLUTION, FID_RESOLUTION), mode="bilinear",
-                                                   align_corners=False))
-                          for chunk in images.split(_PER_FORWARD)])
+        return torch.cat([self.model(self._input(chunk)) for chunk in images.split(_PER_FORWARD)])
