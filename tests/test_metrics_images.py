@@ -273,6 +273,10 @@ def test_inception_features_load_a_pytorch_fid_style_file(tmp_path):
     resized = torch.nn.functional.interpolate(grey.expand(-1, 3, -1, -1), size=(299, 299), mode="bilinear")
     with torch.no_grad():
         assert features.shape == (2, 2048) and torch.allclose(features, model(resized), atol=1e-5)
+    # torch-fidelity's (= TensorFlow FID's) preprocessing, chosen by eval.inception_preprocess / --inception-preprocess
+    tf_style = build_extractor("inception", inception_weights=tmp_path / "pt_inception.pth",
+                               inception_preprocess="torch-fidelity")
+    assert tf_style.preprocess == "torch-fidelity" and not torch.allclose(tf_style(grey), features, rtol=1e-3, atol=0)
     torch.save({"body.0.weight": torch.zeros(3)}, tmp_path / "other.pth")
     with pytest.raises(ConfigError, match="not an FID Inception-v3"):
         build_extractor("inception", inception_weights=tmp_path / "other.pth")

@@ -157,10 +157,13 @@ def sample(run_dir: str, count: int, out: str, seed: int, label: int | None) -> 
               help="Image runs: feature extractor (default: digits for data.kind=digits, else inception).")
 @click.option("--inception-weights", type=click.Path(dir_okay=False), default=None,
               help="Local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded.")
+@click.option("--inception-preprocess", type=click.Choice(["pytorch-fid", "torch-fidelity"]), default=None,
+              help="pytorch-fid's resize and scaling, or torch-fidelity's (= TensorFlow FID's); default: the run's "
+                   "eval.inception_preprocess.")
 @click.option("--pairs", type=click.Path(exists=True, file_okay=False), default=None,
               help="pix2pix runs: a folder of held-out A|B pairs (default: the run's data.path).")
 def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, inception_weights: str | None,
-                 pairs: str | None) -> None:
+                 inception_preprocess: str | None, pairs: str | None) -> None:
     """Score a run's G_ema; writes RUN_DIR/eval.json.
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall,
@@ -173,7 +176,8 @@ def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, in
 
     try:
         weights = Path(inception_weights) if inception_weights else None
-        result = evaluate(Path(run_dir), samples, seed, features, weights, pairs=Path(pairs) if pairs else None)
+        result = evaluate(Path(run_dir), samples, seed, features, weights, pairs=Path(pairs) if pairs else None,
+                          inception_preprocess=inception_preprocess)
     except ConfigError as e:
         _fail(e)
     click.echo(json.dumps(result))

@@ -225,6 +225,9 @@ class EvalConfig(Section):
     inception otherwise."""
     inception_weights: str | None = None
     """A local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded."""
+    inception_preprocess: Literal["pytorch-fid", "torch-fidelity"] = "pytorch-fid"
+    """How images reach Inception: pytorch-fid's (bilinear resize to 299, [-1, 1] as is) or torch-fidelity's and
+    TensorFlow FID's (TF 1.x bilinear, (u - 128) / 128). FIDs compare only under the same preprocessing."""
 
     def extractor(self, data_kind: str) -> str:
         return ("digits" if data_kind == "digits" else "inception") if self.features == "auto" else self.features

@@ -64,7 +64,7 @@ def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int |
 
 def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, features: str | None = None,
              inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT,
-             pairs: Path | None = None) -> dict:
+             pairs: Path | None = None, inception_preprocess: str | None = None) -> dict:
     """Score G_ema; writes RUN_DIR/eval.json and returns the same dict.
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall and
@@ -82,7 +82,8 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
         result.update(score_pairs(cfg, generator, pairs))
     else:
         result.update(score_images(cfg, generator, samples, seed, features or default_features(cfg),
-                                   inception_weights, reference_limit))
+                                   inception_weights, reference_limit,
+                                   inception_preprocess or cfg.eval.inception_preprocess))
     (Path(run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -92,12 +93,13 @@ def default_features(cfg: Config) -> str:
 
 
 def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, features: str,
-                 inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT) -> dict:
+                 inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT,
+                 inception_preprocess: str = "pytorch-fid") -> dict:
     """Image metrics of an eval-mode generator against the features of its config's training data."""
     if samples < 6:
         raise ConfigError("--samples", f"{samples} samples are too few for density/coverage (k = 5)",
                           "use at least 6 (thousands for stable numbers)")
-    extractor = build_extractor(features, "cpu", inception_weights)
+    extractor = build_extractor(features, "cpu", inception_weights, inception_preprocess=inception_preprocess)
     reference = reference_features(build_dataset(cfg), extractor, reference_limit, seed)
     task = build_task(cfg)
     return image_metrics(lambda z: task.from_noise(generator, z).float(), cfg.model.z_dim, samples, seed, extractor,

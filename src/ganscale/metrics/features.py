@@ -49,7 +49,8 @@ INCEPTION_FILES = ("pt_inception-2015-12-05-6726825d.pth (pytorch-fid's release 
                    "weights-inception-2015-12-05-6726825d.pth (torch-fidelity's release 'v0.2.0')")
 
 
-def inception_features(weights: str | Path | None, device: torch.device | str = "cpu") -> FeatureExtractor:
+def inception_features(weights: str | Path | None, device: torch.device | str = "cpu",
+                       preprocess: str = "pytorch-fid") -> FeatureExtractor:
     """The FID Inception-v3 from a local weights file; a ConfigError says which file and where to put it."""
     how = ("download one of " + " or ".join(INCEPTION_FILES) + " on a machine with internet access, copy it "
            "here, and pass --inception-weights PATH (ganscale never downloads weights)")
@@ -59,13 +60,13 @@ def inception_features(weights: str | Path | None, device: torch.device | str = 
         raise ConfigError("--inception-weights", f"no file at {weights}", how)
     from ganscale.metrics.inception import InceptionFeatures
 
-    return InceptionFeatures(Path(weights), device)
+    return InceptionFeatures(Path(weights), device, preprocess)
 
 
 def build_extractor(name: str, device: torch.device | str = "cpu", inception_weights: str | Path | None = None,
-                    digits_weights: str | Path | None = None) -> FeatureExtractor:
+                    digits_weights: str | Path | None = None, inception_preprocess: str = "pytorch-fid") -> FeatureExtractor:
     if name == "digits":
         return DigitsFeatures(Path(digits_weights) if digits_weights else None, device)
     if name == "inception":
-        return inception_features(inception_weights, device)
+        return inception_features(inception_weights, device, inception_preprocess)
     raise ConfigError("--features", f"unknown feature extractor {name!r}", f"use one of {', '.join(EXTRACTORS)}")

@@ -104,7 +104,8 @@ class ImageScorer:
     def __init__(self, cfg, dataset: Dataset, device: torch.device):
         from ganscale.metrics.features import build_extractor
 
-        self.extractor = build_extractor(cfg.eval.extractor(cfg.data.kind), device, cfg.eval.inception_weights)
+        self.extractor = build_extractor(cfg.eval.extractor(cfg.data.kind), device, cfg.eval.inception_weights,
+                                         inception_preprocess=cfg.eval.inception_preprocess)
         self.reference = reference_features(dataset, self.extractor, seed=cfg.train.seed)
         self.samples, self.z_dim, self.seed, self.device = cfg.eval.samples, cfg.model.z_dim, cfg.train.seed, device
 
