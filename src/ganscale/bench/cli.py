@@ -275,5 +275,6 @@ def pix2pix_table(ctx: click.Context, data: str | None, images: int | None, epoc
         notes.append(f"fast path vs ganscale's eager fp32 baseline in this run: {speedup:.2f}x (GPU target >= 3x)")
         if device == "cuda":
             epoch_400 = fast["epoch median s"] * 400 / p["images"]
-            notes.append(f"fast path, a 400-image epoch: {epoch_400:.2f} s (target <= 4 s, the document's 40.38 s / 10)")
+            notes.append(f"fast path, a 400-image epoch: {epoch_400:.2f} s "
+                         "(target <= 4 s, the document's 40.38 s / 10)")
     publish(ctx, "pix2pix-table", pix2pix.COLUMNS, results, notes, {"rows_detail": results})

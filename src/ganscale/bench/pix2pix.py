@@ -95,8 +95,9 @@ def run_row(row: Row, data: Path, images: int, epochs: int, nproc: int, device: 
         shutil.rmtree(scratch / row.name, ignore_errors=True)  # its final checkpoint is ~0.9 GB
     epoch_s = [steps_per_epoch * batch / r["img_per_s"] for r in records]
     later = epoch_s[1:] or epoch_s
-    parts = [sum(v for k, v in r.items() if k.startswith("time_") and k.endswith("_ms")) for r in records[1:] or records]
-    data_ms = [r.get("time_data_ms", 0.0) for r in records[1:] or records]
+    timed = records[1:] or records  # later epochs
+    parts = [sum(v for k, v in r.items() if k.startswith("time_") and k.endswith("_ms")) for r in timed]
+    data_ms = [r.get("time_data_ms", 0.0) for r in timed]
     final = summary["final"]
     peak = summary.get("max_memory_allocated") or summary.get("max_rss_bytes")
     return {**base, "first epoch s": epoch_s[0], "epoch median s": median(later),
