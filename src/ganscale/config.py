@@ -379,7 +379,6 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "use parallel.backend=gloo or auto")
     _check_task(cfg)
     micro = cfg.micro_batch(world_size)
-    _check_mlp_discriminator(cfg, micro)
     if (not pipelined and cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1
             and not (cfg.parallel.sync_bn and world_size > 1)):
         raise ConfigError("train.micro_batch", "BatchNorm in G with one sample per rank has no batch statistics",
@@ -410,6 +409,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if is_2d != (cfg.model.kind == "mlp"):
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
                           "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
+    _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
