@@ -106,7 +106,8 @@ def run_row(row: Row, data: Path, images: int, epochs: int, nproc: int, device: 
             "peak MiB": peak / 2**20 if peak else None,
             "peak kind": "CUDA allocated" if summary.get("max_memory_allocated") else "host RSS (rank 0)",
             "data wait %": 100 * sum(data_ms) / max(sum(parts), 1e-9),
-            "loss_d": final.get("loss_d"), "loss_g": final.get("loss_g"), "epoch_s": epoch_s, "status": "ok"}
+            "loss_d": final.get("loss_d"), "loss_g": final.get("loss_g"), "epoch_s": epoch_s,
+            "status": "ok" if world > 1 or not row.distributed else "ok, but 1 process: nothing shared or sharded"}
 
 
 def table(data: Path | None, images: int, epochs: int, nproc: int, device: str, threads: int,
