@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -113,3 +115,30 @@ def test_pix2pix_fast_path_on_cuda_trains_like_eager(tmp_path):
         trainer = train_in_process(cfg, tmp_path / name)
         runs[name] = {k: v.detach().cpu() for k, v in trainer.G.model_state().items()}
     assert max_relative_difference(runs["eager"], runs["fast"]) <= 1e-3
+
+
+def _polling_thread_priorities(rank, world, overrides, run_dir):
+    """Nice values of this rank's gloo TCP event-loop threads: before and after the Trainer is built."""
+    import os
+    from pathlib import Path
+
+    from ganscale import config
+    from ganscale.runtime import GLOO_POLLING_THREAD, start
+    from ganscale.trainer import Trainer
+
+    def nice_values():
+        tasks = [t for t in Path("/proc/self/task").iterdir()
+                 if (t / "comm").read_text().strip() == GLOO_POLLING_THREAD]
+        return [os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks]
+
+    before = nice_values()  # the group made by run_ranks
+    Trainer(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), start("cpu"), Path(run_dir))
+    return before, nice_values()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread priorities are read from Linux /proc")
+def test_gloo_polling_threads_run_at_the_lowest_priority(tmp_path):
+    """gloo's TCP loop spins on epoll (pytorch/gloo#246); at normal priority it takes cycles from the ranks'
+    compute when there are as many ranks as cores. The trainer lowers it to nice 19 on every rank."""
+    for before, after in run_ranks(_polling_thread_priorities, 2, SMALL_DCGAN, str(tmp_path / "run")):
+        assert before and after and set(after) == {19}  # before: the priority the test runs at (0 unless niced)

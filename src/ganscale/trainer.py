@@ -36,7 +36,7 @@ from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.speed import compiled, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
-from ganscale.runtime import Runtime, derive_seed, seed_rank_streams
+from ganscale.runtime import Runtime, calm_gloo_polling, derive_seed, seed_rank_streams
 from ganscale.tasks import build_task
 from ganscale.watchdog import Watchdog
 
@@ -77,6 +77,7 @@ class Trainer:
             self.G, self.D = (compiled(parallelize(generator, cfg.parallel.generator, layout), cfg.train.compile),
                               compiled(parallelize(discriminator, cfg.parallel.discriminator, layout), cfg.train.compile))
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
+        calm_gloo_polling()  # every process group exists now (meshes, pipeline stages): see runtime.py
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
         self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1, fused=cfg.optim.fused)
         lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
