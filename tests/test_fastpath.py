@@ -12,6 +12,16 @@ from test_distributed import SMALL_DCGAN, SMALL_MLP
 
 FAST = {"train.channels_last": "true", "optim.fused": "true"}
 COMPILED = {**FAST, "train.compile": "default"}
+GRAPHS = {**FAST, "train.compile": "reduce-overhead"}  # CUDA graphs on a GPU
+
+
+def _trained_g(overrides: dict, run_dir) -> dict:
+    """G's weights after training `overrides` in this process (CUDA-only tests)."""
+    from ganscale import config
+    from dist_helpers import train_in_process
+
+    trainer = train_in_process(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), run_dir)
+    return {k: v.detach().cpu() for k, v in trainer.G.model_state().items()}
 
 
 def _trainer_layout(rank, world, overrides, run_dir):
@@ -74,17 +84,10 @@ def test_compile_is_refused_where_it_cannot_compute_what_eager_does(overrides, s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_batch_one_step_trains_like_eager(tmp_path):
     """reduce-overhead (CUDA graphs) at batch 1 on a small pix2pix-like conv GAN: same training as eager."""
-    from ganscale import config
-    from dist_helpers import train_in_process
-
     base = {**SMALL_DCGAN, "train.device": "cuda", "train.batch_size": 1, "model.g_batchnorm": "false",
             "train.steps": 4}
-    runs = {}
-    for name, extra in (("eager", {}), ("graphs", {**FAST, "train.compile": "reduce-overhead"})):
-        cfg = config.load(None, [f"{k}={v}" for k, v in {**base, **extra}.items()])
-        trainer = train_in_process(cfg, tmp_path / name)
-        runs[name] = {k: v.detach().cpu() for k, v in trainer.G.model_state().items()}
-    assert max_relative_difference(runs["eager"], runs["graphs"]) <= 1e-3
+    eager, graphs = _trained_g(base, tmp_path / "eager"), _trained_g({**base, **GRAPHS}, tmp_path / "graphs")
+    assert max_relative_difference(eager, graphs) <= 1e-3
 
 
 def test_fused_adam_under_sharded_optimizers_equals_one_process(tmp_path):
@@ -101,20 +104,14 @@ def test_fused_adam_under_sharded_optimizers_equals_one_process(tmp_path):
 def test_pix2pix_fast_path_on_cuda_trains_like_eager(tmp_path):
     """The pix2pix-table's fast row at a tiny size: NHWC, fused Adam, compiled with CUDA graphs, G's output
     kept from D's step to G's (no new-iteration mark in between)."""
-    from ganscale import config
     from ganscale.data.synthetic import write_synthetic_facades
-    from dist_helpers import train_in_process
     from test_tasks import tiny_pix2pix  # 32 px: no dropout, so eager and graphs draw nothing random
 
     facades = write_synthetic_facades(tmp_path / "facades", n=4, seed=0, size=(96, 48))
     base = {**tiny_pix2pix(facades), "train.device": "cuda", "train.batch_size": 1, "model.norm": "batch",
             "train.steps": 4, "log.every": 1}
-    runs = {}
-    for name, extra in (("eager", {}), ("fast", {**FAST, "train.compile": "reduce-overhead"})):
-        cfg = config.load(None, [f"{k}={v}" for k, v in {**base, **extra}.items()])
-        trainer = train_in_process(cfg, tmp_path / name)
-        runs[name] = {k: v.detach().cpu() for k, v in trainer.G.model_state().items()}
-    assert max_relative_difference(runs["eager"], runs["fast"]) <= 1e-3
+    eager, fast = _trained_g(base, tmp_path / "eager"), _trained_g({**base, **GRAPHS}, tmp_path / "fast")
+    assert max_relative_difference(eager, fast) <= 1e-3
 
 
 def _polling_thread_priorities(rank, world, overrides, run_dir):
@@ -142,3 +139,14 @@ def test_gloo_polling_threads_run_at_the_lowest_priority(tmp_path):
     compute when there are as many ranks as cores. The trainer lowers it to nice 19 on every rank."""
     for before, after in run_ranks(_polling_thread_priorities, 2, SMALL_DCGAN, str(tmp_path / "run")):
         assert before and after and set(after) == {19}  # before: the priority the test runs at (0 unless niced)
+
+
+def test_gradient_norm_of_a_network_without_gradients_is_zero():
+    """The one-kernel gradient norm keeps get_total_norm's answer when nothing has a gradient yet."""
+    from ganscale.parallel import Wrapped
+
+    net = torch.nn.Linear(3, 2)
+    assert float(Wrapped(net, net).grad_norm(max_norm=1.0)) == 0.0
+    net(torch.ones(4, 3)).sum().backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in net.parameters()])
+    assert torch.allclose(Wrapped(net, net).grad_norm(max_norm=0.0), expected)

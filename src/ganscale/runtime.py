@@ -70,8 +70,9 @@ def calm_gloo_polling() -> int:
     many it lowered.
 
     Each gloo process group runs one such thread, which spins on epoll (pytorch/gloo#246) and took ~20% of a
-    core per rank here; with as many ranks as cores it takes those cycles from the ranks' compute, and a
-    2-process DDP step on 2 cores ran ~1.5x slower than with the thread niced (measured: 3,500 -> 5,300 img/s).
+    core per rank here; with as many ranks as cores it takes those cycles from the ranks' compute: a 2-process
+    DDP step on 2 cores cost 1.99x a 1-process step before, 1.31x after (`ganscale bench scaling`,
+    benchmarks/results/bench-scaling-20261122-133838 and -134228).
     At nice 19 it still runs whenever a core is free, which is when ranks wait in a collective. Call it after
     the process groups exist (a new group brings a new thread). Linux only; elsewhere, and without gloo, a no-op.
     """

@@ -7,8 +7,8 @@ data, the same machine and the same number of epochs, so the rows compare with e
 document's numbers are printed beside them, not mixed in.
 
 Rows:
-- baseline: eager fp32, BCE + 100 L1, batch 1. Per iteration ganscale runs G once without gradients for
-  D's step and once with them for G's, and D twice (once on the stacked [real, fake] pair, once for G).
+- baseline: eager fp32, BCE + 100 L1, batch 1. Per iteration ganscale runs G once (D's step judges its output
+  detached, G's step the same output, as the reference) and D twice (on the stacked [real, fake] pair, then for G).
 - ddp: real DistributedDataParallel over `nproc` processes (every visible GPU, or CPU processes), one
   image per rank per step: an epoch is images / nproc steps.
 - amp-bf16, amp-fp16 (GradScaler; CUDA only), accumulation-4 (global batch 4 in micro-batches of 1),

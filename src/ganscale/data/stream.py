@@ -51,32 +51,41 @@ class _RankSampler(Sampler[list[int]]):
             self._perms[epoch] = torch.randperm(self.size, generator=generator)
         return self._perms[epoch]
 
+    def _first(self, batch: int, micro_step: int) -> int:
+        """Stream position of this rank's micro-batch's first sample."""
+        return batch * self.slicing.global_batch + self.slicing.offset(micro_step)
+
     def index_tensor(self, batch: int, micro_step: int) -> torch.Tensor:
         """Data set indices of this rank's micro-batch: a slice of each epoch's permutation it touches
         (almost always one; the stream runs on through epochs without dropping or repeating a sample)."""
-        first = batch * self.slicing.global_batch + self.slicing.offset(micro_step)
+        first = self._first(batch, micro_step)
         end = first + self.slicing.micro_batch
-        parts = [self._perm(e)[max(first, e * self.size) - e * self.size:min(end, (e + 1) * self.size) - e * self.size]
-                 for e in range(first // self.size, (end - 1) // self.size + 1)]
+        parts = []
+        for epoch in range(first // self.size, (end - 1) // self.size + 1):
+            start_of_epoch = epoch * self.size
+            parts.append(self._perm(epoch)[max(first - start_of_epoch, 0):min(end - start_of_epoch, self.size)])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def indices(self, batch: int, micro_step: int) -> list[int]:
         return self.index_tensor(batch, micro_step).tolist()
 
-    def index_tensors(self) -> Iterator[torch.Tensor]:
-        """Every micro-step's indices as a tensor, forever (in-memory data: one gather per field)."""
+    def _micro_steps(self) -> Iterator[tuple[int, int]]:
+        """(global batch, micro-step) of every micro-step, forever, from global batch `start`."""
         batch = self.start
         while True:
             for micro_step in range(self.slicing.accumulation):
-                yield self.index_tensor(batch, micro_step)
+                yield batch, micro_step
             batch += 1
 
+    def index_tensors(self) -> Iterator[torch.Tensor]:
+        """Every micro-step's indices as a tensor (in-memory data: one gather per field)."""
+        return (self.index_tensor(batch, micro_step) for batch, micro_step in self._micro_steps())
+
     def __iter__(self) -> Iterator[list]:
-        for batch_offset, indices in enumerate(self.index_tensors()):
-            indices = indices.tolist()
+        for batch, micro_step in self._micro_steps():
+            indices = self.indices(batch, micro_step)
             if self.keyed_by_position:
-                batch, micro_step = divmod(batch_offset, self.slicing.accumulation)
-                first = (self.start + batch) * self.slicing.global_batch + self.slicing.offset(micro_step)
+                first = self._first(batch, micro_step)
                 indices = [(index, first + j) for j, index in enumerate(indices)]
             yield indices
 
