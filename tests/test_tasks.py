@@ -254,8 +254,8 @@ def test_image_metrics_during_training_on_two_sharded_ranks_equal_one_process(tm
         assert rank["summary"]["quality"]["fd_digits"] == pytest.approx(one["summary"]["quality"]["fd_digits"], rel=1e-3)
 
 
-def _forwards(cfg: config.Config, run_dir) -> tuple[int, list[torch.Tensor], bool]:
-    """Train `cfg` in this process; G's forward count and every input D saw, in order."""
+def _forwards(cfg: config.Config, run_dir) -> tuple[int, list[list[torch.Tensor]], bool]:
+    """Train `cfg` in this process; G's forward count and every D call's arguments (images, classes), in order."""
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
@@ -264,7 +264,7 @@ def _forwards(cfg: config.Config, run_dir) -> tuple[int, list[torch.Tensor], boo
         trainer = Trainer(cfg, runtime, run_dir)
         g_calls, d_inputs = [], []
         trainer.G.module.register_forward_hook(lambda module, args, out: g_calls.append(1))
-        trainer.D.module.register_forward_hook(lambda module, args, out: d_inputs.append(args[0].detach().clone()))
+        trainer.D.module.register_forward_hook(lambda module, args, out: d_inputs.append([a.detach().clone() for a in args]))
         dropout = any(isinstance(m, torch.nn.Dropout) for m in trainer.G.module.modules())
         trainer.fit()
     finally:
@@ -281,9 +281,49 @@ def test_pix2pix_runs_g_once_per_iteration_and_its_step_judges_what_d_judged(tmp
     assert dropout  # a 64 px U-Net has a dropout block: two G forwards would give two different outputs
     assert g_calls == steps
     for step in range(steps):
-        d_step, g_step = d_inputs[2 * step], d_inputs[2 * step + 1]  # [real, fake] pairs, then [fake] pairs
+        (d_step,), (g_step,) = d_inputs[2 * step], d_inputs[2 * step + 1]  # [real, fake] pairs, then [fake] pairs
         assert d_step.shape[0] == 2 * batch and torch.equal(d_step[batch:], g_step)
-    # Unconditional GANs draw fresh latents for G's step: G runs twice per iteration there.
+    # Unconditional GANs draw fresh latents for G's step by default: G runs twice per iteration there.
     unconditional = build({**QUIET, "model.z_dim": 8, "model.g_width": 8, "model.d_width": 8, "train.batch_size": 8,
                            "train.steps": steps})
     assert _forwards(unconditional, tmp_path / "dcgan")[0] == 2 * steps
+    # And pix2pix can be asked to translate twice.
+    twice = build({**tiny_pix2pix(facades), "train.steps": steps, "train.reuse_fake": "false"})
+    assert _forwards(twice, tmp_path / "twice")[0] == 2 * steps
+
+
+TINY_DCGAN = {**QUIET, "model.z_dim": 8, "model.g_width": 8, "model.d_width": 8, "train.batch_size": 8}
+
+
+@pytest.mark.parametrize("overrides", [TINY_DCGAN, TINY_BIGGAN], ids=["unconditional", "class-conditional"])
+def test_reuse_fake_runs_g_once_and_its_step_judges_what_d_judged_with_the_same_classes(tmp_path, overrides):
+    """train.reuse_fake: G's step judges D's step's samples (and, class-conditional, their classes)."""
+    steps, batch = 3, 8
+    g_calls, d_inputs, _ = _forwards(build({**overrides, "train.steps": steps, "train.reuse_fake": "true"}), tmp_path)
+    assert g_calls == steps
+    for step in range(steps):
+        d_step, g_step = d_inputs[2 * step], d_inputs[2 * step + 1]
+        assert len(d_step) == len(g_step)  # images, and classes for the conditional D
+        for d_arg, g_arg in zip(d_step, g_step):  # the fake half of D's [real, fake] is exactly G's input
+            assert d_arg.shape[0] == 2 * batch and torch.equal(d_arg[batch:], g_arg)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"loss.n_critic": 2},                                                  # D's steps judge two batches, G's one
+    {"train.micro_batch": 16}])                                            # 4 micro-steps' graphs kept alive
+def test_reuse_fake_where_d_and_g_batches_differ_is_refused(overrides):
+    with pytest.raises(ConfigError) as info:
+        build({"train.reuse_fake": "true", **overrides})
+    assert info.value.key == "train.reuse_fake" and info.value.fix
+
+
+@pytest.mark.slow
+def test_reuse_fake_conditional_on_two_ranks_equals_one_process(tmp_path):
+    """The kept samples carry their classes and G's DDP reduces in G's step's backward, as without reuse."""
+    overrides = {**TINY_BIGGAN, "train.reuse_fake": "true", "parallel.sync_bn": "true"}
+    one = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, overrides, str(tmp_path / "two"))
+    gen = torch.Generator().manual_seed(1)
+    classes = torch.arange(32) % 10
+    inputs = {"G": (torch.randn(32, 8, generator=gen), classes), "D": (torch.rand(32, 1, 8, 8, generator=gen) * 2 - 1, classes)}
+    assert_same_functions(overrides, one, two, inputs)

@@ -142,6 +142,10 @@ class TrainConfig(Section):
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
     """torch.compile G and D (the mode): reduce-overhead also captures CUDA graphs on GPU (what a batch-1
     step needs). Not with R1 or the gradient penalty (no double backward), FSDP2 strategies or pipeline."""
+    reuse_fake: bool | None = None
+    """G's step judges the samples D's step generated (kept with their graph: one G forward per iteration,
+    as PyTorch's DCGAN example and the pix2pix reference train) instead of fresh ones. Unset: on for
+    pix2pix, off otherwise. Needs loss.n_critic=1, no gradient accumulation and no pipeline."""
 
 
 STRATEGIES = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp", "pipeline"]
@@ -378,6 +382,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("parallel.backend", "nccl runs only on CUDA devices; this run is on the CPU",
                           "use parallel.backend=gloo or auto")
     _check_task(cfg)
+    _check_reuse_fake(cfg, world_size)
     micro = cfg.micro_batch(world_size)
     if (not pipelined and cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1
             and not (cfg.parallel.sync_bn and world_size > 1)):
@@ -464,6 +469,22 @@ def _check_task(cfg: Config) -> None:
     if d.kind == "paired" and d.load_size < d.resolution:
         raise ConfigError("data.load_size", f"{d.load_size} is smaller than the crop data.resolution={d.resolution}",
                           "set data.load_size >= data.resolution (pix2pix: 286 and 256)")
+
+
+def _check_reuse_fake(cfg: Config, world_size: int) -> None:
+    """One G forward per iteration needs D's last micro-batch of samples to be G's whole batch."""
+    if not cfg.train.reuse_fake:
+        return
+    if cfg.loss.n_critic > 1:
+        raise ConfigError("train.reuse_fake", f"with loss.n_critic={cfg.loss.n_critic} the D steps judge "
+                          f"{cfg.loss.n_critic} batches of samples and G's step one", "set loss.n_critic=1, or train.reuse_fake=false")
+    if cfg.parallel.pipelined:
+        raise ConfigError("train.reuse_fake", "the pipeline's stages run G's forward inside each step",
+                          "set train.reuse_fake=false, or another strategy")
+    if cfg.accumulation_steps(world_size) > 1:
+        raise ConfigError("train.reuse_fake", f"{cfg.accumulation_steps(world_size)} accumulation micro-steps would "
+                          "keep every micro-batch's G graph alive until G's step",
+                          "set train.reuse_fake=false, or raise train.micro_batch to batch_size / world size")
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:

@@ -101,11 +101,13 @@ class Trainer:
             self._load(resume)
         self.dataset = build_dataset(cfg)
         self.task = build_task(cfg)  # what G is given and D judges (unconditional, classes, pairs)
-        # pix2pix: G's output from the D step, kept with its graph for the G step (one G forward per iteration).
-        # Only where the D step's micro-batches are the G step's: one D step, no accumulation, no pipeline.
-        self.reuse_fake = (self.task.same_fake_for_g and cfg.loss.n_critic == 1 and self.slicing.accumulation == 1
-                           and self.pipeline is None)
-        self._fake_for_g: Tensor | None = None
+        # G's output (and its classes) from the D step, kept with its graph for the G step: one G forward per
+        # iteration. Asked for (train.reuse_fake; config.check refused what cannot), or the task's way (pix2pix)
+        # where the D step's micro-batches are the G step's: one D step, no accumulation, no pipeline.
+        self.reuse_fake = cfg.train.reuse_fake if cfg.train.reuse_fake is not None else (
+            self.task.same_fake_for_g and cfg.loss.n_critic == 1 and self.slicing.accumulation == 1
+            and self.pipeline is None)
+        self._fake_for_g: tuple[Tensor, Tensor | None] | None = None
         self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
                                      start=self.step * cfg.loss.n_critic)
         self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
@@ -276,7 +278,7 @@ class Trainer:
             with self.D.gradient_sync(micro == accumulation - 1):  # no_sync covers forward and backward
                 with torch.set_grad_enabled(self.reuse_fake), self.precision.autocast():
                     fake = self.task.generate(self.G, real, z, labels)
-                self._fake_for_g = fake if self.reuse_fake else None
+                self._fake_for_g = (fake, labels) if self.reuse_fake else None
                 adversarial, penalty = self._d_objective(real, fake.detach().float(), labels, with_r1,
                                                          self._take(alpha_all, micro))
                 self.precision.scale((adversarial + penalty) / accumulation).backward()
@@ -339,8 +341,9 @@ class Trainer:
             # the next D step's first no_sync micro-step (an extra all-reduce per iteration).
             with self.G.gradient_sync(micro == accumulation - 1), self.D.gradient_sync(False):
                 with self.precision.autocast():
-                    fake, self._fake_for_g = self._fake_for_g, None
-                    if fake is None:
+                    if self._fake_for_g is not None:  # D's step generated it (the same inputs, with graph)
+                        (fake, labels), self._fake_for_g = self._fake_for_g, None
+                    else:
                         fake = self.task.generate(self.G, sample, z, labels)
                     logits = self.D(self.task.critic_view(sample, fake), *self.task.critic_conditions(None, labels))
                 reconstruction = self.task.reconstruction(fake, sample)
