@@ -99,6 +99,26 @@ def _replica_probe(rank, world, overrides, run_dir):
     return train_and_collect(rank, world, overrides, run_dir, steps_hook=before_sync)
 
 
+def _count_ddp_forwards(trainer):
+    counts = {"G": 0, "D": 0}
+    for name, wrapped in (("G", trainer.G), ("D", trainer.D)):
+        wrapped.net.register_forward_pre_hook(lambda module, args, name=name: counts.__setitem__(name, counts[name] + 1))
+    return lambda: dict(counts)
+
+
+def _train_counting_forwards(rank, world, overrides, run_dir):
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=_count_ddp_forwards)
+
+
+def test_forwards_that_give_a_network_no_gradient_skip_its_ddp(tmp_path):
+    """G's forward under no_grad in D's step and the frozen D's forward in G's step run the replica itself:
+    DDP's per-call work is spent once per step and network, where gradients are reduced."""
+    steps = 3
+    results = run_ranks(_train_counting_forwards, 2, {**SMALL_MLP, "train.steps": steps}, str(tmp_path))
+    for rank in results:
+        assert rank["extra"] == {"G": steps, "D": steps}
+
+
 def test_replicas_bitwise_identical_at_every_checkpoint(tmp_path):
     """Proof 3: with per-rank BatchNorm statistics, everything saved is bitwise identical across ranks."""
     overrides = {**SMALL_DCGAN, "train.steps": 6, "checkpoint.every": 2, "train.micro_batch": 8}

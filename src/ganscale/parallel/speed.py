@@ -29,7 +29,7 @@ def in_layout(module: nn.Module, channels_last: bool) -> nn.Module:
 def compiled(wrapped: Wrapped, mode: str) -> Wrapped:
     """The network's forward compiled with `torch.compile(mode=mode)` ("off": left eager)."""
     if mode != "off":
-        wrapped.forward = torch.compile(wrapped.net, mode=mode)
+        wrapped.forward = wrapped.forward_without_grad = torch.compile(wrapped.net, mode=mode)
     if mode == "reduce-overhead":  # CUDA-graph trees must be told where an iteration starts (~0.1 ms a call)
         wrapped.begin_iteration = torch.compiler.cudagraph_mark_step_begin
     return wrapped
