@@ -68,7 +68,7 @@ class PlainDCGAN:
         # D step: one forward over [real, fake], as the trainer does.
         with torch.no_grad():
             fake = self.G(torch.randn(self.batch, self.z_dim))
-        real_logits, fake_logits = self.D(torch.cat([real, fake])).split(self.batch)
+        real_logits, fake_logits = self.D(torch.cat([real, fake])).chunk(2)
         loss_d = F.softplus(-real_logits).mean() + F.softplus(fake_logits).mean()
         loss_d.backward()
         self.opt_d.step()

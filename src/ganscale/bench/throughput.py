@@ -76,7 +76,7 @@ def make_iteration(pair: GanPair, batch: int, resolution: int, device: torch.dev
             fake = pair.generate(torch.randn(batch, pair.z_dim, device=device), labels)
         with autocast:
             logits = pair.discriminate(torch.cat([real, fake.to(real.dtype)]), both_labels)
-        real_logits, fake_logits = logits.split(batch)
+        real_logits, fake_logits = logits.chunk(2)
         objectives.d_loss(pair.loss, real_logits, fake_logits).backward()
         opt_d.step()
         opt_d.zero_grad(set_to_none=True)
