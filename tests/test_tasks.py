@@ -245,6 +245,37 @@ def test_eval_settings_that_cannot_work_are_refused(overrides, key):
     assert info.value.key == key
 
 
+def test_inception_preprocessing_choice_reaches_the_extractor_from_config_and_from_eval_flag(tmp_path, monkeypatch):
+    """eval.inception_preprocess (training's scorer, and `ganscale eval`'s default) and --inception-preprocess
+    (which wins) reach the feature extractor. A stand-in records the choice: a real Inception file is ~100 MB."""
+    from click.testing import CliRunner
+
+    import ganscale.evaluate
+    import ganscale.metrics.features
+    from ganscale.cli import main
+    from ganscale.metrics.features import DigitsFeatures
+
+    asked = []
+
+    def recording(name, device="cpu", inception_weights=None, digits_weights=None, inception_preprocess="pytorch-fid"):
+        asked.append((name, inception_preprocess))
+        return DigitsFeatures(None, device)
+
+    monkeypatch.setattr(ganscale.metrics.features, "build_extractor", recording)  # the scorer imports it late
+    monkeypatch.setattr(ganscale.evaluate, "build_extractor", recording)
+    run, weights = tmp_path / "run", tmp_path / "pt_inception.pth"
+    weights.write_bytes(b"never read")
+    train_in_process(build({**EVAL_DIGITS, "eval.features": "inception", "eval.inception_weights": str(weights),
+                            "eval.inception_preprocess": "torch-fidelity", "train.steps": 2}), run)
+    assert asked == [("inception", "torch-fidelity")]
+    runner = CliRunner()
+    common = ["eval", str(run), "--samples", "8", "--features", "inception", "--inception-weights", str(weights)]
+    assert runner.invoke(main, common).exit_code == 0 and asked[-1] == ("inception", "torch-fidelity")  # the run's
+    flagged = runner.invoke(main, [*common, "--inception-preprocess", "pytorch-fid"])
+    assert flagged.exit_code == 0, flagged.output
+    assert asked[-1] == ("inception", "pytorch-fid")
+
+
 @pytest.mark.slow
 def test_image_metrics_during_training_on_two_sharded_ranks_equal_one_process(tmp_path):
     """Each rank generates its share through an FSDP-sharded G_ema (every rank the same number of forwards)."""
