@@ -170,3 +170,24 @@ def test_step_time_breakdown_is_logged_and_adds_up(tmp_path):
                                "checkpoint.every=0", "log.tensorboard=false"])
     train_in_process(quiet, tmp_path / "quiet")
     assert not any(k.startswith("time_") for k in json.loads((tmp_path / "quiet" / "metrics.jsonl").read_text().splitlines()[0]))
+
+
+def test_one_process_skips_a_step_with_a_non_finite_loss_and_keeps_finite_weights(tmp_path, monkeypatch):
+    """The one-rank path takes the skip decision without a collective: a NaN D loss at one step skips it."""
+    from dist_helpers import train_in_process
+    from ganscale import config
+
+    calls = []
+    original = objectives.d_loss
+
+    def nan_at_third_call(kind, real, fake):
+        calls.append(1)
+        loss = original(kind, real, fake)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(objectives, "d_loss", nan_at_third_call)
+    cfg = config.load(None, ["train.steps=5", "log.every=1", "log.tensorboard=false", "log.sample_every=0",
+                             "checkpoint.every=0", "model.g_width=8", "model.d_width=8", "train.batch_size=8"])
+    trainer = train_in_process(cfg, tmp_path)
+    assert trainer.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for net in (trainer.G.module, trainer.D.module) for p in net.parameters())

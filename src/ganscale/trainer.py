@@ -359,12 +359,15 @@ class Trainer:
         stop = float(self.stop_signal is not None)
         # Summed over ranks, a non-finite loss or gradient norm on any rank is non-finite on every rank:
         # the skip decision needs no flag of its own, and is taken on Python floats (no more tensor ops).
-        packed = torch.cat([local_losses, grad_norm.detach().reshape(1).to(local_losses), local_losses.new_tensor([stop])])
         self.watchdog.mark(f"step {self.step}: all-reduce of losses and skip/stop flags")
         with self.times.part("sync"):
-            if self.runtime.world > 1:  # one rank: its values already are the global ones (and gloo's hand-off costs)
+            if self.runtime.world > 1:
+                packed = torch.cat([local_losses, grad_norm.detach().reshape(1).to(local_losses),
+                                    local_losses.new_tensor([stop])])
                 dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
-            *loss_sums, norm_sum, stops = packed.tolist()
+                *loss_sums, norm_sum, stops = packed.tolist()
+            else:  # one rank: its values already are the global ones (no packing, no gloo hand-off)
+                *loss_sums, norm_sum, stops = *local_losses.tolist(), float(grad_norm), stop
         skip = not all(math.isfinite(v) for v in (*loss_sums, norm_sum))
         self.stop_agreed = self.stop_agreed or stops > 0
         with self.times.part("optimizer"):
