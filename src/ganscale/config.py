@@ -477,7 +477,8 @@ def _check_reuse_fake(cfg: Config, world_size: int) -> None:
         return
     if cfg.loss.n_critic > 1:
         raise ConfigError("train.reuse_fake", f"with loss.n_critic={cfg.loss.n_critic} the D steps judge "
-                          f"{cfg.loss.n_critic} batches of samples and G's step one", "set loss.n_critic=1, or train.reuse_fake=false")
+                          f"{cfg.loss.n_critic} batches of samples and G's step one",
+                          "set loss.n_critic=1, or train.reuse_fake=false")
     if cfg.parallel.pipelined:
         raise ConfigError("train.reuse_fake", "the pipeline's stages run G's forward inside each step",
                           "set train.reuse_fake=false, or another strategy")

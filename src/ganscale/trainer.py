@@ -74,8 +74,8 @@ class Trainer:
             self.G, self.D = pipeline_networks(generator, discriminator, runtime, cfg.parallel, cfg.loss.kind)
         else:
             layout = Layout(runtime, cfg.parallel)
-            self.G, self.D = (compiled(parallelize(generator, cfg.parallel.generator, layout), cfg.train.compile),
-                              compiled(parallelize(discriminator, cfg.parallel.discriminator, layout), cfg.train.compile))
+            self.G = compiled(parallelize(generator, cfg.parallel.generator, layout), cfg.train.compile)
+            self.D = compiled(parallelize(discriminator, cfg.parallel.discriminator, layout), cfg.train.compile)
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
         calm_gloo_polling()  # every process group exists now (meshes, pipeline stages): see runtime.py
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
@@ -200,14 +200,15 @@ class Trainer:
                 sent = {f"comm_bytes_{phase}": n for phase, n in self.traffic.totals().items()}
                 times = self.times.take(self.step - logged_step)  # this rank's; rank 0's are logged
                 logged_step = self.step
-                record = self.log.log(self.step, {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held, **sent,
-                                                  **times}, self.global_batch)
+                values = {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held, **sent, **times}
+                record = self.log.log(self.step, values, self.global_batch)
             # Both decisions below come from values every rank agreed on in _finish_step's collective.
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
                 self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
                 raise NonFiniteTraining(
-                    f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients (last: {record or g_stats}); "
-                    f"the last good checkpoint is kept. Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32")
+                    f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
+                    f"(last: {record or g_stats}); the last good checkpoint is kept. "
+                    f"Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32")
             with self.times.part("outputs"):
                 if (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final:
                     quality = self.write_samples()
@@ -236,7 +237,8 @@ class Trainer:
                 print(f"rank {rank} holds  {line}", flush=True)
         return everyone
 
-    def _summary(self, start_step: int, started: float, record: dict, quality: dict, stopped: str | None = None) -> dict:
+    def _summary(self, start_step: int, started: float, record: dict, quality: dict,
+                 stopped: str | None = None) -> dict:
         wall = time.perf_counter() - started
         return {"steps": self.step, "world_size": self.runtime.world, "global_batch": self.global_batch,
                 "micro_batch": self.slicing.micro_batch, "accumulation_steps": self.slicing.accumulation,
@@ -268,7 +270,8 @@ class Trainer:
         loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, totals)
         return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
 
-    def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int, with_r1: bool, totals: Tensor) -> None:
+    def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int, with_r1: bool,
+                                   totals: Tensor) -> None:
         """Forward and backward of every micro-batch; D's gradients are reduced in the last one's backward."""
         z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
         alpha_all = self._global_uniform(step, phase) if self.cfg.loss.kind == "wgan-gp" else None
