@@ -67,6 +67,17 @@ def test_compiled_ddp_with_accumulation_equals_one_eager_process(tmp_path):
             assert max_relative_difference(eager[net], rank[net]) <= 1e-4, net
 
 
+def test_compiled_ddp_reusing_d_steps_samples_equals_one_eager_process(tmp_path):
+    """train.reuse_fake under torch.compile: G's compiled forward in D's step keeps its graph for G's step,
+    whose backward reduces G's gradients; the frozen D's forward goes through the compiled network too."""
+    plain = {**SMALL_DCGAN, "train.steps": 3, "model.g_batchnorm": "false", "train.reuse_fake": "true"}
+    eager = run_ranks(train_and_collect, 1, plain, str(tmp_path / "eager"))[0]
+    ranks = run_ranks(train_and_collect, 2, {**plain, **COMPILED}, str(tmp_path / "compiled"))
+    for rank in ranks:
+        for net in ("G", "D", "G_ema"):
+            assert max_relative_difference(eager[net], rank[net]) <= 1e-4, net
+
+
 @pytest.mark.parametrize("overrides, says", [
     ({"train.compile": "default", "loss.r1_gamma": 1}, "double backward"),
     ({"train.compile": "default", "loss.kind": "wgan-gp"}, "double backward"),
