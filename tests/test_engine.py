@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from ganscale import objectives
+from dist_helpers import train_in_process
+from ganscale import config, objectives
 from ganscale.ema import ema_beta, make_ema, update_ema
 from ganscale.parallel import Wrapped
 from ganscale.precision import Precision
@@ -174,9 +175,6 @@ def test_step_time_breakdown_is_logged_and_adds_up(tmp_path):
 
 def test_one_process_skips_a_step_with_a_non_finite_loss_and_keeps_finite_weights(tmp_path, monkeypatch):
     """The one-rank path takes the skip decision without a collective: a NaN D loss at one step skips it."""
-    from dist_helpers import train_in_process
-    from ganscale import config
-
     calls = []
     original = objectives.d_loss
 

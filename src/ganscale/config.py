@@ -471,21 +471,26 @@ def _check_task(cfg: Config) -> None:
                           "set data.load_size >= data.resolution (pix2pix: 286 and 256)")
 
 
-def _check_reuse_fake(cfg: Config, world_size: int) -> None:
-    """One G forward per iteration needs D's last micro-batch of samples to be G's whole batch."""
-    if not cfg.train.reuse_fake:
-        return
+def reuse_fake_conflict(cfg: Config, world_size: int) -> tuple[str, str] | None:
+    """Why G's step cannot judge D's step's samples (one G forward per iteration), and the fix; None if it can.
+    It needs D's one micro-batch of samples to be G's whole batch."""
     if cfg.loss.n_critic > 1:
-        raise ConfigError("train.reuse_fake", f"with loss.n_critic={cfg.loss.n_critic} the D steps judge "
-                          f"{cfg.loss.n_critic} batches of samples and G's step one",
-                          "set loss.n_critic=1, or train.reuse_fake=false")
+        return (f"with loss.n_critic={cfg.loss.n_critic} the D steps judge {cfg.loss.n_critic} batches of samples "
+                "and G's step one", "set loss.n_critic=1, or train.reuse_fake=false")
     if cfg.parallel.pipelined:
-        raise ConfigError("train.reuse_fake", "the pipeline's stages run G's forward inside each step",
-                          "set train.reuse_fake=false, or another strategy")
+        return ("the pipeline's stages run G's forward inside each step",
+                "set train.reuse_fake=false, or another strategy")
     if cfg.accumulation_steps(world_size) > 1:
-        raise ConfigError("train.reuse_fake", f"{cfg.accumulation_steps(world_size)} accumulation micro-steps would "
-                          "keep every micro-batch's G graph alive until G's step",
-                          "set train.reuse_fake=false, or raise train.micro_batch to batch_size / world size")
+        return (f"{cfg.accumulation_steps(world_size)} accumulation micro-steps would keep every micro-batch's G "
+                "graph alive until G's step",
+                "set train.reuse_fake=false, or raise train.micro_batch to batch_size / world size")
+    return None
+
+
+def _check_reuse_fake(cfg: Config, world_size: int) -> None:
+    conflict = reuse_fake_conflict(cfg, world_size) if cfg.train.reuse_fake else None
+    if conflict is not None:
+        raise ConfigError("train.reuse_fake", *conflict)
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ganscale import checkpoint, objectives
-from ganscale.config import Config, ConfigError, to_yaml
+from ganscale.config import Config, ConfigError, reuse_fake_conflict, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
@@ -102,11 +102,10 @@ class Trainer:
         self.dataset = build_dataset(cfg)
         self.task = build_task(cfg)  # what G is given and D judges (unconditional, classes, pairs)
         # G's output (and its classes) from the D step, kept with its graph for the G step: one G forward per
-        # iteration. Asked for (train.reuse_fake; config.check refused what cannot), or the task's way (pix2pix)
-        # where the D step's micro-batches are the G step's: one D step, no accumulation, no pipeline.
+        # iteration. Asked for (train.reuse_fake; config.check refused it where it cannot be), or the task's
+        # way (pix2pix) where nothing conflicts: one D step, no accumulation, no pipeline.
         self.reuse_fake = cfg.train.reuse_fake if cfg.train.reuse_fake is not None else (
-            self.task.same_fake_for_g and cfg.loss.n_critic == 1 and self.slicing.accumulation == 1
-            and self.pipeline is None)
+            self.task.same_fake_for_g and reuse_fake_conflict(cfg, world) is None)
         self._fake_for_g: tuple[Tensor, Tensor | None] | None = None
         self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
                                      start=self.step * cfg.loss.n_critic)
@@ -336,18 +335,21 @@ class Trainer:
 
     def _generator_micro_steps(self, reals: list[Sample], step: int, totals: Tensor) -> None:
         """Forward through G and the frozen D, backward into G; G's gradients are reduced in the last backward."""
-        z_all, labels_all = self._global_latents(step, PHASE_G), self._global_labels(step, PHASE_G)
-        accumulation = self.slicing.accumulation
+        reused, self._fake_for_g = self._fake_for_g, None  # D's step's samples (with graph) and classes, if kept
+        if reused is None:
+            z_all, labels_all = self._global_latents(step, PHASE_G), self._global_labels(step, PHASE_G)
+        accumulation = self.slicing.accumulation  # 1 when reused (config.reuse_fake_conflict)
         for micro, sample in enumerate(reals):
-            z, labels = self._take(z_all, micro), self._take(labels_all, micro)
-            # D is frozen here: its DDP must not arm a gradient reduction it would then fire during
-            # the next D step's first no_sync micro-step (an extra all-reduce per iteration).
+            # D is frozen here: its forward skips DDP (Wrapped.__call__), but a compiled D still runs through
+            # it, and must not arm a gradient reduction it would fire during the next D step's first no_sync
+            # micro-step (an extra all-reduce per iteration).
             with self.G.gradient_sync(micro == accumulation - 1), self.D.gradient_sync(False):
                 with self.precision.autocast():
-                    if self._fake_for_g is not None:  # D's step generated it (the same inputs, with graph)
-                        (fake, labels), self._fake_for_g = self._fake_for_g, None
+                    if reused is not None:
+                        fake, labels = reused
                     else:
-                        fake = self.task.generate(self.G, sample, z, labels)
+                        labels = self._take(labels_all, micro)
+                        fake = self.task.generate(self.G, sample, self._take(z_all, micro), labels)
                     logits = self.D(self.task.critic_view(sample, fake), *self.task.critic_conditions(None, labels))
                 reconstruction = self.task.reconstruction(fake, sample)
                 loss = objectives.g_loss(self.cfg.loss.kind, logits) + reconstruction
