@@ -201,8 +201,10 @@ def _analytic_traffic(g: str, d: str, shapes: dict, world: int) -> dict[str, dic
             for kind, n in part.items():
                 out[kind] = out.get(kind, 0) + n
         return out
-    return {"d_step": total(forward_only(g, "G"), stepped(d, "D"), control=4 * 4),
-            "g_step": total(stepped(g, "G", gathered_already=g == "zero2"), frozen_through(d, "D"), control=4 * 4)}
+    # The agreement all-reduce carries the loss terms a step has (here no penalty, no reconstruction: one
+    # each), the gradient norm and the stop flag: 3 floats.
+    return {"d_step": total(forward_only(g, "G"), stepped(d, "D"), control=3 * 4),
+            "g_step": total(stepped(g, "G", gathered_already=g == "zero2"), frozen_through(d, "D"), control=3 * 4)}
 
 
 @pytest.mark.parametrize("generator, discriminator", [

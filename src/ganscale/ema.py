@@ -33,7 +33,7 @@ def ema_beta(global_batch: int, images_seen: int, half_life_images: float, rampu
 @torch.no_grad()
 def update_ema(ema: nn.Module, generator: nn.Module, beta: float) -> None:
     ema_params = [local(p) for p in ema.parameters()]  # shards, when G and G_ema are sharded alike
-    params = [local(p.detach()) for p in generator.parameters()]
+    params = [local(p) for p in generator.parameters()]  # no_grad: no detach needed
     torch._foreach_lerp_(ema_params, params, 1.0 - beta)
     for ema_buffer, buffer in zip(ema.buffers(), generator.buffers()):
         ema_buffer.copy_(buffer)

@@ -93,11 +93,6 @@ def calm_gloo_polling() -> int:
     return lowered
 
 
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (seed, step, phase, ...), the same on every machine."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
-
-
 def seed_rank_streams(seed: int, runtime: Runtime) -> None:
     """Per-rank RNG (dropout, augmentation): seed * world + rank, so ranks differ and runs repeat."""
     torch.manual_seed(seed * runtime.world + runtime.rank)

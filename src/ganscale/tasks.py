@@ -37,9 +37,9 @@ class Unconditional:
         """Extra arguments of D (class labels) for the batch [real, fake], or [fake] when `real` is None; or ()."""
         return ()
 
-    def reconstruction(self, fake: Tensor, real: Sample) -> Tensor:
-        """A supervised term added to G's loss (pix2pix's L1), zero here."""
-        return fake.new_zeros(())
+    def reconstruction(self, fake: Tensor, real: Sample) -> Tensor | None:
+        """A supervised term added to G's loss (pix2pix's L1); None here."""
+        return None
 
     def preview(self, G: nn.Module, z: Tensor, label: int | None = None) -> Tensor:
         """Images for the sample grid, drawn from fixed inputs (of one class, if given)."""

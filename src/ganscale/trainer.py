@@ -36,7 +36,8 @@ from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.speed import compiled, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
-from ganscale.runtime import Runtime, calm_gloo_polling, derive_seed, seed_rank_streams
+from ganscale.runtime import Runtime, calm_gloo_polling, seed_rank_streams
+from ganscale.seeds import StepSeeds, derive_seed
 from ganscale.tasks import build_task
 from ganscale.watchdog import Watchdog
 
@@ -53,6 +54,24 @@ def lr_factor(step: int, total_steps: int, decay_start: float) -> float:
     return 1.0 - max(0, step + 1 - constant) / (total_steps - constant + 1)
 
 
+class MicroStepMeans:
+    """Means over one step's micro-batches of its loss terms, detached for reporting; a term a step
+    does not have (no penalty, no reconstruction) is None in every micro-batch and stays None."""
+
+    def __init__(self, micro_batches: int):
+        self.micro_batches = micro_batches
+        self.values: list[Tensor | None] = []
+
+    def share(self, loss: Tensor) -> Tensor:
+        """A micro-batch's part of the step's mean loss (no extra op without accumulation)."""
+        return loss if self.micro_batches == 1 else loss / self.micro_batches
+
+    def add(self, *terms: Tensor | None) -> None:
+        shares = [None if t is None else self.share(t.detach()) for t in terms]
+        self.values = shares if not self.values else [
+            None if total is None else total + share for total, share in zip(self.values, shares)]
+
+
 class ReplicaDivergence(RuntimeError):
     """Parameters or buffers differ across ranks where they must be identical."""
 
@@ -66,6 +85,7 @@ class Trainer:
                                cfg.accumulation_steps(world))
         self.global_batch = cfg.train.batch_size
         self._noise = torch.Generator()  # latents and labels: reseeded per (step, phase), on the CPU
+        self._seed_of = StepSeeds(cfg.train.seed)  # derive_seed(seed, step, ...), a block of steps at a time
 
         # Same seed on every rank: identical init; in the memory layout the fast path asks for.
         generator, discriminator = (in_layout(net, cfg.train.channels_last) for net in build_networks(cfg))
@@ -132,18 +152,18 @@ class Trainer:
     # ----------------------------------------------------------------------------------- noise
     def _global_latents(self, step: int, phase: int, n: int | None = None) -> Tensor:
         """Latents for the whole global batch (or `n` samples): the same on every rank."""
-        self._noise.manual_seed(derive_seed(self.cfg.train.seed, step, phase))  # one generator, reseeded
+        self._noise.manual_seed(self._seed_of(step, phase))  # one generator, reseeded
         return torch.randn(n or self.global_batch, self.cfg.model.z_dim, generator=self._noise).to(self.runtime.device)
 
     def _global_labels(self, step: int, phase: int, n: int | None = None) -> Tensor | None:
         """Classes of the generated samples of the whole global batch (None for unconditional G)."""
         if not self.task.n_classes:  # unconditional G: no seed to derive, no generator to build
             return None
-        self._noise.manual_seed(derive_seed(self.cfg.train.seed, step, phase, 2))
+        self._noise.manual_seed(self._seed_of(step, phase, 2))
         return self.task.labels(n or self.global_batch, self._noise).to(self.runtime.device)
 
     def _global_uniform(self, step: int, phase: int) -> Tensor:
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, step, phase, 1))
+        gen = torch.Generator().manual_seed(self._seed_of(step, phase, 1))
         return torch.rand(self.global_batch, generator=gen).to(self.runtime.device)
 
     # ----------------------------------------------------------------------------------- loop
@@ -258,40 +278,44 @@ class Trainer:
         self.D.begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
         phase = PHASE_D + critic
         with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
-        totals = torch.zeros(2, device=self.runtime.device)  # adversarial loss, penalty
         with self.times.part("d_forward_backward"):
             if self.pipeline is not None:
                 real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
                 with self.precision.autocast():
-                    totals[0] = self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale)
+                    terms = [self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale), None]
             else:
-                self._discriminator_micro_steps(reals, step, phase, with_r1, totals)
-        loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, totals)
+                terms = self._discriminator_micro_steps(reals, step, phase, with_r1)
+        loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, terms)
         return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
 
-    def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int, with_r1: bool,
-                                   totals: Tensor) -> None:
-        """Forward and backward of every micro-batch; D's gradients are reduced in the last one's backward."""
+    def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int,
+                                   with_r1: bool) -> list[Tensor | None]:
+        """Forward and backward of every micro-batch; D's gradients are reduced in the last one's backward.
+        Returns the adversarial loss and the penalty (None on a step without one), means over micro-batches."""
         z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
         alpha_all = self._global_uniform(step, phase) if self.cfg.loss.kind == "wgan-gp" else None
         accumulation = len(reals)
+        means = MicroStepMeans(accumulation)
         for micro, real in enumerate(reals):
             z, labels = self._take(z_all, micro), self._take(labels_all, micro)
             with self.D.gradient_sync(micro == accumulation - 1):  # no_sync covers forward and backward
                 with torch.set_grad_enabled(self.reuse_fake), self.precision.autocast():
                     fake = self.task.generate(self.G, real, z, labels)
                 self._fake_for_g = (fake, labels) if self.reuse_fake else None
-                adversarial, penalty = self._d_objective(real, fake.detach().float(), labels, with_r1,
+                adversarial, penalty = self._d_objective(real, fake.detach(), labels, with_r1,
                                                          self._take(alpha_all, micro))
-                self.precision.scale((adversarial + penalty) / accumulation).backward()
-            totals += torch.stack([adversarial.detach(), penalty.detach()]) / accumulation
+                loss = adversarial if penalty is None else adversarial + penalty
+                self.precision.scale(means.share(loss)).backward()
+            means.add(adversarial, penalty)
+        return means.values
 
     def _take(self, global_tensor: Tensor | None, micro: int) -> Tensor | None:
         return None if global_tensor is None else self.slicing.take(global_tensor, micro)
 
     def _d_objective(self, sample: Sample, fake: Tensor, labels: Tensor | None, with_r1: bool,
-                     alpha: Tensor | None) -> tuple[Tensor, Tensor]:
-        """D's loss on one micro-batch: one D forward over [real, fake, (interpolates)]."""
+                     alpha: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """D's loss on one micro-batch: one D forward over [real, fake, (interpolates)], and its penalty
+        (R1, gradient penalty) or None."""
         loss_cfg = self.cfg.loss
         real = self.task.critic_view(sample, self.task.real_images(sample))
         fake = self.task.critic_view(sample, fake)
@@ -307,13 +331,12 @@ class Trainer:
             logits = self.D(torch.cat(parts), *self.task.critic_conditions(sample, labels))
         real_logits, fake_logits, *interp_logits = logits.chunk(len(parts))  # a packed D (model.pack) gives b/pack each
         adversarial = objectives.d_loss(loss_cfg.kind, real_logits, fake_logits)
-        penalty = torch.zeros((), device=real.device)
-        scale = self.precision.loss_scale
+        scale, penalty = self.precision.loss_scale, None
         if with_r1:
-            r1 = objectives.r1_penalty(real_logits, real, scale)
-            penalty = penalty + 0.5 * loss_cfg.r1_gamma * loss_cfg.r1_interval * r1
+            penalty = 0.5 * loss_cfg.r1_gamma * loss_cfg.r1_interval * objectives.r1_penalty(real_logits, real, scale)
         if alpha is not None:
-            penalty = penalty + loss_cfg.gp_weight * objectives.gradient_penalty(interp_logits[0], interp, scale)
+            gp = loss_cfg.gp_weight * objectives.gradient_penalty(interp_logits[0], interp, scale)
+            penalty = gp if penalty is None else penalty + gp
         return adversarial, penalty
 
     def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
@@ -321,24 +344,25 @@ class Trainer:
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
         if self._fake_for_g is None:  # else G's output and saved activations from D's step are still needed
             self.G.begin_iteration()
-        totals = torch.zeros(2, device=self.runtime.device)  # G's loss, its reconstruction (L1) part
         with self.times.part("g_forward_backward"):
             if self.pipeline is not None:
                 z = self.slicing.take(self._global_latents(step, PHASE_G), 0)
                 with self.precision.autocast():
-                    totals[0] = self.pipeline.generator_pass(z, scale_loss=self.precision.scale)
+                    terms = [self.pipeline.generator_pass(z, scale_loss=self.precision.scale), None]
             else:
-                self._generator_micro_steps(reals, step, totals)
+                terms = self._generator_micro_steps(reals, step)
         self.D.trainable(True)
-        (loss_g, reconstruction_g, grad_norm) = self._finish_step(self.G, self.opt_g, totals)
+        (loss_g, reconstruction_g, grad_norm) = self._finish_step(self.G, self.opt_g, terms)
         return {"loss_g": loss_g, "l1_g": reconstruction_g, "grad_norm_g": grad_norm}
 
-    def _generator_micro_steps(self, reals: list[Sample], step: int, totals: Tensor) -> None:
-        """Forward through G and the frozen D, backward into G; G's gradients are reduced in the last backward."""
+    def _generator_micro_steps(self, reals: list[Sample], step: int) -> list[Tensor | None]:
+        """Forward through G and the frozen D, backward into G; G's gradients are reduced in the last backward.
+        Returns G's loss and its reconstruction part (None for tasks without one), means over micro-batches."""
         reused, self._fake_for_g = self._fake_for_g, None  # D's step's samples (with graph) and classes, if kept
         if reused is None:
             z_all, labels_all = self._global_latents(step, PHASE_G), self._global_labels(step, PHASE_G)
         accumulation = self.slicing.accumulation  # 1 when reused (config.reuse_fake_conflict)
+        means = MicroStepMeans(accumulation)
         for micro, sample in enumerate(reals):
             # D is frozen here: its forward skips DDP (Wrapped.__call__), but a compiled D still runs through
             # it, and must not arm a gradient reduction it would fire during the next D step's first no_sync
@@ -351,29 +375,34 @@ class Trainer:
                         labels = self._take(labels_all, micro)
                         fake = self.task.generate(self.G, sample, self._take(z_all, micro), labels)
                     logits = self.D(self.task.critic_view(sample, fake), *self.task.critic_conditions(None, labels))
+                loss = objectives.g_loss(self.cfg.loss.kind, logits)
                 reconstruction = self.task.reconstruction(fake, sample)
-                loss = objectives.g_loss(self.cfg.loss.kind, logits) + reconstruction
-                self.precision.scale(loss / accumulation).backward()
-            totals += torch.stack([loss.detach(), reconstruction.detach()]) / accumulation
+                if reconstruction is not None:
+                    loss = loss + reconstruction
+                self.precision.scale(means.share(loss)).backward()
+            means.add(loss, reconstruction)
+        return means.values
 
-    def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer, local_losses: Tensor) -> tuple[float, ...]:
-        """Clip, agree on skipping and stopping, step. Returns the global mean losses and the pre-clip grad norm."""
+    def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer,
+                     terms: list[Tensor | None]) -> tuple[float, ...]:
+        """Clip, agree on skipping and stopping, step. Returns the global mean of each loss term (0 for an
+        absent one: the same on every rank) and the pre-clip gradient norm."""
         with self.times.part("optimizer"):
             self.precision.unscale_(optimizer)
             grad_norm = net.grad_norm(self.cfg.train.grad_clip)  # gradients are already averaged: same on all ranks
         stop = float(self.stop_signal is not None)
+        present = [t for t in terms if t is not None]
         # Summed over ranks, a non-finite loss or gradient norm on any rank is non-finite on every rank:
         # the skip decision needs no flag of its own, and is taken on Python floats (no more tensor ops).
         self.watchdog.mark(f"step {self.step}: all-reduce of losses and skip/stop flags")
         with self.times.part("sync"):
             if self.runtime.world > 1:
-                packed = torch.cat([local_losses, grad_norm.detach().reshape(1).to(local_losses),
-                                    local_losses.new_tensor([stop])])
+                packed = torch.stack([*present, grad_norm.to(present[0]), present[0].new_tensor(stop)])
                 dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
-                *loss_sums, norm_sum, stops = packed.tolist()
+                *sums, norm_sum, stops = packed.tolist()
             else:  # one rank: its values already are the global ones (no packing, no gloo hand-off)
-                *loss_sums, norm_sum, stops = *local_losses.tolist(), float(grad_norm), stop
-        skip = not all(math.isfinite(v) for v in (*loss_sums, norm_sum))
+                sums, norm_sum, stops = [t.item() for t in present], grad_norm.item(), stop
+        skip = not all(math.isfinite(v) for v in (*sums, norm_sum))
         self.stop_agreed = self.stop_agreed or stops > 0
         with self.times.part("optimizer"):
             if skip:
@@ -381,7 +410,9 @@ class Trainer:
             else:
                 self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-        return (*(v / self.runtime.world for v in loss_sums), float(grad_norm))
+        sums.reverse()  # popped in order below
+        means = [0.0 if t is None else sums.pop() / self.runtime.world for t in terms]
+        return (*means, norm_sum if self.runtime.world == 1 else float(grad_norm))
 
     # ----------------------------------------------------------------------------------- outputs
     def synchronise_buffers(self) -> None:

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 
 from ganscale.config import ConfigError
 from ganscale.data.folder import IMAGE_SUFFIXES
-from ganscale.runtime import derive_seed
+from ganscale.seeds import derive_seed
 
 DIRECTIONS = ("AtoB", "BtoA")
 ASPECT_TOLERANCE = 0.1  # width / height may be 2 +- 10 %: pairs are side by side, not stacked or single

@@ -107,9 +107,18 @@ class Wrapped:
             return contextlib.nullcontext()
         return self.net.no_sync()
 
+    @cached_property
+    def parameters(self) -> list[nn.Parameter]:
+        """The network's parameters, listed once (walking the module tree costs ~10 us a call). The
+        optimizer holds these same tensors, so they live as long as the training does."""
+        return list(self.module.parameters())
+
     def trainable(self, flag: bool) -> None:
         """Freeze (False) or unfreeze: D is frozen during the G step so G's loss flows through it."""
-        self.module.requires_grad_(flag)
+        if self.frozen == (not flag):
+            return  # already so (D's step unfreezes a D that G's step left unfrozen)
+        for p in self.parameters:
+            p.requires_grad_(flag)
         self.frozen = not flag
 
     def shard_like(self, module: nn.Module) -> nn.Module:
@@ -158,7 +167,7 @@ class Wrapped:
 
     def grad_norm(self, max_norm: float) -> Tensor:
         """The gradient norm before clipping; clips to `max_norm` when it is > 0."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.parameters if p.grad is not None]
         if not params:  # nothing to measure or clip (get_total_norm's answer: 0)
             return torch.zeros(())
         # One foreach kernel over every gradient, as clip_grad_norm_ does, without its per-call grouping
@@ -211,6 +220,11 @@ class FullyShardedWrapped(Wrapped):
         module.to(next(self.module.parameters()).device)
         fully_shard(module, **self.shard_options)
         return module
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """Listed afresh: FSDP2 registers the sharded or the gathered form of each parameter, by state."""
+        return list(self.module.parameters())
 
     def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
         return list((module or self.module).named_buffers())  # parameters are sharded by design

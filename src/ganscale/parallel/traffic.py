@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
 
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,6 +60,9 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+_NOTHING = contextlib.nullcontext()
+
+
 class TrafficMeter:
     """Bytes communicated per phase of a step ("d_step", "g_step"), measured while `enabled`."""
 
@@ -68,14 +70,11 @@ class TrafficMeter:
         self.enabled = False
         self.by_phase: dict[str, dict[str, int]] = {}
 
-    @contextlib.contextmanager
-    def measure(self, phase: str) -> Iterator[None]:
+    def measure(self, phase: str) -> contextlib.AbstractContextManager:
+        """`with meter.measure(phase):` counts the block's collectives while enabled (a shared no-op else)."""
         if not self.enabled:
-            yield
-            return
-        counts = self.by_phase.setdefault(phase, defaultdict(int))
-        with _Counter(counts):
-            yield
+            return _NOTHING
+        return _Counter(self.by_phase.setdefault(phase, defaultdict(int)))
 
     def totals(self) -> dict[str, int]:
         """Payload bytes per phase (all kinds together), e.g. {"d_step": ..., "g_step": ...}."""
