@@ -53,19 +53,13 @@ def test_accumulation_equals_one_big_step(tmp_path):
 
 
 def _count_all_reduces(trainer):
-    """Counts the gradient buckets each DDP instance all-reduces (a comm hook around the default)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
+    """Counts the gradient buckets each DDP instance all-reduces (around ganscale's own comm hook)."""
     counts = {"G": 0, "D": 0}
-
-    def counting(name):
-        def hook(state, bucket):
+    for name, wrapped in (("G", trainer.G), ("D", trainer.D)):
+        def counting(bucket, name=name, original=wrapped.carrier.allreduce):
             counts[name] += 1
-            return allreduce_hook(state, bucket)
-        return hook
-
-    trainer.G.net.register_comm_hook(None, counting("G"))
-    trainer.D.net.register_comm_hook(None, counting("D"))
+            return original(bucket)
+        wrapped.carrier.allreduce = counting
     return lambda: dict(counts)
 
 
@@ -259,3 +253,42 @@ def test_cross_rank_batchnorm_forward_and_backward_match_one_big_batch():
     for r in ranks:
         assert torch.allclose(r["running_mean"], bn.running_mean, atol=1e-6)
         assert torch.allclose(r["running_var"], bn.running_var, atol=1e-6)
+
+
+def _carry_probe(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ganscale.parallel import Wrapped, data_parallel
+    from ganscale.runtime import Runtime
+
+    runtime = Runtime(rank=rank, world=world, local_rank=rank, device=torch.device("cpu"), owns_group=False)
+    torch.manual_seed(0)  # the same weights on every rank
+    layers = [torch.nn.Linear(6, 5), torch.nn.Linear(5, 1)]
+    torch.manual_seed(1 + rank)  # different data per rank
+    x = torch.randn(4, 6)
+    plain, ours = (torch.nn.Sequential(*(torch.nn.Linear(6, 5), torch.nn.Linear(5, 1))) for _ in range(2))
+    for net in (plain, ours):
+        net.load_state_dict(torch.nn.Sequential(*layers).state_dict())
+    reference = DistributedDataParallel(plain, forward_sync_buffers=False)  # DDP's own hook (kept alive: its
+    reference(x).square().mean().backward()                                 # reducer holds the autograd hooks)
+    wrapped = Wrapped(ours, data_parallel(ours, runtime))
+    before = wrapped.carried()  # nothing carried yet
+    assert wrapped.carry_with_gradients(torch.tensor([rank + 1.0, 0.5]))
+    wrapped(x).square().mean().backward()
+    return {"before": before, "carried": wrapped.carried(), "after": wrapped.carried(),
+            "same_gradients": all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters()))}
+
+
+def test_gradient_all_reduce_carries_values_and_averages_gradients_as_ddp_does():
+    for rank in run_ranks(_carry_probe, 2):
+        assert rank["before"] is None and rank["after"] is None  # taken once
+        assert rank["carried"] == [3.0, 1.0]  # summed over the ranks
+        assert rank["same_gradients"]  # bitwise what DDP's built-in all-reduce gives
+
+
+def test_ddp_steps_agree_on_losses_and_stop_in_the_gradient_all_reduce(tmp_path):
+    """Under DDP each optimizer step makes one collective per network: the losses and the stop flag ride on
+    the gradient all-reduce instead of an all-reduce of their own (2 per step before)."""
+    rank0 = run_ranks(train_and_collect, 2, {**SMALL_MLP, "train.steps": 4}, str(tmp_path))[0]
+    for phase in ("d_step", "g_step"):
+        assert rank0["summary"]["communicated_bytes"][phase]["ops"] == 1, rank0["summary"]["communicated_bytes"]

@@ -305,8 +305,10 @@ class Trainer:
                 adversarial, penalty = self._d_objective(real, fake.detach(), labels, with_r1,
                                                          self._take(alpha_all, micro))
                 loss = adversarial if penalty is None else adversarial + penalty
+                means.add(adversarial, penalty)
+                if micro == accumulation - 1:
+                    self._offer_agreement(self.D, means.values)
                 self.precision.scale(means.share(loss)).backward()
-            means.add(adversarial, penalty)
         return means.values
 
     def _take(self, global_tensor: Tensor | None, micro: int) -> Tensor | None:
@@ -379,9 +381,22 @@ class Trainer:
                 reconstruction = self.task.reconstruction(fake, sample)
                 if reconstruction is not None:
                     loss = loss + reconstruction
+                means.add(loss, reconstruction)
+                if micro == accumulation - 1:
+                    self._offer_agreement(self.G, means.values)
                 self.precision.scale(means.share(loss)).backward()
-            means.add(loss, reconstruction)
         return means.values
+
+    def _agreement(self, terms: list[Tensor | None]) -> Tensor:
+        """What the ranks sum once per optimizer step: the loss terms the step has, and the stop flag."""
+        present = [t for t in terms if t is not None]
+        return torch.stack([*present, present[0].new_tensor(float(self.stop_signal is not None))])
+
+    def _offer_agreement(self, net: Wrapped, terms: list[Tensor | None]) -> None:
+        """Before the backward that reduces `net`'s gradients: under DDP, the step's agreement all-reduce
+        (`_finish_step`) is folded into that gradient all-reduce (one collective instead of two)."""
+        if self.runtime.world > 1:
+            net.carry_with_gradients(self._agreement(terms))
 
     def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer,
                      terms: list[Tensor | None]) -> tuple[float, ...]:
@@ -390,18 +405,20 @@ class Trainer:
         with self.times.part("optimizer"):
             self.precision.unscale_(optimizer)
             grad_norm = net.grad_norm(self.cfg.train.grad_clip)  # gradients are already averaged: same on all ranks
-        stop = float(self.stop_signal is not None)
-        present = [t for t in terms if t is not None]
         # Summed over ranks, a non-finite loss or gradient norm on any rank is non-finite on every rank:
         # the skip decision needs no flag of its own, and is taken on Python floats (no more tensor ops).
         self.watchdog.mark(f"step {self.step}: all-reduce of losses and skip/stop flags")
         with self.times.part("sync"):
-            if self.runtime.world > 1:
-                packed = torch.stack([*present, grad_norm.to(present[0]), present[0].new_tensor(stop)])
+            norm = norm_sum = grad_norm.item()  # of gradients already averaged: the same on every rank
+            if self.runtime.world == 1:  # its values already are the global ones (no packing, no gloo hand-off)
+                sums = [t.item() for t in terms if t is not None] + [float(self.stop_signal is not None)]
+            elif (carried := net.carried()) is not None:  # summed with the gradients in backward (DDP)
+                sums = carried
+            else:
+                packed = torch.cat([self._agreement(terms), grad_norm.to(device=self.runtime.device).view(1)])
                 dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
-                *sums, norm_sum, stops = packed.tolist()
-            else:  # one rank: its values already are the global ones (no packing, no gloo hand-off)
-                sums, norm_sum, stops = [t.item() for t in present], grad_norm.item(), stop
+                *sums, norm_sum = packed.tolist()
+        *sums, stops = sums
         skip = not all(math.isfinite(v) for v in (*sums, norm_sum))
         self.stop_agreed = self.stop_agreed or stops > 0
         with self.times.part("optimizer"):
@@ -412,7 +429,7 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         sums.reverse()  # popped in order below
         means = [0.0 if t is None else sums.pop() / self.runtime.world for t in terms]
-        return (*means, norm_sum if self.runtime.world == 1 else float(grad_norm))
+        return (*means, norm)
 
     # ----------------------------------------------------------------------------------- outputs
     def synchronise_buffers(self) -> None:

@@ -79,8 +79,9 @@ def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, batch: i
                f"{', '.join(f'{r:.2f}' for r in result[clock]['block_ratios'])}); goal <= 1.03: {verdict[clock]}"
                for clock in ("wall", "cpu")),
              "CPU = this process's CPU time per step (all threads): on a shared machine it leaves out the waits for a core",
-             "the trainer also computes both gradient norms, one all-reduce per optimizer step (1-rank gloo group), "
-             "seeded per-step latents, the lr schedule, watchdog marks and a metrics line every log.every steps; "
+             "the trainer also computes both gradient norms, the skip/stop agreement (no collective in one process), "
+             "seeded per-step latents, the step-time breakdown, the lr schedule, watchdog marks and a metrics line "
+             "every log.every steps; "
              "samples, checkpoints and TensorBoard off"]
     if profile:
         click.echo(result.pop("profile"))

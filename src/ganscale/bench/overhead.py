@@ -11,9 +11,10 @@ a core (and the wake-up of gloo's worker thread), the CPU time only what the cod
 
 What the trainer does on top of the plain loop, by design (and so inside the measured ratio):
 latents drawn from a per-(step, phase) seeded generator instead of the global RNG, a gradient norm
-of each network every step (logged, and checked for non-finite values), one all-reduce per optimizer
-step (losses, skip and stop flags; a one-rank group here), the learning-rate schedule, watchdog marks,
-EMA beta from a half-life in images, and a metrics line every `log.every` steps. Samples and
+of each network every step (logged, and checked for non-finite values), the per-step agreement on
+losses, skip and stop (taken locally in one process: no collective), the step-time breakdown
+(`log.step_times`), the learning-rate schedule, watchdog marks, EMA beta from a half-life in images,
+and a metrics line every `log.every` steps. Samples and
 checkpoints are switched off (`log.sample_every=0`, `checkpoint.every=0`; the final step's are not
 timed). The plain loop reads both losses every step (`.item()`), as a loop that logs them would.
 """

@@ -5,8 +5,9 @@ Each part is timed on this rank with `time.perf_counter`. On CUDA the device is 
 boundary so that a part is charged for its own kernels rather than for whichever later part happens to
 wait for them; that costs a little overlap, so `log.step_times=false` turns the breakdown off.
 DDP's and FSDP's gradient communication runs inside backward (overlapped with it), so it is part of
-`d_backward`/`g_backward`; `sync` is the wait in the one all-reduce per optimizer step, which is also
-where a rank waits for slower peers.
+`d_forward_backward`/`g_forward_backward`; `sync` is the wait in the one all-reduce per optimizer step,
+which is also where a rank waits for slower peers. Under DDP that all-reduce rides on the gradients'
+(parallel.GradientCarrier), so its wait counts in backward and `sync` is near zero.
 """
 
 from __future__ import annotations
