@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
 
 import torch
 
@@ -26,37 +25,41 @@ class StepTimes:
 
     def __init__(self, device: torch.device, enabled: bool = True):
         self.enabled = enabled
-        self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.totals: dict[str, float] = defaultdict(float)
+        synchronize = torch.cuda.synchronize if device.type == "cuda" else None
+        self._parts = {name: _Part(synchronize) for name in PARTS}
 
     def part(self, name: str) -> contextlib.AbstractContextManager:
         """`with times.part(name):` charges the block's wall time to `name` (nothing when disabled)."""
-        return _Part(self, name) if self.enabled else _NOTHING
+        return self._parts[name] if self.enabled else _NOTHING
 
     def take(self, steps: int) -> dict[str, float]:
         """Mean milliseconds per step of each part since the last call, as `time_<part>_ms`; then reset."""
         if not self.enabled:
             return {}
-        means = {f"time_{name}_ms": 1000 * self.totals.get(name, 0.0) / max(steps, 1) for name in PARTS}
-        self.totals.clear()
+        means = {f"time_{name}_ms": 1000 * part.total / max(steps, 1) for name, part in self._parts.items()}
+        for part in self._parts.values():
+            part.total = 0.0
         return means
 
 
-_NOTHING = contextlib.nullcontext()  # reusable, and cheaper than a generator-based context per call
+_NOTHING = contextlib.nullcontext()  # reusable
 
 
 class _Part:
-    """One timed block (a class rather than @contextmanager: ~10 of these run every step)."""
+    """One part's timer, reused by every block charged to it (blocks of one part never nest). About
+    ten blocks run every step: a reused object rather than a generator-based context manager per block."""
 
-    __slots__ = ("times", "name", "started")
+    __slots__ = ("synchronize", "started", "total")
 
-    def __init__(self, times: StepTimes, name: str):
-        self.times, self.name = times, name
+    def __init__(self, synchronize):
+        self.synchronize, self.started, self.total = synchronize, 0.0, 0.0
 
     def __enter__(self) -> None:
-        self.times.synchronize()
+        if self.synchronize is not None:
+            self.synchronize()
         self.started = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        self.times.synchronize()
-        self.times.totals[self.name] += time.perf_counter() - self.started
+        if self.synchronize is not None:
+            self.synchronize()
+        self.total += time.perf_counter() - self.started
