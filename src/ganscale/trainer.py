@@ -427,8 +427,8 @@ class Trainer:
             else:
                 self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-        sums.reverse()  # popped in order below
-        means = [0.0 if t is None else sums.pop() / self.runtime.world for t in terms]
+        present_sums = iter(sums)  # in the order of the terms the step has
+        means = [0.0 if t is None else next(present_sums) / self.runtime.world for t in terms]
         return (*means, norm)
 
     # ----------------------------------------------------------------------------------- outputs
