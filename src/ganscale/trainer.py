@@ -412,8 +412,11 @@ class Trainer:
             norm = norm_sum = grad_norm.item()  # of gradients already averaged: the same on every rank
             if self.runtime.world == 1:  # its values already are the global ones (no packing, no gloo hand-off)
                 sums = [t.item() for t in terms if t is not None] + [float(self.stop_signal is not None)]
-            elif (carried := net.carried()) is not None:  # summed with the gradients in backward (DDP)
-                sums = carried
+            elif net.carrier is not None:  # DDP (a property of the strategy, the same on every rank):
+                sums = net.carried()  # summed with the gradients in backward
+                if sums is None:
+                    raise RuntimeError(f"step {self.step}: DDP's gradient all-reduce carried no agreement values "
+                                       "(was carry_with_gradients called before the last micro-step's backward?)")
             else:
                 packed = torch.cat([self._agreement(terms), grad_norm.to(device=self.runtime.device).view(1)])
                 dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
