@@ -273,10 +273,12 @@ def _carry_probe(rank, world):
     reference(x).square().mean().backward()                                 # reducer holds the autograd hooks)
     wrapped = Wrapped(ours, data_parallel(ours, runtime))
     before = wrapped.carried()  # nothing carried yet
-    assert wrapped.carry_with_gradients(torch.tensor([rank + 1.0, 0.5]))
+    wrapped.carry_with_gradients(torch.tensor([rank + 1.0, 0.5]))
     wrapped(x).square().mean().backward()
+    low_precision = torch.nn.Linear(6, 1).to(torch.bfloat16)
     return {"before": before, "carried": wrapped.carried(), "after": wrapped.carried(),
-            "same_gradients": all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters()))}
+            "same_gradients": all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters())),
+            "bf16_carrier": Wrapped(low_precision, data_parallel(low_precision, runtime)).carrier}
 
 
 def test_gradient_all_reduce_carries_values_and_averages_gradients_as_ddp_does():
@@ -284,6 +286,7 @@ def test_gradient_all_reduce_carries_values_and_averages_gradients_as_ddp_does()
         assert rank["before"] is None and rank["after"] is None  # taken once
         assert rank["carried"] == [3.0, 1.0]  # summed over the ranks
         assert rank["same_gradients"]  # bitwise what DDP's built-in all-reduce gives
+        assert rank["bf16_carrier"] is None  # bf16 gradients would round the loss sums: nothing rides on them
 
 
 def test_ddp_steps_agree_on_losses_and_stop_in_the_gradient_all_reduce(tmp_path):

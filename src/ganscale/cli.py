@@ -1,4 +1,5 @@
-"""Command line: `ganscale train | recipes | export | sample | eval | doctor | bench | make-facades | fit-digits-features`.
+"""Command line: `ganscale` train, recipes, export, sample, eval, doctor, bench, make-facades and
+fit-digits-features.
 
 Configuration errors exit with code 2 and one message naming the key and the fix, before any
 process starts or anything is written.

@@ -301,7 +301,8 @@ def load_raw(source: str | None) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ConfigError(str(path), f"not valid YAML ({e})", "correct the file's YAML syntax") from None
     if not isinstance(raw, dict):
-        raise ConfigError(str(path), "the top level is not a mapping", "write sections such as 'train:' at the top level")
+        raise ConfigError(str(path), "the top level is not a mapping",
+                          "write sections such as 'train:' at the top level")
     raw.setdefault("name", path.stem)
     return raw
 
@@ -367,14 +368,18 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         _check_pipeline(cfg, world_size)  # first: the batch split below depends on stages and replicas
     elif t.micro_batch is not None and t.batch_size % (world_size * t.micro_batch):
         raise ConfigError("train.batch_size",
-                          f"global batch {t.batch_size} is not divisible by world size {world_size} x micro_batch {t.micro_batch}",
-                          f"make train.batch_size a multiple of {world_size * t.micro_batch}, or change train.micro_batch")
+                          f"global batch {t.batch_size} is not divisible by world size {world_size} "
+                          f"x micro_batch {t.micro_batch}",
+                          f"make train.batch_size a multiple of {world_size * t.micro_batch}, "
+                          "or change train.micro_batch")
     elif t.micro_batch is None and t.batch_size % world_size:
-        raise ConfigError("train.batch_size", f"global batch {t.batch_size} is not divisible by world size {world_size}",
+        raise ConfigError("train.batch_size",
+                          f"global batch {t.batch_size} is not divisible by world size {world_size}",
                           f"make train.batch_size a multiple of {world_size}")
     on_cuda = t.device == "cuda" or (t.device == "auto" and cuda_available)
     if t.device == "cuda" and not cuda_available:
-        raise ConfigError("train.device", "cuda requested but no CUDA device is visible", "set train.device=cpu or auto")
+        raise ConfigError("train.device", "cuda requested but no CUDA device is visible",
+                          "set train.device=cpu or auto")
     if t.precision == "fp16" and not on_cuda:
         raise ConfigError("train.precision", "fp16 with a GradScaler needs a CUDA device; this run is on the CPU",
                           "use train.precision=bf16 (or fp32) on the CPU")
@@ -408,8 +413,8 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("parallel.discriminator",
                           f"{cfg.parallel.discriminator} cannot take the double backward of R1 / gradient penalty "
                           "(FSDP2 crashes, or silently leaves every D gradient empty)",
-                          "keep D on ddp or zero1 (set parallel.discriminator=zero1 to still shard its optimizer state), "
-                          "or drop the penalty")
+                          "keep D on ddp or zero1 (set parallel.discriminator=zero1 to still shard its optimizer "
+                          "state), or drop the penalty")
     is_2d = cfg.data.kind in ("ring8", "grid25")
     if is_2d != (cfg.model.kind == "mlp"):
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
@@ -448,10 +453,12 @@ def _check_task(cfg: Config) -> None:
     m, d, loss = cfg.model, cfg.data, cfg.loss
     if (m.kind == "pix2pix") != (d.kind == "paired"):
         raise ConfigError("model.kind", f"model.kind={m.kind} with data.kind={d.kind}: pix2pix translates paired "
-                          "images and only pix2pix takes them", "use model.kind=pix2pix with data.kind=paired, or neither")
+                          "images and only pix2pix takes them",
+                          "use model.kind=pix2pix with data.kind=paired, or neither")
     if (m.kind == "biggan") != d.labels:
         raise ConfigError("data.labels", f"data.labels={d.labels} with model.kind={m.kind}: class labels are for the "
-                          "class-conditional biggan model only", "use model.kind=biggan with data.labels=true, or neither")
+                          "class-conditional biggan model only",
+                          "use model.kind=biggan with data.labels=true, or neither")
     if d.labels and d.kind != "digits":
         raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels", "use data.kind=digits (10 classes)")
     if d.labels and m.n_classes != 10:
@@ -461,7 +468,8 @@ def _check_task(cfg: Config) -> None:
                           "set loss.l1_weight=0, or train model.kind=pix2pix on paired data")
     if loss.kind == "wgan-gp" and m.kind in ("biggan", "pix2pix"):
         raise ConfigError("loss.kind", f"wgan-gp interpolates real and generated inputs, which {m.kind} pairs with "
-                          "conditions", "use loss.kind=hinge (BigGAN) or nonsaturating (pix2pix), with loss.r1_gamma if needed")
+                          "conditions",
+                          "use loss.kind=hinge (BigGAN) or nonsaturating (pix2pix), with loss.r1_gamma if needed")
     if m.kind == "pix2pix" and d.resolution < 32:
         raise ConfigError("data.resolution", f"{d.resolution}: the 70x70 PatchGAN reduces a crop by 2^3 and then "
                           "by its 4x4 convolutions, which leaves nothing to judge below 32 pixels",
@@ -497,12 +505,15 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
     """The pipeline strategy (parallel/pipeline.py): what it cannot compute like one process, refused."""
     p, t = cfg.parallel, cfg.train
     if p.generator != p.discriminator:
-        raise ConfigError("parallel.discriminator", f"pipeline for one network only ({p.generator}, {p.discriminator}): "
+        raise ConfigError("parallel.discriminator",
+                          f"pipeline for one network only ({p.generator}, {p.discriminator}): "
                           "the G step runs G's stages and then D's in one pipeline",
                           "set parallel.generator=pipeline and parallel.discriminator=pipeline, or neither")
     if world_size % p.pipeline_stages:
-        raise ConfigError("parallel.pipeline_stages", f"{p.pipeline_stages} stages do not divide the world size {world_size}",
-                          f"use a number of stages that divides {world_size}, or {p.pipeline_stages} x replicas processes")
+        raise ConfigError("parallel.pipeline_stages",
+                          f"{p.pipeline_stages} stages do not divide the world size {world_size}",
+                          f"use a number of stages that divides {world_size}, "
+                          f"or {p.pipeline_stages} x replicas processes")
     replicas = world_size // p.pipeline_stages
     if p.mesh is not None and tuple(p.mesh) != (replicas, p.pipeline_stages):
         raise ConfigError("parallel.mesh", f"{list(p.mesh)} is not [pipeline replicas, pipeline_stages]",
@@ -510,7 +521,8 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
     if t.batch_size % (replicas * p.microbatches):
         raise ConfigError("parallel.microbatches", f"global batch {t.batch_size} does not split into {replicas} "
                           f"pipeline replica(s) x {p.microbatches} micro-batches",
-                          f"make train.batch_size a multiple of {replicas * p.microbatches}, or change parallel.microbatches")
+                          f"make train.batch_size a multiple of {replicas * p.microbatches}, "
+                          "or change parallel.microbatches")
     if t.micro_batch is not None:
         raise ConfigError("train.micro_batch", "the pipeline's micro-batches replace train.micro_batch",
                           "remove train.micro_batch and set parallel.microbatches (micro-batches per pipeline replica)")
@@ -524,7 +536,8 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
                           "set parallel.sync_bn=false (raise parallel.microbatches' size instead), or another strategy")
     if cfg.model.g_batchnorm and t.batch_size == replicas * p.microbatches:
         raise ConfigError("parallel.microbatches", "BatchNorm in G with one sample per pipeline micro-batch has no "
-                          "batch statistics", "lower parallel.microbatches, raise train.batch_size, or model.g_batchnorm=false")
+                          "batch statistics",
+                          "lower parallel.microbatches, raise train.batch_size, or model.g_batchnorm=false")
     import torch  # here: checking the stages against the layers builds both networks, without memory
 
     from ganscale.models import build_networks
@@ -557,26 +570,33 @@ def _check_eval(cfg: Config) -> None:
     if cfg.data.kind in ("ring8", "grid25", "paired"):
         how = ("2D mixtures are scored (modes, % high quality) at every sample grid: set log.sample_every"
                if cfg.data.kind != "paired" else "score pix2pix runs with `ganscale eval RUN --pairs HELD_OUT_DIR`")
-        raise ConfigError("eval.every", f"image metrics do not apply to data.kind={cfg.data.kind}", f"set eval.every=0; {how}")
+        raise ConfigError("eval.every", f"image metrics do not apply to data.kind={cfg.data.kind}",
+                          f"set eval.every=0; {how}")
     if cfg.parallel.pipelined:
         raise ConfigError("eval.every", "periodic image metrics are not wired to the pipeline yet (each rank would "
-                          "need its own noise through the shared stages)", "set eval.every=0 and run `ganscale eval RUN`")
+                          "need its own noise through the shared stages)",
+                          "set eval.every=0 and run `ganscale eval RUN`")
     if e.extractor(cfg.data.kind) == "inception" and not (e.inception_weights and Path(e.inception_weights).is_file()):
-        raise ConfigError("eval.inception_weights", f"Inception features need a local weights file; got {e.inception_weights!r}",
-                          "set eval.inception_weights to pytorch-fid's pt_inception-2015-12-05 .pth file (or torch-fidelity's), "
-                          "or eval.every=0")
+        raise ConfigError("eval.inception_weights",
+                          f"Inception features need a local weights file; got {e.inception_weights!r}",
+                          "set eval.inception_weights to pytorch-fid's pt_inception-2015-12-05 .pth file "
+                          "(or torch-fidelity's), or eval.every=0")
 
 
 def _check_parallel(p: ParallelConfig, world_size: int, on_cuda: bool) -> None:
     uses_mesh = "hsdp" in p.strategies() or "pipeline" in p.strategies()
     if p.mesh is not None and not uses_mesh:
-        raise ConfigError("parallel.mesh", f"a mesh is set but no network uses it (strategies {p.generator}, {p.discriminator})",
-                          "set parallel.generator or parallel.discriminator to hsdp (or both to pipeline), or remove parallel.mesh")
+        raise ConfigError("parallel.mesh",
+                          f"a mesh is set but no network uses it (strategies {p.generator}, {p.discriminator})",
+                          "set parallel.generator or parallel.discriminator to hsdp (or both to pipeline), "
+                          "or remove parallel.mesh")
     if p.mesh is not None and (min(p.mesh) < 1 or p.mesh[0] * p.mesh[1] != world_size):
         raise ConfigError("parallel.mesh", f"{list(p.mesh)} does not multiply to the world size {world_size}",
-                          f"use two positive sizes whose product is {world_size}, e.g. [{max(world_size // 2, 1)}, {min(2, world_size)}]")
+                          f"use two positive sizes whose product is {world_size}, "
+                          f"e.g. [{max(world_size // 2, 1)}, {min(2, world_size)}]")
     if p.cpu_offload and not any(s in FULLY_SHARDED for s in p.strategies()):
-        raise ConfigError("parallel.cpu_offload", f"only zero2/fsdp/hsdp networks can offload; these are {p.generator}, {p.discriminator}",
+        raise ConfigError("parallel.cpu_offload",
+                          f"only zero2/fsdp/hsdp networks can offload; these are {p.generator}, {p.discriminator}",
                           "set parallel.generator=fsdp (or zero2/hsdp), or parallel.cpu_offload=false")
     if p.cpu_offload and not on_cuda:
         raise ConfigError("parallel.cpu_offload", "FSDP2's CPU offload moves shards between a GPU and host memory; "

@@ -68,7 +68,8 @@ ENV_EXPLANATIONS: dict[str, str] = {
     "NCCL_P2P_DISABLE": "1 turns off direct GPU-to-GPU (NVLink/PCIe peer) copies within a node",
     "NCCL_P2P_LEVEL": "the farthest topology distance (NVL, PIX, PXB, PHB, SYS) at which NCCL still uses P2P",
     "NCCL_SHM_DISABLE": "1 turns off NCCL's shared-memory transport between processes of one node",
-    "NCCL_IB_DISABLE": "1 turns off InfiniBand/RoCE: traffic between nodes uses TCP sockets (no effect within one node)",
+    "NCCL_IB_DISABLE": "1 turns off InfiniBand/RoCE: traffic between nodes uses TCP sockets "
+                       "(no effect within one node)",
     "NCCL_IB_HCA": "which InfiniBand adapters (and ports) NCCL uses",
     "NCCL_SOCKET_IFNAME": "network interface(s) NCCL uses for bootstrap and socket traffic (eth0; ^docker0 excludes)",
     "NCCL_NET_GDR_LEVEL": "the farthest distance between NIC and GPU at which NCCL uses GPUDirect RDMA",
@@ -227,8 +228,8 @@ def device_checks(nproc: int, device: str, on_cuda: bool, cuda_available: bool, 
                         for i, g in enumerate(gpus))
     if nproc > len(gpus):
         checks.append(Check(FAIL, "devices", f"cuda run: {nproc} ranks but {len(gpus)} GPU(s) visible ({listing})",
-                            "one GPU per rank: ranks past the last GPU get no device (invalid device ordinal), and ranks "
-                            "sharing a GPU make NCCL fail with 'Duplicate GPU detected'",
+                            "one GPU per rank: ranks past the last GPU get no device (invalid device ordinal), "
+                            "and ranks sharing a GPU make NCCL fail with 'Duplicate GPU detected'",
                             f"use --nproc {len(gpus)} or fewer, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"))
     else:
         checks.append(Check(PASS, "devices", f"cuda run: {_ranks(nproc)} on {len(gpus)} GPU(s): {listing}"))
@@ -276,11 +277,13 @@ def environment_checks(environ: Mapping[str, str], nproc: int, cores: int, backe
         label, detail = f"env {name}={shown}", explanation
         unused = " (no effect on this gloo run, but on every NCCL run from this shell)" if backend != "nccl" else ""
         if name == "NCCL_P2P_DISABLE" and value.strip() not in ("", "0"):
-            checks.append(Check(WARN, label, detail, "P2P disabled: intra-node traffic goes through host memory" + unused,
+            checks.append(Check(WARN, label, detail,
+                                "P2P disabled: intra-node traffic goes through host memory" + unused,
                                 "unset NCCL_P2P_DISABLE unless P2P is broken on this machine (then fix the "
                                 "IOMMU/ACS settings or driver)"))
         elif name == "NCCL_SHM_DISABLE" and value.strip() not in ("", "0"):
-            checks.append(Check(WARN, label, detail, "intra-node traffic without P2P falls back to the network" + unused,
+            checks.append(Check(WARN, label, detail,
+                                "intra-node traffic without P2P falls back to the network" + unused,
                                 "unset NCCL_SHM_DISABLE (in containers, give /dev/shm enough space instead)"))
         elif name in ("NCCL_ALGO", "NCCL_PROTO"):
             checks.append(Check(WARN, label, detail, "forced NCCL tuning is usually slower than NCCL's own choice",
@@ -542,7 +545,8 @@ def _gan_step(spec: dict[str, Any], runtime) -> dict[str, Any]:
     config.check(cfg, runtime.world, torch.cuda.is_available())
     trainer = Trainer(cfg, runtime, Path(spec["out_dir"]) / "run")
     summary = trainer.fit()
-    check_replicas({"G": trainer.G.replicated(), "D": trainer.D.replicated(), "G_ema": trainer.G.replicated(trainer.G_ema)})
+    check_replicas({"G": trainer.G.replicated(), "D": trainer.D.replicated(),
+                    "G_ema": trainer.G.replicated(trainer.G_ema)})
     final = summary.get("final") or {}
     return {"ok": True, "steps": summary["steps"], "global_batch": summary["global_batch"],
             "micro_batch": summary["micro_batch"], "skipped_steps": summary["skipped_steps"],
@@ -682,7 +686,8 @@ def _interpret(nproc: int, where: str, results: dict[int, dict], exit_codes: dic
     if done("gan"):
         g = rank0["gan"]
         replicas = "G, D, G_ema bitwise identical on every rank" if nproc > 1 else "1 rank: no replicas to compare"
-        checks.append(Check(PASS, "gan step", f"{g['steps']} steps of a width-8 DCGAN, global batch {g['global_batch']} "
+        checks.append(Check(PASS, "gan step", f"{g['steps']} steps of a width-8 DCGAN, "
+                                              f"global batch {g['global_batch']} "
                                               f"({nproc} x {g['micro_batch']}), {g['seconds']:.1f} s; {replicas}"))
     elif any(r.get("gan", {}).get("skipped") for r in results.values()) or checks[-1].status in (FAIL, SKIP):
         checks.append(Check(SKIP, "gan step", "not run", "a collective check above failed", "fix the FAIL above"))

@@ -30,7 +30,8 @@ def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, n
     """(config, G_ema in eval mode, step) from the newest intact checkpoint of a run (or `source`)."""
     source = source or checkpoint.newest_valid(run_dir)
     if source is None:
-        raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints", "train first, or pass --checkpoint")
+        raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints",
+                          "train first, or pass --checkpoint")
     state = checkpoint.load(source)
     cfg = build(yaml.safe_load(state["config"]))
     generator, _ = build_networks(cfg)

@@ -14,7 +14,8 @@ from ganscale.config import ConfigError
 def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Path:
     source = source or checkpoint.newest_valid(run_dir)
     if source is None:
-        raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints", "train first, or pass --checkpoint")
+        raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints",
+                          "train first, or pass --checkpoint")
     state = checkpoint.load(source)
     tensors = {f"{net}.{key}": value.detach().contiguous().clone()
                for net in ("G", "G_ema") for key, value in state[net].items()}

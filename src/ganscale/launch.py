@@ -70,7 +70,8 @@ def _resumable(run_dir: Path) -> Path:
         newest = checkpoint.latest(run_dir)
         raise ConfigError("--resume", f"no intact checkpoint under {run_dir}/checkpoints"
                           + (f" (newest: {newest.name}, {checkpoint.problem(newest)})" if newest else ""),
-                          "pass a checkpoint file, a run directory holding intact checkpoints, or start a new --run-dir")
+                          "pass a checkpoint file, a run directory holding intact checkpoints, "
+                          "or start a new --run-dir")
     return found
 
 

@@ -78,7 +78,8 @@ def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, batch: i
                f"{result[clock]['ratio_of_block_medians']:.3f} (blocks: "
                f"{', '.join(f'{r:.2f}' for r in result[clock]['block_ratios'])}); goal <= 1.03: {verdict[clock]}"
                for clock in ("wall", "cpu")),
-             "CPU = this process's CPU time per step (all threads): on a shared machine it leaves out the waits for a core",
+             "CPU = this process's CPU time per step (all threads): on a shared machine it leaves out the waits "
+             "for a core",
              "the trainer also computes both gradient norms, the skip/stop agreement (no collective in one process), "
              "seeded per-step latents, the step-time breakdown, the lr schedule, watchdog marks and a metrics line "
              "every log.every steps; "
@@ -96,7 +97,8 @@ def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, batch: i
 @click.option("--resolution", type=click.IntRange(min=8), default=None,
               help="Image side (default 64 on CUDA, 32 on CPU).")
 @click.option("--dcgan-width", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--biggan-ch", type=click.IntRange(min=1), default=None, help="BigGAN ch (default 64 on CUDA, 16 on CPU).")
+@click.option("--biggan-ch", type=click.IntRange(min=1), default=None,
+              help="BigGAN ch (default 64 on CUDA, 16 on CPU).")
 @click.option("--precision", type=click.Choice(["fp32", "bf16"]), default=None,
               help="Default: bf16 on CUDA, fp32 on CPU.")
 @click.option("--iters", type=click.IntRange(min=1), default=5, show_default=True, help="Timed iterations.")
@@ -144,7 +146,8 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Global batch (default: the recipe's).")
 @click.option("--strategy", "strategies", type=click.Choice(["ddp", "zero1", "zero2", "fsdp", "G=fsdp,D=ddp"]),
               multiple=True, help="Rows to run (default all).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="train.device (default: the recipe's).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="train.device (default: the recipe's).")
 @THREADS
 @OUT_DIR
 @click.pass_context
@@ -160,7 +163,8 @@ def strategies(ctx: click.Context, nproc: int, model: str, steps: int, batch: in
         raise click.ClickException(str(e)) from None
     rows = [{"strategy": r["strategy"], "median step (ms)": r["step_median_s"] * 1e3, "p10 (ms)": r["step_p10_s"] * 1e3,
              "min (ms)": r["step_range_s"][0] * 1e3, "max (ms)": r["step_range_s"][1] * 1e3,
-             "held MiB/rank": r["held_bytes_max_rank"] / 2**20, "optimizer MiB/rank": r["optimizer_bytes_max_rank"] / 2**20,
+             "held MiB/rank": r["held_bytes_max_rank"] / 2**20,
+             "optimizer MiB/rank": r["optimizer_bytes_max_rank"] / 2**20,
              "comm MiB/step": r["comm_bytes_per_step"] / 2**20,
              "comm by kind (MiB)": ", ".join(f"{k} {v / 2**20:.3f}" for k, v in r["comm_bytes_by_kind"].items()),
              "comm ops/step": r["comm_ops_per_step"]} for r in runs]

@@ -64,7 +64,8 @@ def inception_features(weights: str | Path | None, device: torch.device | str = 
 
 
 def build_extractor(name: str, device: torch.device | str = "cpu", inception_weights: str | Path | None = None,
-                    digits_weights: str | Path | None = None, inception_preprocess: str = "pytorch-fid") -> FeatureExtractor:
+                    digits_weights: str | Path | None = None,
+                    inception_preprocess: str = "pytorch-fid") -> FeatureExtractor:
     if name == "digits":
         return DigitsFeatures(Path(digits_weights) if digits_weights else None, device)
     if name == "inception":

@@ -91,8 +91,8 @@ class Wrapped:
         # CPU): it runs the replica itself. FSDP2's and SyncBatchNorm's communication live in the module.
         self.forward_without_grad = net.module if isinstance(net, DistributedDataParallel) else net
         self.frozen = False
-        # DDP: values summed over the ranks by the next gradient all-reduce (see GradientCarrier).
-        self.carrier = net.carrier if isinstance(net, DistributedDataParallel) else None
+        # DDP: values summed over the ranks by the next gradient all-reduce (see GradientCarrier), or None.
+        self.carrier = getattr(net, "carrier", None) if isinstance(net, DistributedDataParallel) else None
 
     def __call__(self, *args, **kwargs) -> Tensor:
         if self.frozen or not torch.is_grad_enabled():
@@ -115,14 +115,12 @@ class Wrapped:
         optimizer holds these same tensors, so they live as long as the training does."""
         return list(self.module.parameters())
 
-    def carry_with_gradients(self, values: Tensor) -> bool:
+    def carry_with_gradients(self, values: Tensor) -> None:
         """Collective, inside the next backward that reduces gradients: sum `values` over the ranks in
-        the same all-reduce as the gradients (DDP). False when this network's strategy has no such
-        all-reduce (one process, FSDP, pipeline): the caller all-reduces them itself."""
-        if self.carrier is None:
-            return False
-        self.carrier.outgoing = values
-        return True
+        the same all-reduce as the gradients (DDP with a carrier). Without a carrier (one process, FSDP,
+        pipeline, low-precision gradients) nothing is sent: the caller all-reduces the values itself."""
+        if self.carrier is not None:
+            self.carrier.outgoing = values
 
     def carried(self) -> list[float] | None:
         """The sums of the values handed to `carry_with_gradients`, once that backward has run (None if
@@ -304,12 +302,16 @@ def data_parallel(module: nn.Module, runtime: Runtime) -> DistributedDataParalle
     Buffers are not broadcast before each forward (that overwrote the second D forward's inputs with
     BatchNorm before torch 2.12, and it is a collective a rank-0-only forward would hang on); with
     `sync_bn` off the trainer averages BatchNorm statistics explicitly before evaluating or saving.
-    The gradient all-reduce also carries the step's agreement values (GradientCarrier).
+    The gradient all-reduce also carries the step's agreement values (GradientCarrier), where the
+    gradients are fp32 or fp64: in a bf16 or fp16 bucket the loss sums would be rounded, so a network
+    with low-precision parameters keeps DDP's own hook, and the trainer its separate all-reduce.
     """
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     ddp = DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
-    ddp.carrier = GradientCarrier(runtime.world)
-    ddp.register_comm_hook(ddp.carrier, GradientCarrier.hook)
+    exact = all(p.dtype in (torch.float32, torch.float64) for p in module.parameters() if p.requires_grad)
+    ddp.carrier = GradientCarrier(runtime.world) if exact else None  # decided alike on every rank (same dtypes)
+    if ddp.carrier is not None:
+        ddp.register_comm_hook(ddp.carrier, GradientCarrier.hook)
     return ddp
 
 

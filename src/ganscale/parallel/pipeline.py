@@ -174,7 +174,8 @@ class PipelinedGAN:
     def __init__(self, G: nn.Module, D: nn.Module, mesh: DeviceMesh, *, microbatches: int, schedule: str,
                  loss_kind: str, device: torch.device):
         if schedule not in SCHEDULES:
-            raise ConfigError("parallel.schedule", f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+            raise ConfigError("parallel.schedule", f"unknown schedule {schedule!r}",
+                              f"use one of {', '.join(SCHEDULES)}")
         self.mesh, self.device, self.loss_kind = mesh, torch.device(device), loss_kind
         self.pp, self.dp = mesh.get_group("pp"), mesh.get_group("dp")
         self.stages, self.replicas = mesh["pp"].size(), mesh["dp"].size()
@@ -238,8 +239,8 @@ class PipelinedGAN:
     def _micro(self, batch: int) -> int:
         if batch % self.microbatches:
             raise ConfigError("parallel.microbatches", f"the rank's batch {batch} does not split into "
-                              f"{self.microbatches} micro-batches", "make train.batch_size / pipeline replicas a multiple "
-                              "of parallel.microbatches")
+                              f"{self.microbatches} micro-batches",
+                              "make train.batch_size / pipeline replicas a multiple of parallel.microbatches")
         return batch // self.microbatches
 
     def _g_step_schedule(self, batch: int):
@@ -322,7 +323,8 @@ class PipelinedGAN:
         self._average_over_replicas("G")
         return loss
 
-    def discriminator_pass(self, real: Tensor, z: Tensor, scale_loss: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    def discriminator_pass(self, real: Tensor, z: Tensor,
+                           scale_loss: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """D step: fakes from G's stages (forward only, no gradient), then D's stages on [real, fake].
 
         Gradients of the mean D loss over the rank's batch go into D's part; G gets none.
@@ -364,7 +366,8 @@ class PipelinedGAN:
         images = schedule.step(*args)  # p2p between neighbouring stages
         if not broadcast:
             return images
-        images = images.contiguous() if self.is_last else torch.empty((z.shape[0], *sample_shape[1:]), device=self.device)
+        images = (images.contiguous() if self.is_last
+                  else torch.empty((z.shape[0], *sample_shape[1:]), device=self.device))
         dist.broadcast(images, src=self._global(self.stages - 1), group=self.pp)
         return images
 
