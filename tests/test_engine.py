@@ -9,7 +9,7 @@ import torch
 
 from dist_helpers import train_in_process
 from ganscale import config, objectives
-from ganscale.ema import ema_beta, make_ema, update_ema
+from ganscale.ema import EmaUpdate, ema_beta, make_ema, update_ema
 from ganscale.parallel import Wrapped
 from ganscale.precision import Precision
 
@@ -66,6 +66,26 @@ def test_update_ema_lerps_parameters_and_copies_buffers():
         assert torch.allclose(new, 0.75 * old + 0.25 * live)
     assert torch.equal(ema[1].running_mean, g[1].running_mean)
     assert not any(p.requires_grad for p in ema.parameters())
+
+
+def test_ema_update_with_listed_tensors_matches_update_ema_and_follows_loaded_weights():
+    torch.manual_seed(0)
+    g = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))  # int64 num_batches_tracked too
+    listed, walked = make_ema(g), make_ema(g)
+    update = EmaUpdate(listed, g)
+    assert update.fixed  # plain tensors: listed once
+    for step in range(3):
+        g(torch.randn(8, 2)).sum().backward()  # moves the BatchNorm statistics
+        with torch.no_grad():
+            for p in g.parameters():
+                p.sub_(0.1 * p.grad)
+        if step == 1:  # a checkpoint load copies into the same tensors: the lists follow it
+            g.load_state_dict({k: v + 1 for k, v in g.state_dict().items()})
+        update(0.5)
+        update_ema(walked, g, 0.5)
+    for a, b in zip(listed.state_dict().values(), walked.state_dict().values()):
+        assert torch.equal(a, b)
+    assert int(listed[1].num_batches_tracked) == int(g[1].num_batches_tracked) == 4
 
 
 def test_grad_norm_returns_pre_clip_norm_and_clips():

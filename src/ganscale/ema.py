@@ -11,6 +11,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ganscale.parallel import local
 
@@ -37,3 +38,30 @@ def update_ema(ema: nn.Module, generator: nn.Module, beta: float) -> None:
     torch._foreach_lerp_(ema_params, params, 1.0 - beta)
     for ema_buffer, buffer in zip(ema.buffers(), generator.buffers()):
         ema_buffer.copy_(buffer)
+
+
+class EmaUpdate:
+    """`update_ema(ema, generator, beta)` for one pair of networks, with their tensors listed once.
+
+    Walking both module trees every step cost more than the update (~50 of ~65 us a step for the digits
+    G on a CPU core). The lists hold the same tensor objects the training updates in place (optimizer
+    steps, checkpoint loads). Sharded networks (FSDP2 DTensors) are listed afresh each call: their local
+    shards are views made on demand.
+    """
+
+    def __init__(self, ema: nn.Module, generator: nn.Module):
+        self.ema, self.generator = ema, generator
+        tensors = [*ema.parameters(), *generator.parameters(), *ema.buffers(), *generator.buffers()]
+        self.fixed = not any(isinstance(t, DTensor) for t in tensors)
+        if self.fixed:
+            self.pairs = (list(ema.parameters()), list(generator.parameters()))
+            self.buffers = (list(ema.buffers()), list(generator.buffers()))
+
+    @torch.no_grad()
+    def __call__(self, beta: float) -> None:
+        if not self.fixed:
+            update_ema(self.ema, self.generator, beta)
+            return
+        torch._foreach_lerp_(*self.pairs, 1.0 - beta)
+        if self.buffers[0]:
+            torch._foreach_copy_(*self.buffers)

@@ -23,7 +23,7 @@ from ganscale.config import Config, ConfigError, reuse_fake_conflict, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
-from ganscale.ema import ema_beta, make_ema, update_ema
+from ganscale.ema import EmaUpdate, ema_beta, make_ema
 from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault
 from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
@@ -99,6 +99,7 @@ class Trainer:
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
         calm_gloo_polling()  # every process group exists now (meshes, pipeline stages): see runtime.py
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
+        self.update_ema = EmaUpdate(self.G_ema, self.G.module)
         self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1, fused=cfg.optim.fused)
         lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
         self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy, fused=cfg.optim.fused)
@@ -206,7 +207,7 @@ class Trainer:
             beta = ema_beta(self.global_batch, self.step * self.global_batch, cfg.train.ema_half_life_images,
                             cfg.train.ema_rampup)
             with self.times.part("optimizer"):
-                update_ema(self.G_ema, self.G.module, beta)
+                self.update_ema(beta)
             self.log.advance()
             if self.step == start_step + 1:  # optimizer state exists after the first step
                 self.memory = self._memory_report()
@@ -394,7 +395,9 @@ class Trainer:
 
     def _offer_agreement(self, net: Wrapped, terms: list[Tensor | None]) -> None:
         """Before the backward that reduces `net`'s gradients: under DDP, the step's agreement all-reduce
-        (`_finish_step`) is folded into that gradient all-reduce (one collective instead of two)."""
+        (`_finish_step`) is folded into that gradient all-reduce (one collective instead of two). The stop
+        flag is read here, before that backward: a signal that arrives during it stops the run one
+        optimizer step later, on every rank alike."""
         if self.runtime.world > 1:
             net.carry_with_gradients(self._agreement(terms))
 
