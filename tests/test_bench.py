@@ -118,6 +118,7 @@ def test_scaling_compares_one_process_with_two(tmp_path):
     result = record["result"]
     assert result["one_process"]["steps_measured"] == 6 - 3 and result["n_process"]["steps_measured"] == 2 * (6 - 3)
     assert result["wall_ratio"] == pytest.approx(two["median wall (ms)"] / one["median wall (ms)"])
+    assert result["pair_wall_ratios"] == [pytest.approx(result["wall_ratio"])]  # one pair: the same two runs
     assert result["n_process"]["cpu_median_s"] > 0
 
 

@@ -212,6 +212,9 @@ def scaling(ctx: click.Context, nproc: int, model: str, per_rank_batch: int, ste
              f"{bench_scaling.SETUP_STEPS} not timed), {repeats} alternating pairs of runs, {threads} thread(s) per "
              "process; each rank runs the Trainer in a spawned process (gloo), per-step times from its progress hook",
              f"wall ratio of medians {result['wall_ratio']:.3f}; issue-6 target <= 1.2: {verdict}",
+             f"per pair (each {nproc}-process run over the 1-process run just before it): median "
+             f"{result['pair_wall_ratio_median']:.3f} of "
+             + ", ".join(f"{r:.3f}" for r in result["pair_wall_ratios"]),
              "CPU = each rank's process CPU time per step (all threads): the work DDP adds; wall - CPU is time a rank "
              "is not running: waiting in a collective for its peer, or for a core on a shared machine",
              f"independent runs: the 1-process training {nproc} times at once, no communication: the machine's own "

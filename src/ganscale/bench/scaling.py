@@ -100,7 +100,11 @@ def ddp_scaling(recipe: str, base: list[str], nproc: int, per_rank_batch: int, s
         # caches and memory. DDP cannot beat this; the gap between it and DDP is what DDP itself costs.
         apart.append(step_times(recipe, alone, nproc, threads, independent=True))
     single, multi, independent = _summary(one), _summary(many), _summary(apart)
+    # Each N-process run over the 1-process run just before it: the machine's speed drifts over minutes (other
+    # jobs, boost clocks), and a pair's two runs see the same drift where the medians over all runs mix it in.
+    pair_ratios = [_summary([n])["wall_median_s"] / _summary([o])["wall_median_s"] for o, n in zip(one, many)]
     return {"one_process": single, "n_process": multi, "independent": independent,
+            "pair_wall_ratios": pair_ratios, "pair_wall_ratio_median": median(pair_ratios),
             "wall_ratio": multi["wall_median_s"] / single["wall_median_s"],
             "wall_p10_ratio": multi["wall_p10_s"] / single["wall_p10_s"],
             "cpu_ratio": multi["cpu_median_s"] / single["cpu_median_s"],
