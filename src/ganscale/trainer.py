@@ -398,7 +398,7 @@ class Trainer:
         (`_finish_step`) is folded into that gradient all-reduce (one collective instead of two). The stop
         flag is read here, before that backward: a signal that arrives during it stops the run one
         optimizer step later, on every rank alike."""
-        if self.runtime.world > 1:
+        if net.carrier is not None:  # else _finish_step makes the agreement's own all-reduce
             net.carry_with_gradients(self._agreement(terms))
 
     def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer,
