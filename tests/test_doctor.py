@@ -57,6 +57,7 @@ def test_healthy_cpu_machine_passes(tmp_path):
     assert status == PASS
     algbw, busbw = (float(x) for x in re.search(r"algbw ([\d.]+) GB/s, busbw ([\d.]+) GB/s", detail).groups())
     assert algbw > 0 and busbw == pytest.approx(algbw, abs=0.011)  # 2 ranks: busbw = algbw x 2(2-1)/2
+    assert float(re.search(r"a 4 KiB all_reduce takes ([\d.]+) ms", detail).group(1)) > 0
     assert found["gan step"][0] == PASS and "bitwise identical" in found["gan step"][1]
     assert found["backend"] == (PASS, "gloo on cpu (auto)")
     assert not [name for name, (s, _) in found.items() if s in (FAIL, SKIP)]
@@ -254,7 +255,8 @@ def test_every_warn_and_fail_prints_cause_and_fix():
 def finished_rank(rank: int, t: float = 1.0) -> dict:
     return {"rank": rank, "started": {"ok": True, "time": t}, "group": {"ok": True, "time": t},
             "collective": {"ok": True, "elements": 11, "time": t},
-            "bandwidth": {"ok": True, "seconds": 0.01, "bytes": 16 * 2**20, "world": 2, "time": t},
+            "bandwidth": {"ok": True, "seconds": 0.01, "bytes": 16 * 2**20, "world": 2, "latency_seconds": 0.0012,
+                          "time": t},
             "gan": {"ok": True, "steps": 2, "global_batch": 8, "micro_batch": 4, "skipped_steps": 0,
                     "seconds": 1.0, "time": t},
             "finished": {"ok": True, "time": t}}
@@ -264,6 +266,7 @@ def test_interpret_all_good():
     found = by_name(doctor._interpret(2, "2 ranks", {0: finished_rank(0), 1: finished_rank(1)}, {}, None, {}))
     assert [c.status for c in found.values()] == [PASS, PASS, PASS]
     assert "algbw 1.68 GB/s, busbw 1.68 GB/s" in found["bandwidth"].detail
+    assert "a 4 KiB all_reduce takes 1.20 ms" in found["bandwidth"].detail
 
 
 def test_interpret_names_the_rank_that_died_not_the_ones_it_broke():

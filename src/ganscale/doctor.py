@@ -16,7 +16,8 @@ One line per check, `STATUS  name  detail`, in this order:
    default), each on the same runtime (`ganscale.runtime.start`) as training. Each rank all-reduces a
    known pattern and checks the result bit for bit, then times an all-reduce of 16 MiB (3 warm-up, 10
    timed; the slowest rank counts) and reports algorithm and bus bandwidth (busbw = algbw x 2(n-1)/n,
-   the nccl-tests convention).
+   the nccl-tests convention), and the time of a 4 KiB all-reduce (50 timed): the fixed cost a DDP step
+   pays once per network, which decides whether a small model gains from more processes.
 6. One tiny GAN step (2 steps of the default recipe, width 8) on the same workers, then the
    replica check (`ganscale.trainer.check_replicas`: G, D and G_ema bitwise identical on every rank).
 
@@ -55,6 +56,7 @@ PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 TESTED_TORCH = "2.13"            # the torch version ganscale's distributed facts were checked on
 BANDWIDTH_BYTES = 16 * 2**20     # all-reduce size for the bandwidth measurement
 WARMUP_ITERS, TIMED_ITERS = 3, 10
+LATENCY_BYTES, LATENCY_ITERS = 4096, 50  # a small all-reduce: what a collective costs whatever its size
 PATTERN_ELEMENTS = 2**20 + 3     # correctness tensor: odd size, so chunking across ranks is uneven
 PATTERN_PERIOD = 1021            # values (i % 1021 + 1) x (rank + 1): sums stay exact in float32
 TIMEOUT_S = 60.0                 # process-group timeout and hang timeout in the workers
@@ -509,7 +511,19 @@ def _worker(spec: dict[str, Any]) -> None:
         elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         seconds = float(elapsed.item()) / TIMED_ITERS
-        record(phase, {"ok": True, "seconds": seconds, "bytes": BANDWIDTH_BYTES, "world": world})
+        small = torch.zeros(LATENCY_BYTES // 4, dtype=torch.float32, device=device)
+        for _ in range(WARMUP_ITERS):
+            dist.all_reduce(small)
+        sync()
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(LATENCY_ITERS):
+            dist.all_reduce(small)
+        sync()
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        record(phase, {"ok": True, "seconds": seconds, "bytes": BANDWIDTH_BYTES, "world": world,
+                       "latency_seconds": float(elapsed.item()) / LATENCY_ITERS})
 
         phase = "gan"
         record(phase, {"running": True})
@@ -675,9 +689,13 @@ def _interpret(nproc: int, where: str, results: dict[int, dict], exit_codes: dic
         b = rank0["bandwidth"]
         algbw = algorithm_bandwidth(b["bytes"], b["seconds"])
         busbw = bus_bandwidth(algbw, b["world"])
+        latency = (f"; a {LATENCY_BYTES // 1024} KiB all_reduce takes {b['latency_seconds'] * 1e3:.2f} ms, which "
+                   "DDP pays about once per network per step whatever the model's size"
+                   if "latency_seconds" in b else "")
         checks.append(Check(PASS, "bandwidth", f"all_reduce {b['bytes'] // 2**20} MiB in {b['seconds'] * 1e3:.2f} ms: "
                                                f"algbw {algbw / 1e9:.2f} GB/s, busbw {busbw / 1e9:.2f} GB/s "
-                                               f"({TIMED_ITERS} timed after {WARMUP_ITERS} warm-up, slowest rank)"))
+                                               f"({TIMED_ITERS} timed after {WARMUP_ITERS} warm-up, slowest rank)"
+                                               + latency))
     elif checks[-1].status == FAIL:
         checks.append(Check(SKIP, "bandwidth", "not measured", "the all_reduce check failed", "fix the FAIL above"))
     else:
