@@ -499,31 +499,11 @@ def _worker(spec: dict[str, Any]) -> None:
         phase = "bandwidth"
         record(phase, {"running": True})
         payload = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32, device=device)
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        for _ in range(WARMUP_ITERS):
-            dist.all_reduce(payload)
-        sync()
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(TIMED_ITERS):
-            dist.all_reduce(payload)
-        sync()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        seconds = float(elapsed.item()) / TIMED_ITERS
-        small = torch.zeros(LATENCY_BYTES // 4, dtype=torch.float32, device=device)
-        for _ in range(WARMUP_ITERS):
-            dist.all_reduce(small)
-        sync()
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(LATENCY_ITERS):
-            dist.all_reduce(small)
-        sync()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        seconds = _all_reduce_seconds(payload, TIMED_ITERS)
+        latency = _all_reduce_seconds(torch.zeros(LATENCY_BYTES // 4, dtype=torch.float32, device=device),
+                                      LATENCY_ITERS)
         record(phase, {"ok": True, "seconds": seconds, "bytes": BANDWIDTH_BYTES, "world": world,
-                       "latency_seconds": float(elapsed.item()) / LATENCY_ITERS})
+                       "latency_seconds": latency})
 
         phase = "gan"
         record(phase, {"running": True})
@@ -538,6 +518,25 @@ def _worker(spec: dict[str, Any]) -> None:
         traceback.print_exc()  # into this worker's stderr.log, kept when a check fails
         raise
     runtime.close()
+
+
+def _all_reduce_seconds(tensor, iters: int) -> float:
+    """Collective: seconds per all-reduce of `tensor`, `iters` timed after WARMUP_ITERS; the slowest rank's time."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if tensor.device.type == "cuda" else (lambda: None)
+    for _ in range(WARMUP_ITERS):
+        dist.all_reduce(tensor)
+    sync()
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(tensor)
+    sync()
+    elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=tensor.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    return float(elapsed.item()) / iters
 
 
 def gan_overrides(spec: dict[str, Any], nproc: int) -> list[str]:
