@@ -109,6 +109,15 @@ def test_strategies_reads_step_time_memory_and_traffic_from_real_runs(tmp_path):
     assert all(t > 0 for run in (ddp, fsdp) for t in run["step_times_s"])
 
 
+def test_each_bench_model_is_its_recipe_and_valid_under_two_process_ddp():
+    from ganscale.bench.strategies import MODELS
+
+    for name, (recipe, base) in MODELS.items():
+        cfg = config.load(recipe, [*base, "parallel.generator=ddp", "parallel.discriminator=ddp", "train.batch_size=16"])
+        config.check(cfg, 2, False)
+        assert cfg.model.kind == name
+
+
 @pytest.mark.slow
 def test_scaling_compares_one_process_with_two(tmp_path):
     record = run_bench(tmp_path, "scaling", "--model", "mlp", "--per-rank-batch", "8", "--steps", "6", "--repeats", "1")

@@ -25,7 +25,8 @@ def _with_bytes(rank, world, overrides, run_dir):
 
     def hook(trainer):
         return lambda: {"opt": {"G": optimizer_state_bytes(trainer.opt_g), "D": optimizer_state_bytes(trainer.opt_d)},
-                        "params": {"G": parameter_bytes(trainer.G.module), "D": parameter_bytes(trainer.D.module)}}
+                        "params": {"G": parameter_bytes(trainer.G.module), "D": parameter_bytes(trainer.D.module)},
+                        "ema_listed_once": trainer.update_ema.fixed}
     return train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
 
 
@@ -44,6 +45,9 @@ def test_strategy_on_two_ranks_equals_one_process(tmp_path, generator, discrimin
         assert max(held) <= SHARDING[strategy] * one["extra"]["opt"][net], (net, strategy, held)
         params = [rank["extra"]["params"][net] for rank in two]
         assert max(params) <= (0.55 if strategy in ("zero2", "fsdp") else 1.0) * one["extra"]["params"][net]
+    # The EMA lists G's tensors once unless G is sharded into DTensors (their local shards are made per call);
+    # G_ema equal to one process's (above) holds for both ways.
+    assert all(rank["extra"]["ema_listed_once"] == (generator not in ("zero2", "fsdp")) for rank in two)
 
 
 def test_hsdp_on_a_two_by_two_mesh_equals_one_process(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ganscale.bench.report import RESULTS_DIR, markdown_table, write_results
+from ganscale.bench.strategies import MODELS
 
 OUT_DIR = click.option("--out-dir", type=click.Path(file_okay=False), default=str(RESULTS_DIR), show_default=True,
                        help="Where the Markdown and JSON results go.")
@@ -140,7 +141,7 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
 
 @bench.command()
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--model", type=click.Choice(["mlp", "dcgan"]), default="dcgan", show_default=True,
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="dcgan", show_default=True,
               help="dcgan: the digits recipe; mlp: the ring8 recipe (R1 off, as zero2/fsdp D refuse it).")
 @click.option("--steps", type=click.IntRange(min=5), default=30, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Global batch (default: the recipe's).")
@@ -180,7 +181,7 @@ def strategies(ctx: click.Context, nproc: int, model: str, steps: int, batch: in
 
 @bench.command()
 @click.option("--nproc", type=click.IntRange(min=2), default=2, show_default=True)
-@click.option("--model", type=click.Choice(["mlp", "dcgan"]), default="dcgan", show_default=True)
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="dcgan", show_default=True)
 @click.option("--per-rank-batch", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--steps", type=click.IntRange(min=5), default=60, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True,
@@ -192,7 +193,6 @@ def scaling(ctx: click.Context, nproc: int, model: str, per_rank_batch: int, ste
             out_dir: str) -> None:
     """An N-process DDP step against a 1-process step of the same per-rank batch (issue 6: <= 1.2x on 2 cores)."""
     from ganscale.bench import scaling as bench_scaling
-    from ganscale.bench.strategies import MODELS
 
     recipe, base = MODELS[model]
     result = bench_scaling.ddp_scaling(recipe, base, nproc, per_rank_batch, steps, repeats, threads)

@@ -29,7 +29,7 @@ SETUP_STEPS = 3
 PAIRS = {"ddp": ("ddp", "ddp"), "zero1": ("zero1", "zero1"), "zero2": ("zero2", "zero2"), "fsdp": ("fsdp", "fsdp"),
          "G=fsdp,D=ddp": ("fsdp", "ddp")}
 # (recipe, overrides): the 2D recipes' R1 penalty is refused on a zero2/fsdp D, so it is off for every row.
-MODELS = {"dcgan": ("digits", []), "mlp": ("ring8", ["loss.r1_gamma=0"])}
+MODELS = {"dcgan": ("digits", []), "mlp": ("ring8", ["loss.r1_gamma=0"]), "biggan": ("digits-biggan", [])}
 QUIET = ["log.every=1", "log.sample_every=0", "log.tensorboard=false", "checkpoint.every=0"]
 
 
