@@ -16,7 +16,9 @@ from test_distributed import SMALL_DCGAN, SMALL_MLP, TOLERANCE
 pytestmark = pytest.mark.slow
 
 # Four equal hidden layers per network: ZeRO-1 shards whole tensors, so equal ones split evenly.
-MLP_ADAM = {**SMALL_MLP, "model.g_width": 64, "model.d_width": 64, "model.g_layers": 5, "model.d_layers": 5}
+# Samples every 2 steps: G_ema runs forwards between EMA updates and checkpoints (it must stay sharded like G).
+MLP_ADAM = {**SMALL_MLP, "model.g_width": 64, "model.d_width": 64, "model.g_layers": 5, "model.d_layers": 5,
+            "log.sample_every": 2}
 SHARDING = {"ddp": 1.0, "zero1": 0.55, "zero2": 0.55, "fsdp": 0.55, "hsdp": 0.55}  # max optimizer-state share per rank
 
 

@@ -231,8 +231,10 @@ class FullyShardedWrapped(Wrapped):
         return _fsdp_no_sync(self.module)
 
     def shard_like(self, module: nn.Module) -> nn.Module:
+        """Sharded on the same mesh as this network. Always resharded after its forward: a module that runs no
+        backward (G_ema) would otherwise stay gathered after one under ZeRO-2, its shards no longer like G's."""
         module.to(next(self.module.parameters()).device)
-        fully_shard(module, **self.shard_options)
+        fully_shard(module, **{**self.shard_options, "reshard_after_forward": True})
         return module
 
     @property
