@@ -118,8 +118,7 @@ class Trainer:
         self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics",
                                  exit_timeout_s=cfg.fault.exit_timeout_s)
         seed_rank_streams(cfg.train.seed, runtime)
-        if resume is not None:
-            self._load(resume)
+        saved_streams = self._load(resume) if resume is not None else None
         self.dataset = build_dataset(cfg)
         self.task = build_task(cfg)  # what G is given and D judges (unconditional, classes, pairs)
         # G's output (and its classes) from the D step, kept with its graph for the G step: one G forward per
@@ -132,6 +131,10 @@ class Trainer:
                                      start=self.step * cfg.loss.n_critic)
         self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
         self.image_scorer = ImageScorer(cfg, self.dataset, device) if cfg.eval.every else None  # collective
+        # Last: building the data stream (a DataLoader draws its workers' seed) and the scorer's networks draw from
+        # the global RNG. Restored any earlier, those draws would shift G's dropout masks against the stopped run.
+        if resume is not None:
+            self._restore_rank_streams(saved_streams)
         if runtime.is_main:  # only now: a bad data set or checkpoint leaves nothing behind
             self.run_dir.mkdir(parents=True, exist_ok=True)
             resolved = to_yaml(cfg)
@@ -507,7 +510,8 @@ class Trainer:
         """This rank's shards of G (with G_ema), D and their optimizers, for torch.distributed.checkpoint."""
         return {"G": self.G.sharded_state(self.opt_g, self.G_ema), "D": self.D.sharded_state(self.opt_d)}
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path) -> list | None:
+        """Load the training state of checkpoint `path`; returns its per-rank RNG states, restored last."""
         try:
             if checkpoint.is_sharded(path):  # any strategy or world size: DCP reads the shards this rank needs
                 state = checkpoint.load_meta(path)
@@ -530,8 +534,11 @@ class Trainer:
         if state["data_position"] != self.step * self.cfg.loss.n_critic:
             raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
                               "resume with the loss.n_critic the checkpoint was written with")
-        if len(state["rng"]) == self.runtime.world:
-            checkpoint.set_rng_state(state["rng"][self.runtime.rank])
+        return state["rng"]
+
+    def _restore_rank_streams(self, saved: list) -> None:
+        if len(saved) == self.runtime.world:
+            checkpoint.set_rng_state(saved[self.runtime.rank])
         else:  # another world size: per-rank streams cannot carry over; reseed them deterministically
             seed_rank_streams(derive_seed(self.cfg.train.seed, self.step), self.runtime)
 
