@@ -306,6 +306,7 @@ def test_a_valid_pipelined_config_passes():
     (2, {"loss.r1_gamma": 1.0}, "parallel.discriminator", "double backward"),
     (2, {"loss.kind": "wgan-gp"}, "parallel.discriminator", "double backward"),
     (2, {"parallel.sync_bn": True}, "parallel.sync_bn", "each micro-batch"),
+    (2, {"train.precision": "fp16"}, "train.precision", "own gradients"),
     (2, {"model.g_batchnorm": True, "parallel.microbatches": 16}, "parallel.microbatches", "one sample"),
     (5, {"parallel.pipeline_stages": 5, "model.d_layers": 2, "train.batch_size": 20}, "parallel.pipeline_stages",
      "D has 3 layers"),

@@ -530,6 +530,10 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.discriminator", "a pipelined D cannot take the double backward of R1 / gradient "
                           "penalty (the input gradient would have to flow back through every stage twice)",
                           "set loss.r1_gamma=0 and a loss.kind other than wgan-gp, or another strategy")
+    if t.precision == "fp16":
+        raise ConfigError("train.precision", "fp16's GradScaler would scale the loss on the last stage only and find "
+                          "overflows in each stage's own gradients: after one overflow the stages would unscale by "
+                          "different factors", "use train.precision=bf16 (no loss scale) or fp32 with the pipeline")
     if p.sync_bn:
         raise ConfigError("parallel.sync_bn", "with the pipeline, BatchNorm normalises each micro-batch of a stage; "
                           "statistics across ranks would mix stages and micro-batches",
