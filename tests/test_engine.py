@@ -160,11 +160,14 @@ def test_learning_rates_follow_the_schedule_during_training(tmp_path):
     from ganscale import config
     from ganscale.trainer import lr_factor
 
-    cfg = config.load("ring8", ["train.steps=6", "optim.decay_start=0.5", "log.tensorboard=false",
+    # A lazy R1 (every 16 steps) rides in the ordinary D step: no extra optimizer step, so unlike StyleGAN2's
+    # separate one, nothing to correct in D's lr or betas.
+    cfg = config.load("ring8", ["train.steps=6", "optim.decay_start=0.5", "log.tensorboard=false", "loss.r1_interval=16",
                                 "model.g_width=8", "model.d_width=8", "data.size=100", "log.sample_every=0"])
     trainer = train_in_process(cfg, tmp_path)
     base_g, base_d = trainer.opt_g.param_groups[0]["initial_lr"], trainer.opt_d.param_groups[0]["initial_lr"]
-    assert base_g == cfg.optim.g.lr
+    assert (base_g, base_d) == (cfg.optim.g.lr, cfg.optim.d.lr)
+    assert trainer.opt_d.param_groups[0]["betas"] == tuple(cfg.optim.d.betas)
     assert math.isclose(trainer.opt_g.param_groups[0]["lr"], base_g * lr_factor(5, 6, 0.5))
     assert math.isclose(trainer.opt_d.param_groups[0]["lr"], base_d * lr_factor(5, 6, 0.5))
 

@@ -100,9 +100,8 @@ class Trainer:
         calm_gloo_polling()  # every process group exists now (meshes, pipeline stages): see runtime.py
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
         self.update_ema = EmaUpdate(self.G_ema, self.G.module)
-        self.opt_g = self._adam(self.G, cfg.optim.g, lazy_interval=1, fused=cfg.optim.fused)
-        lazy = cfg.loss.r1_interval if cfg.loss.r1_gamma > 0 else 1
-        self.opt_d = self._adam(self.D, cfg.optim.d, lazy_interval=lazy, fused=cfg.optim.fused)
+        self.opt_g = self._adam(self.G, cfg.optim.g, fused=cfg.optim.fused)
+        self.opt_d = self._adam(self.D, cfg.optim.d, fused=cfg.optim.fused)
         self.precision = Precision(cfg.train.precision, device)
         for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
             group.setdefault("initial_lr", group["lr"])  # the schedule scales this; restored with the optimizer
@@ -145,13 +144,12 @@ class Trainer:
         self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
 
     @staticmethod
-    def _adam(net: Wrapped, opt_cfg, lazy_interval: int, fused: bool) -> torch.optim.Optimizer:
-        # Lazy regularisation (StyleGAN2): a penalty every k steps, scaled by k, with lr and betas
-        # corrected by k/(k+1) so the effective optimiser matches applying it every step.
-        c = lazy_interval / (lazy_interval + 1) if lazy_interval > 1 else 1.0
-        betas = (opt_cfg.betas[0] ** c, opt_cfg.betas[1] ** c)
-        return net.make_optimizer(torch.optim.Adam, lr=opt_cfg.lr * c, betas=betas, weight_decay=opt_cfg.weight_decay,
-                                  fused=fused)
+    def _adam(net: Wrapped, opt_cfg, fused: bool) -> torch.optim.Optimizer:
+        # A lazy R1 (every loss.r1_interval steps, scaled by the interval) is added to that step's D loss. StyleGAN2
+        # takes it as an extra optimizer step instead, hence its lr and betas correction by k/(k+1); here D makes
+        # exactly one step per iteration, so its lr and betas are the configured ones.
+        return net.make_optimizer(torch.optim.Adam, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
+                                  weight_decay=opt_cfg.weight_decay, fused=fused)
 
     # ----------------------------------------------------------------------------------- noise
     def _global_latents(self, step: int, phase: int, n: int | None = None) -> Tensor:
