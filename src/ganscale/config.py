@@ -95,7 +95,8 @@ class LossConfig(Section):
     r1_gamma: float = Field(0.0, ge=0)
     """R1 penalty weight on real data (0: off)."""
     r1_interval: int = Field(1, ge=1)
-    """Lazy R1: every k iterations, scaled by k, in that iteration's D loss (no extra optimizer step, no lr correction)."""
+    """Lazy R1: every k iterations, scaled by k, in that iteration's D loss (no extra optimizer step, no lr
+    correction)."""
     gp_weight: float = Field(10.0, ge=0)
     """wgan-gp only: gradient-penalty weight."""
     l1_weight: float = Field(0.0, ge=0)
