@@ -60,11 +60,12 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_matches(tmp_path)
                 assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
 
 
-def _persistent_nan(rank, world, overrides, run_dir):
+def _persistent_nan(rank, world, overrides, run_dir, resume=None):
     from ganscale.fault import NonFiniteTraining
 
     try:
-        train_and_collect(rank, world, overrides, run_dir, steps_hook=poison_d_loss_on_rank1(lambda step: step >= 3))
+        train_and_collect(rank, world, overrides, run_dir, steps_hook=poison_d_loss_on_rank1(lambda step: step >= 3),
+                          resume=resume)
     except NonFiniteTraining as e:
         return str(e)
     return None
@@ -82,6 +83,11 @@ def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(t
     state = checkpoint.load(latest)
     assert all(torch.isfinite(t).all() for net in ("G", "D", "G_ema") for t in state[net].values())
     assert json.loads((tmp_path / "summary.json").read_text())["stopped"] == "non-finite"
+    # Resumed inside the streak (one skip before step 4), it stops where the uninterrupted run did: the
+    # checkpoint carries the streak, not a fresh allowance of 3.
+    messages = run_ranks(_persistent_nan, 2, overrides, str(tmp_path), latest)
+    assert all(m is not None and "3 consecutive steps" in m for m in messages)
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):

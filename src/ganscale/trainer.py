@@ -481,7 +481,7 @@ class Trainer:
     def state_dict(self, rng_states: list[dict], networks: dict[str, dict]) -> dict:
         """Everything a resume needs; `networks` holds the full model and optimizer states."""
         return {"step": self.step, "data_position": self.batches.position, "skipped_steps": self.skipped_steps,
-                "world_size": self.runtime.world, **networks,
+                "consecutive_skips": self.consecutive_skips, "world_size": self.runtime.world, **networks,
                 "scaler": self.precision.state_dict(), "rng": rng_states, "config": to_yaml(self.cfg)}
 
     def save_checkpoint(self) -> Path | None:
@@ -529,6 +529,7 @@ class Trainer:
                               "resume with the config the checkpoint was written with (its config.yaml)") from None
         self.precision.load_state_dict(state["scaler"])
         self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))  # absent from checkpoints before 2026-11-22
         if state["data_position"] != self.step * self.cfg.loss.n_critic:
             raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
                               "resume with the loss.n_critic the checkpoint was written with")
