@@ -159,6 +159,18 @@ def test_batchnorm_with_one_sample_per_rank_is_rejected_unless_sync_bn():
     config.check(config.load(None, ["train.batch_size=2", "parallel.sync_bn=true"]), 2, False)
 
 
+def test_r1_through_cross_rank_batchnorm_in_d_is_refused(tmp_path):
+    penalty = "loss.r1_gamma=1"  # (wgan-gp is refused for pix2pix anyway)
+    pix2pix = ["data.kind=paired", f"data.path={tmp_path}", "model.kind=pix2pix", "data.resolution=64",
+               "data.channels=3", "train.batch_size=4", "parallel.sync_bn=true", penalty]
+    with pytest.raises(ConfigError) as info:  # the PatchGAN has BatchNorm with model.norm=batch
+        config.check(config.load(None, [*pix2pix, "model.norm=batch"]), 2, False)
+    assert info.value.key == "parallel.sync_bn" and "double backward" in str(info.value)
+    config.check(config.load(None, [*pix2pix, "model.norm=instance"]), 2, False)  # no BatchNorm in D
+    config.check(config.load(None, [*pix2pix, "model.norm=batch"]), 1, False)  # one process: plain BatchNorm
+    config.check(config.load(None, ["parallel.sync_bn=true", penalty]), 2, False)  # DCGAN: BatchNorm in G only
+
+
 def test_folder_data_needs_an_existing_directory(tmp_path):
     with pytest.raises(ConfigError) as info:
         config.check(config.load(None, ["data.kind=folder"]), 1, False)

@@ -416,6 +416,8 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "(FSDP2 crashes, or silently leaves every D gradient empty)",
                           "keep D on ddp or zero1 (set parallel.discriminator=zero1 to still shard its optimizer "
                           "state), or drop the penalty")
+    if cfg.parallel.sync_bn and world_size > 1 and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
+        _check_penalty_through_sync_bn(cfg)
     is_2d = cfg.data.kind in ("ring8", "grid25")
     if is_2d != (cfg.model.kind == "mlp"):
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
@@ -551,6 +553,20 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
         generator, discriminator = build_networks(cfg)
     split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
     split(discriminator, p.pipeline_stages, "D")
+
+
+def _check_penalty_through_sync_bn(cfg: Config) -> None:
+    """Cross-rank BatchNorm's backward is not differentiable again: R1 / the gradient penalty cannot pass one in D."""
+    import torch
+
+    from ganscale.models import build_networks
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        _, discriminator = build_networks(cfg)
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in discriminator.modules()):
+        raise ConfigError("parallel.sync_bn", "D has BatchNorm, and the double backward of R1 / the gradient penalty "
+                          "cannot pass through a cross-rank BatchNorm",
+                          "use a D without BatchNorm (model.norm=instance for pix2pix), or drop the penalty "
+                          "(loss.r1_gamma=0, a loss.kind other than wgan-gp)")
 
 
 def _check_compile(cfg: Config) -> None:
