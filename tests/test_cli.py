@@ -147,6 +147,33 @@ def test_tensorboard_has_the_logged_scalars(trained_run):
 
 
 @pytest.mark.slow
+def test_resuming_a_finished_run_or_an_older_checkpoint_into_it_leaves_it_as_it_is(trained_run, tmp_path):
+    run = tmp_path / "RUN"
+    shutil.copytree(trained_run, run)
+    shutil.copytree(trained_run, tmp_path / "OTHER")
+    files = sorted(p for p in run.rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+
+    done = ganscale("train", *SHORT_RUN, "--run-dir", "RUN", "--resume", "auto", cwd=tmp_path)  # steps=20: done
+    assert done.returncode == 0 and "nothing to do" in done.stdout, explain(done)
+    refused = [  # (command line, the option each error names)
+        (["--set", "train.steps=15", "--run-dir", "RUN", "--resume", "auto"], "'train.steps'"),
+        (["--set", "train.steps=30", "--resume", "RUN/checkpoints/step-00000010.pt"], "'--resume'"),
+        (["--set", "train.steps=30", "--run-dir", "RUN", "--resume", "OTHER/checkpoints/step-00000020.pt"],
+         "'--run-dir'")]
+    for args, key in refused:
+        result = ganscale("train", "--set", "log.every=5", "--set", "checkpoint.every=10", *args, cwd=tmp_path)
+        assert result.returncode == 2 and key in result.stderr, explain(result)
+    assert sorted(p for p in run.rglob("*") if p.is_file()) == files  # nothing written, nothing removed
+    assert all(p.read_bytes() == content for p, content in before.items())
+
+    branched = ganscale("train", "--set", "train.steps=12", "--set", "log.every=2", "--run-dir", "BRANCH",
+                        "--resume", "RUN/checkpoints/step-00000010.pt", cwd=tmp_path)  # the fix the error gives
+    assert branched.returncode == 0, explain(branched)
+    assert checkpoint_steps(tmp_path / "BRANCH") == [12]
+
+
+@pytest.mark.slow
 def test_rerun_without_resume_is_refused_then_resume_continues(trained_run, tmp_path):
     run = tmp_path / "RUN"
     shutil.copytree(trained_run, run)

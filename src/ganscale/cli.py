@@ -62,6 +62,10 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         resolved_dir, resume_from = launch.resolve_run(cfg, run_dir, resume)
     except ConfigError as e:
         _fail(e)
+    except launch.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
+        if launch.rank_from_environment() == 0:
+            click.echo(f"ganscale: {e}")
+        return
     if nproc and not worker:
         args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), []),
                 "--run-dir", str(resolved_dir), *(["--resume", str(resume_from)] if resume_from else [])]

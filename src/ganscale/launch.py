@@ -22,6 +22,10 @@ from ganscale.fault import EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FA
 RUNS_ROOT = Path("runs")
 
 
+class AlreadyTrained(Exception):
+    """The resume point is the run's last step (`train.steps`): nothing to train, nothing to write."""
+
+
 def under_launcher() -> bool:
     """True in a worker started by torchrun / the elastic launcher."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
@@ -42,7 +46,9 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
         found = _resumable(source) if is_run else source
         if not is_run and checkpoint.problem(source):
             raise ConfigError("--resume", f"{source}: {checkpoint.problem(source)}", "pass an intact checkpoint")
-        return (Path(run_dir) if run_dir else (source if is_run else source.parent.parent)), found
+        target = Path(run_dir) if run_dir else (source if is_run else source.parent.parent)
+        _refuse_two_histories(target, found)
+        return target, _left_to_train(cfg, found)
     if run_dir is None and resume == "auto":
         own = re.compile(rf"^{re.escape(cfg.name)}-\d{{8}}-\d{{6}}(-\d+)?$")  # not another recipe's prefix
         candidates = sorted((p for p in RUNS_ROOT.glob(f"{cfg.name}-*") if own.match(p.name) and checkpoint.latest(p)),
@@ -60,7 +66,41 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
     if newest is not None and resume is None:
         raise ConfigError("--run-dir", f"'{path}' already holds a run (checkpoints/{newest.name})",
                           "pass --resume auto to continue it, or choose a new --run-dir")
-    return path, (_resumable(path) if newest is not None else None)
+    return path, (_left_to_train(cfg, _resumable(path)) if newest is not None else None)
+
+
+def _step_of(path: Path) -> int | None:
+    named = checkpoint.PATTERN.match(path.name)
+    return int(named.group(1)) if named else None
+
+
+def _refuse_two_histories(run_dir: Path, source: Path) -> None:
+    """Resuming writes checkpoints and metrics into `run_dir`: refuse where that would interleave two trainings
+    (another run's checkpoint, or one older than intact checkpoints the run already holds, which pruning and
+    `--resume auto` would then mix up with the new ones)."""
+    held = checkpoint.list_checkpoints(run_dir)
+    if not held:
+        return
+    if source.resolve().parent != checkpoint.checkpoint_dir(run_dir).resolve():
+        raise ConfigError("--run-dir", f"'{run_dir}' already holds another run (checkpoints/{held[-1].name}); "
+                          f"resuming {source} there would mix the two", "pass a new --run-dir to continue from it")
+    newer = [p for p in held if p.name > source.name and not checkpoint.problem(p)]
+    if newer:
+        raise ConfigError("--resume", f"'{run_dir}' holds newer intact checkpoints than {source.name} (up to "
+                          f"{newer[-1].name}); training on from the older one there would discard or mix them",
+                          f"to branch from {source.name}, pass a new --run-dir; to continue, pass --resume auto")
+
+
+def _left_to_train(cfg: Config, source: Path) -> Path:
+    """`source`, if the run has steps left after it; AlreadyTrained at its last step; a ConfigError past it."""
+    step = _step_of(source)
+    if step is not None and step > cfg.train.steps:
+        raise ConfigError("train.steps", f"{source} is at step {step}, past train.steps={cfg.train.steps}",
+                          f"set train.steps above {step} to train on from it")
+    if step == cfg.train.steps:
+        raise AlreadyTrained(f"{source.parent.parent} is trained to step {step} (train.steps={cfg.train.steps}): "
+                             "nothing to do; raise train.steps to train on")
+    return source
 
 
 def _resumable(run_dir: Path) -> Path:
