@@ -65,6 +65,49 @@ def test_bad_config_exits_2_and_writes_nothing(tmp_path, override, key, hint):
     assert list(tmp_path.iterdir()) == []  # no runs/ either
 
 
+TINY_RUN = ["--set", "train.steps=2", "--set", "train.batch_size=6", "--set", "log.sample_every=0"]
+
+
+def test_an_image_that_does_not_decode_exits_2_naming_it(tmp_path):
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(5):
+        Image.new("RGB", (12, 12), (40 * i, 0, 0)).save(images / f"{i}.png")
+    (images / "broken.png").write_text("not an image")  # found by name; fails only when training reads it
+    result = ganscale("train", *TINY_RUN, "--set", "data.kind=folder", "--set", f"data.path={images}",
+                      "--set", "data.resolution=8", "--run-dir", "X", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert "'data.path'" in result.stderr and "broken.png" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_1(tmp_path):
+    (tmp_path / "afile").write_text("")
+    result = ganscale("train", *TINY_RUN, "--run-dir", "afile/run", cwd=tmp_path)
+    assert result.returncode == 1, explain(result)
+    assert "afile" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_new_run_starts_over_a_failed_runs_files_but_not_over_other_files(tmp_path):
+    failed = tmp_path / "failed"  # a run that died before its first checkpoint
+    failed.mkdir()
+    (failed / "config.yaml").write_text("stale: true\n")
+    (failed / "metrics.jsonl").write_text('{"step": 1, "loss_d": 9.0}\n')
+    result = ganscale("train", *TINY_RUN, "--set", "log.every=1", "--run-dir", "failed", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert config.build(yaml.safe_load((failed / "config.yaml").read_text())).train.steps == 2
+    assert not list(failed.glob("config.resumed-*"))
+    assert [r["step"] for r in metrics(failed)] == [1, 2] and metrics(failed)[0]["loss_d"] != 9.0
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "NOTES.txt").write_text("keep me")
+    refused = ganscale("train", *TINY_RUN, "--run-dir", "mine", cwd=tmp_path)
+    assert refused.returncode == 2 and "--run-dir" in refused.stderr and "NOTES.txt" in refused.stderr
+    assert [p.name for p in mine.iterdir()] == ["NOTES.txt"]
+
+
 def test_missing_recipe_exits_2(tmp_path):
     result = ganscale("train", "no-such-recipe", "--run-dir", "X", cwd=tmp_path)
     assert result.returncode == 2, explain(result)

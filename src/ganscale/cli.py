@@ -7,6 +7,7 @@ process starts or anything is written.
 
 from __future__ import annotations
 
+import errno
 import sys
 import traceback
 from pathlib import Path
@@ -23,7 +24,40 @@ def _fail(error: Exception) -> None:
     sys.exit(EXIT_CONFIG)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENOTDIR,
+                          errno.EISDIR}
+
+
+def _known_failure(error: BaseException) -> tuple[str, int] | None:
+    """(one-line message, exit code) for failures a user can fix without a traceback: an image of the data set
+    that does not decode (bad input, exit 2), a file operation the system refused (permissions, a full or
+    read-only disk: exit 1). None for anything else."""
+    from ganscale.data.folder import UnreadableImage
+
+    if isinstance(error, UnreadableImage):
+        return f"ganscale: {ConfigError('data.path', error.problem(), 'remove or replace the file')}", EXIT_CONFIG
+    if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:
+        where = f": {error.filename}" if error.filename else ""
+        return (f"ganscale: {error.strerror}{where}. Fix: check that path's permissions and free space, or choose "
+                "another location (--run-dir, --out)"), 1
+    return None
+
+
+class _Commands(click.Group):
+    """Every command: a failure from `_known_failure` ends with its one line instead of a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except Exception as e:  # noqa: BLE001 - re-raised unless known
+            known = _known_failure(e)
+            if known is None:
+                raise
+            click.echo(known[0], err=True)
+            sys.exit(known[1])
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Train GANs on one process or many, with the same config and the same result."""
 
@@ -83,12 +117,16 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
                        f"({str(e).splitlines()[0][:200]})", err=True)
             sys.exit(EXIT_PEER_FAILED)
         if not worker:
-            raise
+            raise  # _Commands shows a known failure in one line
         # Show the error, then leave at once, connections still open: this rank must exit before the peers
         # whose collectives its exit breaks, so the launcher names it, not them, as the root cause.
-        traceback.print_exc()
+        known = _known_failure(e)
+        if known:
+            click.echo(known[0], err=True)
+        else:
+            traceback.print_exc()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(known[1] if known else 1)
     if launch.rank_from_environment() == 0:
         click.echo(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
 

@@ -20,6 +20,9 @@ from ganscale.config import Config, ConfigError
 from ganscale.fault import EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED, EXIT_PREEMPTED
 
 RUNS_ROOT = Path("runs")
+# What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
+RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|config\.yaml|config\.resumed-\d{8}\.yaml"
+                       r"|metrics\.jsonl|summary\.json|eval\.json)$")
 
 
 class AlreadyTrained(Exception):
@@ -66,6 +69,10 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
     if newest is not None and resume is None:
         raise ConfigError("--run-dir", f"'{path}' already holds a run (checkpoints/{newest.name})",
                           "pass --resume auto to continue it, or choose a new --run-dir")
+    foreign = sorted(p.name for p in path.iterdir() if not RUN_FILES.match(p.name)) if path.is_dir() else []
+    if newest is None and foreign:  # a fresh run replaces a failed run's own files, and nothing else
+        raise ConfigError("--run-dir", f"'{path}' holds files that are not a ganscale run's ({', '.join(foreign[:3])})",
+                          "choose a new or empty --run-dir")
     return path, (_left_to_train(cfg, _resumable(path)) if newest is not None else None)
 
 

@@ -138,7 +138,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             resolved = to_yaml(cfg)
             config_file = self.run_dir / "config.yaml"
-            if config_file.exists() and config_file.read_text() != resolved:
+            if self.step > 0 and config_file.exists() and config_file.read_text() != resolved:
                 config_file = self.run_dir / f"config.resumed-{self.step:08d}.yaml"  # never overwrite the original
             config_file.write_text(resolved)
         self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)

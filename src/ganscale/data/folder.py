@@ -14,6 +14,16 @@ from ganscale.config import ConfigError
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
 
 
+class UnreadableImage(OSError):
+    """An image of the data set that does not decode, found while training reads it (bad input: exit 2).
+
+    One message argument, so a DataLoader worker can raise it again in the main process; its text is then
+    the worker's traceback, whose last line is the message."""
+
+    def problem(self) -> str:
+        return str(self).strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1]
+
+
 class ImageFolder(Dataset):
     def __init__(self, root: str | Path, resolution: int, channels: int = 3):
         self.root = Path(root)
@@ -37,6 +47,6 @@ class ImageFolder(Dataset):
                 image = image.resize((self.resolution, self.resolution), Image.Resampling.BICUBIC)
                 array = np.asarray(image, dtype=np.float32)
         except OSError as e:
-            raise OSError(f"cannot read image {path}: {e}; remove or replace the file") from None
+            raise UnreadableImage(f"cannot read image {path}: {e}") from None
         pixels = torch.from_numpy(array).reshape(self.resolution, self.resolution, -1).permute(2, 0, 1)
         return (pixels / 127.5 - 1.0,)

@@ -32,7 +32,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ganscale.config import ConfigError
-from ganscale.data.folder import IMAGE_SUFFIXES
+from ganscale.data.folder import IMAGE_SUFFIXES, UnreadableImage
 from ganscale.seeds import derive_seed
 
 DIRECTIONS = ("AtoB", "BtoA")
@@ -115,7 +115,7 @@ class PairedImages(Dataset):
             with Image.open(path) as image:
                 image = image.convert(self.mode)
         except OSError as e:
-            raise OSError(f"cannot read image {path}: {e}; remove or replace the file") from None
+            raise UnreadableImage(f"cannot read image {path}: {e}") from None
         half = image.width // 2  # an odd width leaves the extra column to B, as the reference does
         return image.crop((0, 0, half, image.height)), image.crop((half, 0, image.width, image.height))
 

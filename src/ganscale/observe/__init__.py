@@ -20,8 +20,8 @@ class RunLog:
         if not enabled:
             return
         metrics_file = self.run_dir / "metrics.jsonl"
-        if start_step > 0 and metrics_file.exists():
-            _drop_records_after(metrics_file, start_step)  # steps logged after the checkpoint are redone
+        if metrics_file.exists():  # steps logged after the checkpoint (after step 0: a failed start) are redone
+            _drop_records_after(metrics_file, start_step)
         self.metrics = open(metrics_file, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
