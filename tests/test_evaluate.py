@@ -98,3 +98,6 @@ def test_sample_and_eval_commands(ring_run, digits_run, tmp_path):
     refused = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--out", str(out), "--class", "3"],
                              env=clean_env(), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--class" in refused.stderr
+    not_png = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--out", str(tmp_path / "grid.txt")],
+                             env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert not_png.returncode == 2 and "--out" in not_png.stderr and "Traceback" not in not_png.stderr

@@ -186,6 +186,8 @@ def sample(run_dir: str, count: int, out: str, seed: int, label: int | None) -> 
     from ganscale.evaluate import sample_picture
 
     try:
+        if Path(out).suffix.lower() != ".png":
+            raise ConfigError("--out", f"'{out}' is not a .png file", "give --out a name ending in .png")
         written = sample_picture(Path(run_dir), count, Path(out), seed, label)
     except ConfigError as e:
         _fail(e)

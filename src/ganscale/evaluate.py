@@ -31,7 +31,7 @@ def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, n
     source = source or checkpoint.newest_valid(run_dir)
     if source is None:
         raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints",
-                          "train first, or pass --checkpoint")
+                          "train that run to its first checkpoint, or give a run directory that has one")
     state = checkpoint.load(source)
     cfg = build(yaml.safe_load(state["config"]))
     generator, _ = build_networks(cfg)
