@@ -252,3 +252,33 @@ def test_default_micro_batch_splits_the_batch_over_ranks():
     assert cfg.accumulation_steps(2) == 1
     assert cfg.micro_batch(1) == 64
     assert cfg.accumulation_steps(1) == 1
+
+
+# ------------------------------------------------------------------------- bad values: ConfigError, not a traceback
+def _refused(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        config.load(None, overrides)
+    return info.value
+
+
+@pytest.mark.parametrize("value", ["[1,2", "{a: 1", "'open", "!!python/object:os.system x"])
+def test_override_value_that_is_not_yaml_names_the_key(value):
+    error = _refused([f"train.steps={value}"])
+    assert error.key == "train.steps"
+    assert "not valid YAML" in error.problem and "\n" not in str(error)
+
+
+def test_binary_recipe_file_is_a_config_error(tmp_path):
+    path = tmp_path / "random.yaml"
+    path.write_bytes(bytes(range(128, 256)) * 16)
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert info.value.key == str(path) and "not a text file" in info.value.problem
+
+
+def test_invalid_yaml_file_message_is_one_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train: {steps: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert "not valid YAML" in info.value.problem and "line 2" in info.value.problem and "\n" not in str(info.value)

@@ -298,14 +298,28 @@ def load_raw(source: str | None) -> dict[str, Any]:
         raise ConfigError("recipe", f"'{source}' is neither a shipped recipe nor a YAML file",
                           f"use one of {', '.join(recipe_names())} (see `ganscale recipes`) or a path to a .yaml file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), f"not a text file (byte {e.start} is not UTF-8)",
+                          "pass a YAML recipe file (UTF-8 text) or a shipped recipe name") from None
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot be read ({e.strerror})", "check the path and its permissions") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(str(path), f"not valid YAML ({e})", "correct the file's YAML syntax") from None
+        raise ConfigError(str(path), f"not valid YAML ({_yaml_problem(e)})", "correct the file's YAML syntax") from None
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "the top level is not a mapping",
                           "write sections such as 'train:' at the top level")
     raw.setdefault("name", path.stem)
     return raw
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error on one line: what went wrong and where (PyYAML's own text spans several lines)."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
@@ -320,7 +334,12 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(key, f"'{part}' is a value, not a section", f"drop the part after '{part}'")
         node = child
-    node[leaf] = yaml.safe_load(value) if value.strip() else None
+    try:
+        node[leaf] = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(key.strip(), f"the value {value!r} is not valid YAML ({_yaml_problem(e)})",
+                          f"write the value as YAML: a number, true/false, a list such as [0.5, 0.99], or a "
+                          f"quoted string (--set '{key.strip()}=\"text\"')") from None
 
 
 def _known_keys(loc: tuple) -> list[str]:
