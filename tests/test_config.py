@@ -282,3 +282,16 @@ def test_invalid_yaml_file_message_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         config.load(str(path))
     assert "not valid YAML" in info.value.problem and "line 2" in info.value.problem and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", ".", "a\\b", "runs*", "x\ny", "n" * 201])
+def test_run_name_is_one_path_component(name):
+    error = _refused([f"name={name!r}" if "\n" in name else f"name={name}"])
+    assert error.key == "name" and "one path component" in error.problem
+
+
+def test_ordinary_run_names_are_accepted(tmp_path):
+    assert config.load(None, ["name=my-run_v2.1"]).name == "my-run_v2.1"
+    path = tmp_path / "exp 1.yaml"  # a file's stem names the run: spaces are fine
+    path.write_text("train: {steps: 3}\n")
+    assert config.load(str(path)).name == "exp 1"

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -252,7 +253,7 @@ class FaultConfig(Section):
 
 class Config(Section):
     name: str = "run"
-    """Recipe name, used for the default run directory."""
+    """Recipe name, used for the default run directory runs/<name>-<time>: one path component."""
     description: str = ""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -264,6 +265,16 @@ class Config(Section):
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     fault: FaultConfig = FaultConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, name: str) -> str:
+        """runs/<name>-<time> must stay inside runs/ (name=../../x wrote elsewhere), and --resume auto globs it."""
+        bad = any(c in '/\\*?[]' or not c.isprintable() for c in name)
+        if not name or name in (".", "..") or bad or len(name.encode()) > 200:
+            raise PydanticCustomError("run_name", "The run name must be one path component of at most 200 bytes, "
+                                      "not '.' or '..', without / \\ * ? [ ] or control characters")
+        return name
 
     def data_ranks(self, world_size: int) -> int:
         """Ranks that each take their own share of the global batch: all of them, or one per pipeline replica."""
