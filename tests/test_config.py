@@ -252,3 +252,134 @@ def test_default_micro_batch_splits_the_batch_over_ranks():
     assert cfg.accumulation_steps(2) == 1
     assert cfg.micro_batch(1) == 64
     assert cfg.accumulation_steps(1) == 1
+
+
+# ------------------------------------------------------------------------- bad values: ConfigError, not a traceback
+def _refused(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        config.load(None, overrides)
+    return info.value
+
+
+@pytest.mark.parametrize("value", ["[1,2", "{a: 1", "'open", "!!python/object:os.system x"])
+def test_override_value_that_is_not_yaml_names_the_key(value):
+    error = _refused([f"train.steps={value}"])
+    assert error.key == "train.steps"
+    assert "not valid YAML" in error.problem and "\n" not in str(error)
+
+
+@pytest.mark.parametrize("betas, item, phrase", [("[1.5, 0.9]", 0, "less than 1"), ("[0.5, 1]", 1, "less than 1"),
+                                                 ("[-0.1, 0.9]", 0, "greater than or equal to 0")])
+def test_adam_betas_must_lie_in_zero_one(betas, item, phrase):
+    error = _refused([f"optim.g.betas={betas}"])
+    assert error.key == "optim.g.betas"  # the option, not optim.g.betas.0
+    assert f"item {item}" in error.problem and phrase in error.problem
+    assert config.load(None, ["optim.d.betas=[0, 0.999]"]).optim.d.betas == (0.0, 0.999)  # 0 is fine (BigGAN)
+
+
+@pytest.mark.parametrize("assignment, phrase", [("optim.g.lr=0", "greater than 0"),
+                                                ("optim.d.weight_decay=-1e-4", "greater than or equal to 0")])
+def test_adam_lr_and_weight_decay_ranges(assignment, phrase):
+    error = _refused([assignment])
+    assert error.key == assignment.split("=")[0] and phrase in error.problem
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999", "4294967296", "-1"])
+def test_seed_is_bounded_to_what_every_derived_seed_accepts(seed):
+    error = _refused([f"train.seed={seed}"])
+    assert error.key == "train.seed"
+    assert "less than 4294967296" in error.problem or "greater than or equal to 0" in error.problem
+    assert config.load(None, [f"train.seed={2**32 - 1}"]).train.seed == 2**32 - 1
+
+
+@pytest.mark.parametrize("key", ["train.steps", "checkpoint.every", "log.every", "log.sample_every", "eval.every",
+                                 "loss.r1_interval"])
+def test_step_counts_have_an_upper_bound(key):
+    error = _refused([f"{key}=99999999999999999999"])
+    assert error.key == key and "less than or equal to 1000000000" in error.problem
+    assert config.load(None, [f"train.steps={config.MAX_STEPS}"]).train.steps == config.MAX_STEPS
+
+
+def test_other_integers_must_fit_int64():
+    error = _refused(["model.z_dim=99999999999999999999"])
+    assert error.key == "model.z_dim" and "too large" in error.problem
+
+
+@pytest.mark.parametrize("key", ["optim.g.lr", "optim.d.betas", "optim.g.weight_decay", "loss.r1_gamma",
+                                 "loss.gp_weight", "loss.l1_weight", "train.grad_clip", "train.ema_half_life_images",
+                                 "train.ema_rampup", "optim.decay_start", "parallel.timeout_s",
+                                 "fault.hang_timeout_s", "fault.exit_timeout_s"])
+@pytest.mark.parametrize("value", [".inf", ".nan", "-.inf", "inf", "nan"])
+def test_float_options_refuse_inf_and_nan(key, value):
+    error = _refused([f"{key}=[{value}, 0.9]" if key.endswith("betas") else f"{key}={value}"])
+    assert error.key == key and "finite number" in error.problem
+
+
+def test_every_float_option_refuses_inf():
+    """One mechanism (the sections' allow_inf_nan=False) covers every float field, present and future."""
+    def floats(model: type, prefix: str):
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, config.Section):
+                yield from floats(field.annotation, f"{prefix}{name}.")
+            elif field.annotation is float:
+                yield f"{prefix}{name}"
+    keys = list(floats(Config, ""))
+    assert "optim.g.lr" in keys and "fault.exit_timeout_s" in keys
+    for key in keys:
+        assert _refused([f"{key}=.inf"]).key == key
+
+
+def test_timeouts_are_bounded():
+    error = _refused(["parallel.timeout_s=1e20"])  # datetime.timedelta overflows near 1e14 s
+    assert error.key == "parallel.timeout_s" and "less than or equal to" in error.problem
+
+
+def test_binary_recipe_file_is_a_config_error(tmp_path):
+    path = tmp_path / "random.yaml"
+    path.write_bytes(bytes(range(128, 256)) * 16)
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert info.value.key == str(path) and "not a text file" in info.value.problem
+
+
+def test_invalid_yaml_file_message_is_one_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train: {steps: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert "not valid YAML" in info.value.problem and "line 2" in info.value.problem and "\n" not in str(info.value)
+
+
+def test_data_workers_are_bounded():
+    error = _refused(["data.workers=500"])
+    assert error.key == "data.workers" and "less than or equal to 64" in error.problem
+    assert config.load(None, ["data.workers=64"]).data.workers == 64
+
+
+@pytest.mark.parametrize("assignment", ["train.steps=true", "train.seed=false", "optim.g.lr=true",
+                                        "loss.r1_gamma=false", "optim.g.betas=[true, 0.9]", "train.micro_batch=true",
+                                        "parallel.mesh=[true, 2]"])
+def test_booleans_are_not_numbers(assignment):
+    error = _refused([assignment])
+    assert error.key == assignment.split("=")[0] and "not true/false" in error.problem
+
+
+def test_numbers_from_set_strings_still_parse():
+    # --set values are YAML: 1e-3 is a string to PyYAML, 10.0 a float; both are meant as numbers
+    cfg = config.load(None, ["train.steps=10", "optim.g.lr=1e-3", "optim.d.lr=2.0e-4", "log.every=10.0",
+                             "train.micro_batch=null", "parallel.sync_bn=true"])
+    assert (cfg.train.steps, cfg.optim.g.lr, cfg.optim.d.lr, cfg.log.every) == (10, 1e-3, 2e-4, 10)
+    assert cfg.train.micro_batch is None and cfg.parallel.sync_bn is True
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", ".", "a\\b", "runs*", "x\ny", "n" * 201])
+def test_run_name_is_one_path_component(name):
+    error = _refused([f"name={name!r}" if "\n" in name else f"name={name}"])
+    assert error.key == "name" and "one path component" in error.problem
+
+
+def test_ordinary_run_names_are_accepted(tmp_path):
+    assert config.load(None, ["name=my-run_v2.1"]).name == "my-run_v2.1"
+    path = tmp_path / "exp 1.yaml"  # a file's stem names the run: spaces are fine
+    path.write_text("train: {steps: 3}\n")
+    assert config.load(str(path)).name == "exp 1"

@@ -10,10 +10,11 @@ from __future__ import annotations
 import difflib
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -24,8 +25,39 @@ class ConfigError(ValueError):
         super().__init__(f"config error at '{key}': {problem}. Fix: {fix}")
 
 
+MAX_STEPS = 10**9
+"""Bound of every step count (train.steps, the *.every intervals): far beyond any training, and small enough
+that step arithmetic in floats stays exact (train.steps=1e20 made the lr schedule divide by zero)."""
+MAX_INT = 2**63 - 1  # any other integer must fit torch's int64 (beyond it: "Overflow when unpacking long long")
+
+
+def _is_number_field(annotation: Any) -> bool:
+    """int or float, alone or inside an Optional / tuple (bool is neither, for this test)."""
+    return annotation in (int, float) or any(_is_number_field(arg) for arg in get_args(annotation))
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+    # allow_inf_nan=False: no float option means anything at inf or nan (an lr of .inf gave NaN losses);
+    # strict=False: --set values arrive from YAML, where 1e-3 is a string, and must still parse.
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Lax mode would take true/false as 1/0 (train.steps=true ran 1 step): refused for numeric options."""
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        numeric = _is_number_field(cls.model_fields[info.field_name].annotation)
+        if numeric and any(isinstance(item, bool) for item in items):
+            raise PydanticCustomError("bool_not_number", "Input should be a number, not true/false")
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_int64(cls, value: Any) -> Any:
+        items = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(item, int) and not -MAX_INT - 1 <= item <= MAX_INT for item in items):
+            raise PydanticCustomError("int_too_large", "Input is too large (at most 2**63 - 1)")
+        return value
 
 
 class ModelConfig(Section):
@@ -83,8 +115,10 @@ class DataConfig(Section):
     """Image channels (1 grey, 3 RGB). Ignored for 2D mixtures."""
     size: int = Field(100_000, gt=0)
     """ring8/grid25: number of training points drawn once from the mixture."""
-    workers: int = Field(0, ge=0)
-    """DataLoader worker processes per rank (0: load in the training process)."""
+    workers: int = Field(0, ge=0, le=64)
+    """DataLoader worker processes per rank (0: load in the training process). At most 64: each worker holds
+    several file descriptors (queues, pipes, shared memory) in its rank, so hundreds push them past select()'s
+    1024 and the usual open-files limit, and workers beyond the cores do not load any faster."""
 
 
 class LossConfig(Section):
@@ -94,7 +128,7 @@ class LossConfig(Section):
     """D steps per G step (each on a fresh global batch)."""
     r1_gamma: float = Field(0.0, ge=0)
     """R1 penalty weight on real data (0: off)."""
-    r1_interval: int = Field(1, ge=1)
+    r1_interval: int = Field(1, ge=1, le=MAX_STEPS)
     """Lazy R1: every k iterations, scaled by k, in that iteration's D loss (no extra optimizer step, no lr
     correction)."""
     gp_weight: float = Field(10.0, ge=0)
@@ -103,10 +137,16 @@ class LossConfig(Section):
     """pix2pix only: weight of the L1 distance between G's output and the target in G's loss (pix2pix: 100)."""
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimizerConfig(Section):
     lr: float = Field(2e-4, gt=0)
-    betas: tuple[float, float] = (0.5, 0.999)
+    """Adam's learning rate (finite, > 0)."""
+    betas: tuple[Beta, Beta] = (0.5, 0.999)
+    """Adam's decay rates of the gradient's first and second moments, each in [0, 1)."""
     weight_decay: float = Field(0.0, ge=0)
+    """L2 penalty added to the gradient (finite, >= 0)."""
 
 
 class OptimConfig(Section):
@@ -127,10 +167,12 @@ class TrainConfig(Section):
     micro_batch: int | None = Field(None, gt=0)
     """Samples per rank per micro-step; accumulation steps = batch_size / (world * micro_batch).
     Default: batch_size / world (no accumulation)."""
-    steps: int = Field(2000, gt=0)
-    """G optimizer steps."""
+    steps: int = Field(2000, gt=0, le=MAX_STEPS)
+    """G optimizer steps (at most 10**9)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seed of initialisation, data order and noise, in [0, 2**32): derived seeds multiply it (seed * world +
+    rank for the per-rank streams, seed * 1_000_003 + epoch for the data order), and torch takes at most 2**64 - 1."""
     grad_clip: float = Field(0.0, ge=0)
     """Clip each network's gradient norm to this value (0: no clipping; the norm is logged anyway)."""
     ema_half_life_images: float = Field(10_000.0, ge=0)
@@ -148,6 +190,8 @@ class TrainConfig(Section):
     as PyTorch's DCGAN example and the pix2pix reference train) instead of fresh ones. Unset: on for
     pix2pix, off otherwise. Needs loss.n_critic=1, no gradient accumulation and no pipeline."""
 
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # timeouts: a week at most (a timedelta overflows near 1e14 s)
 
 STRATEGIES = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp", "pipeline"]
 FULLY_SHARDED = ("zero2", "fsdp", "hsdp")  # FSDP2-based strategies: parameters are DTensor shards
@@ -171,8 +215,8 @@ class ParallelConfig(Section):
     """Batch statistics over the global micro-batch (all ranks) instead of each rank's."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
-    timeout_s: float = Field(600.0, gt=0)
-    """Process-group timeout for a collective."""
+    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
+    """Process-group timeout for a collective (at most a week)."""
     pipeline_stages: int = Field(2, ge=2)
     """pipeline only: G and D are each split into this many consecutive stages, one per rank of a
     pipeline group (balanced by parameter count); the world size is a multiple of it."""
@@ -193,7 +237,7 @@ class ParallelConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(500, ge=0)
+    every: int = Field(500, ge=0, le=MAX_STEPS)
     """Write a checkpoint every this many steps (0: only at the end)."""
     keep: int = Field(3, ge=1)
     """Keep the newest k checkpoints."""
@@ -206,9 +250,9 @@ class CheckpointConfig(Section):
 
 
 class LogConfig(Section):
-    every: int = Field(50, ge=1)
+    every: int = Field(50, ge=1, le=MAX_STEPS)
     """Log metrics every this many steps."""
-    sample_every: int = Field(500, ge=0)
+    sample_every: int = Field(500, ge=0, le=MAX_STEPS)
     """Write a G_ema sample grid every this many steps (0: only at the end)."""
     samples: int = Field(64, ge=1)
     """Images in a sample grid (fixed noise)."""
@@ -219,7 +263,7 @@ class LogConfig(Section):
 
 
 class EvalConfig(Section):
-    every: int = Field(0, ge=0)
+    every: int = Field(0, ge=0, le=MAX_STEPS)
     """Score G_ema every this many steps and at the end (0: off): FD, KID, precision/recall and
     density/coverage of generated images against the training images' features, computed across ranks
     (each rank generates its share). Image runs only; 2D mixtures are scored at every sample grid."""
@@ -239,9 +283,9 @@ class EvalConfig(Section):
 
 
 class FaultConfig(Section):
-    hang_timeout_s: float = Field(300.0, gt=0)
+    hang_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)
     """No progress on a rank for this long: write diagnostics/, name the ranks that did not arrive, exit 5."""
-    exit_timeout_s: float = Field(30.0, gt=0)
+    exit_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S)
     """After a stop request (SIGTERM/SIGINT from you, a scheduler, or the launcher stopping the job because
     a rank failed), a rank that has not finished its step and checkpoint within this time writes its
     stacks and collectives to diagnostics/ and exits 5, instead of waiting in a collective until killed.
@@ -252,7 +296,7 @@ class FaultConfig(Section):
 
 class Config(Section):
     name: str = "run"
-    """Recipe name, used for the default run directory."""
+    """Recipe name, used for the default run directory runs/<name>-<time>: one path component."""
     description: str = ""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -264,6 +308,16 @@ class Config(Section):
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     fault: FaultConfig = FaultConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, name: str) -> str:
+        """runs/<name>-<time> must stay inside runs/ (name=../../x wrote elsewhere), and --resume auto globs it."""
+        bad = any(c in '/\\*?[]' or not c.isprintable() for c in name)
+        if not name or name in (".", "..") or bad or len(name.encode()) > 200:
+            raise PydanticCustomError("run_name", "The run name must be one path component of at most 200 bytes, "
+                                      "not '.' or '..', without / \\ * ? [ ] or control characters")
+        return name
 
     def data_ranks(self, world_size: int) -> int:
         """Ranks that each take their own share of the global batch: all of them, or one per pipeline replica."""
@@ -298,14 +352,28 @@ def load_raw(source: str | None) -> dict[str, Any]:
         raise ConfigError("recipe", f"'{source}' is neither a shipped recipe nor a YAML file",
                           f"use one of {', '.join(recipe_names())} (see `ganscale recipes`) or a path to a .yaml file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), f"not a text file (byte {e.start} is not UTF-8)",
+                          "pass a YAML recipe file (UTF-8 text) or a shipped recipe name") from None
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot be read ({e.strerror})", "check the path and its permissions") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(str(path), f"not valid YAML ({e})", "correct the file's YAML syntax") from None
+        raise ConfigError(str(path), f"not valid YAML ({_yaml_problem(e)})", "correct the file's YAML syntax") from None
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "the top level is not a mapping",
                           "write sections such as 'train:' at the top level")
     raw.setdefault("name", path.stem)
     return raw
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error on one line: what went wrong and where (PyYAML's own text spans several lines)."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
@@ -320,7 +388,12 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(key, f"'{part}' is a value, not a section", f"drop the part after '{part}'")
         node = child
-    node[leaf] = yaml.safe_load(value) if value.strip() else None
+    try:
+        node[leaf] = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(key.strip(), f"the value {value!r} is not valid YAML ({_yaml_problem(e)})",
+                          f"write the value as YAML: a number, true/false, a list such as [0.5, 0.99], or a "
+                          f"quoted string (--set '{key.strip()}=\"text\"')") from None
 
 
 def _known_keys(loc: tuple) -> list[str]:
@@ -335,14 +408,15 @@ def _known_keys(loc: tuple) -> list[str]:
 
 def _explain(error: dict) -> ConfigError:
     loc = tuple(p for p in error["loc"] if not isinstance(p, int))
-    key = ".".join(str(p) for p in error["loc"])
+    key = ".".join(str(p) for p in loc)  # the option itself: an item of a list (betas, mesh) is named in the problem
+    items = "".join(f"item {p}: " for p in error["loc"] if isinstance(p, int))
     if error["type"] == "extra_forbidden":
         known = _known_keys(loc)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'? " if close else ""
         return ConfigError(key, "unknown key", f"{hint}known keys here: {', '.join(known)}")
     got = error.get("input")
-    return ConfigError(key, f"{error['msg'].lower()} (got {got!r})",
+    return ConfigError(key, f"{items}{error['msg'].lower()} (got {got!r})",
                        f"set a valid value, e.g. --set {key}=... (see the recipe files for examples)")
 
 
