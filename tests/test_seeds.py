@@ -73,3 +73,16 @@ def test_trainer_latents_are_the_seed_sequence_stream(tmp_path):
                 assert torch.equal(trainer._global_latents(step, phase), expected)
     finally:
         runtime.close()
+
+
+def test_rank_streams_take_a_derived_seed_near_2_to_the_63():
+    """A resume under another world size reseeds from a derived seed (up to 2**64): no overflow, ranks differ."""
+    from types import SimpleNamespace
+
+    from ganscale.runtime import seed_rank_streams
+
+    draws = []
+    for rank in range(4):
+        seed_rank_streams(2**64 - 7, SimpleNamespace(world=4, rank=rank))
+        draws.append(torch.rand(2))
+    assert all(not torch.equal(draws[0], other) for other in draws[1:])

@@ -95,5 +95,6 @@ def calm_gloo_polling() -> int:
 
 def seed_rank_streams(seed: int, runtime: Runtime) -> None:
     """Per-rank RNG (dropout, augmentation): seed * world + rank, so ranks differ and runs repeat."""
-    torch.manual_seed(seed * runtime.world + runtime.rank)
-    np.random.seed((seed * runtime.world + runtime.rank) % 2**32)
+    stream = seed * runtime.world + runtime.rank  # a derived seed (a resume under another world size) is ~2**63
+    torch.manual_seed(stream % 2**64)
+    np.random.seed(stream % 2**32)
