@@ -1,5 +1,5 @@
 """Checkpoint integrity: completion marker, checksum, fallback to the newest intact one; failed writes
-leave nothing behind."""
+leave nothing behind; malformed or foreign files are named, never a traceback."""
 
 from __future__ import annotations
 
@@ -44,6 +44,16 @@ def test_intact_checkpoints_load_and_the_newest_is_used(tmp_path):
     (lambda p: p.write_bytes(p.read_bytes()[:-100]), "truncated"),
     (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "corrupted"),
     (lambda p: checkpoint.manifest_path(p).unlink(), "incomplete"),
+    # A malformed completion marker is an unverifiable checkpoint, like a garbage file (was: AttributeError)
+    (lambda p: checkpoint.manifest_path(p).write_text("[1,2]"), "malformed completion marker"),
+    (lambda p: checkpoint.manifest_path(p).write_text('"text"'), "malformed completion marker"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"files": {"step-00000020.pt": null}}'), "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"files": []}'), "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"files": {}}'), "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"files": {"step-00000020.pt": {"bytes": "1", "sha256": 2}}}'),
+     "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"step": 20}'), "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_bytes(b"\xff\xfe garbage"), "unreadable completion marker"),
 ])
 def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path, capsys, damage, reason):
     folder = _two_checkpoints(tmp_path)
@@ -52,8 +62,9 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path,
     assert checkpoint.newest_valid(tmp_path) == folder / "step-00000010.pt"
     warning = capsys.readouterr().err
     assert str(newest) in warning and reason in warning
-    with pytest.raises(ConfigError, match=reason):
+    with pytest.raises(ConfigError, match=reason) as raised:
         checkpoint.load(newest)
+    assert raised.value.key == str(newest)
 
 
 def test_keep_prunes_checkpoints_and_their_markers(tmp_path):
@@ -188,3 +199,42 @@ def test_a_failed_sharded_write_leaves_no_staging_folder(tmp_path, monkeypatch):
             checkpoint.save_sharded(shards, _state(20), run, 20, keep=3)
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
     assert checkpoint.problem(folder / "step-00000010.dcp") is None
+
+
+# ------------------------------------------------------------------------------ foreign files, fix texts
+@pytest.mark.parametrize("state, what", [
+    ({"step": 1, "w": torch.ones(3)}, "no 'G', 'D', 'G_ema', 'config'"),
+    ({**_state(1), "G": [torch.ones(3)]}, "'G' is a list, not a dict of tensors"),
+    ({**_state(1), "G_ema": {"w": 1.0}}, "'G_ema' is a dict, not a dict of tensors"),
+    ({**_state(1), "config": {"name": "x"}}, "'config' is a dict, not YAML text"),
+    ([1, 2], "it holds a list, not a dict"),
+])
+def test_an_intact_file_that_is_not_a_ganscale_checkpoint_is_named(tmp_path, state, what):
+    path = checkpoint.save(state, tmp_path, 1, keep=3)  # intact: its completion marker matches
+    with pytest.raises(ConfigError, match="this is not a ganscale checkpoint: " + what.replace("(", r"\(")) as raised:
+        checkpoint.load(path)
+    assert raised.value.key == str(path)
+
+
+def test_fix_texts_fit_the_command(tmp_path):
+    folder = _two_checkpoints(tmp_path)
+    newest = folder / "step-00000020.pt"
+    newest.write_bytes(newest.read_bytes()[:-100])
+    with pytest.raises(ConfigError) as raised:  # export, sample, eval: they have no --resume nor --run-dir
+        checkpoint.load(newest)
+    assert "--resume" not in str(raised.value) and "--run-dir" not in str(raised.value)
+    with pytest.raises(ConfigError, match="--resume PATH"):  # a resume may say so
+        checkpoint.load(newest, fix=checkpoint.RESUME_FIX)
+
+
+def test_a_sharded_checkpoint_is_checked_like_a_full_one(tmp_path):
+    run = tmp_path / "run"
+    shards = {"G": {"model": {"w": torch.ones(8)}, "ema": {"w": torch.ones(8)}}, "D": {"model": {"w": torch.ones(2)}}}
+    with _one_rank(tmp_path):
+        path = checkpoint.save_sharded(shards, _state(10), run, 10, keep=3)
+        no_d = checkpoint.save_sharded({"G": shards["G"]}, _state(20), run, 20, keep=3)
+    assert checkpoint.load(path)["step"] == 10  # export, sample, eval: one process reads the full networks
+    with pytest.raises(ConfigError, match="this is not a ganscale checkpoint: no 'D'"):
+        checkpoint.load(no_d)
+    with pytest.raises(ConfigError, match="no 'data_position', 'skipped_steps', 'scaler', 'rng'.*--resume PATH"):
+        checkpoint.load_meta(path)  # what a resume reads besides the shards

@@ -36,6 +36,13 @@ TEMPORARY = re.compile(r"^\.step-\d{8}\.(pt|json)\.tmp-(\d+)$")  # a file being 
 STAGING = re.compile(r"^\.step-\d{8}\.dcp\.tmp$")  # a sharded checkpoint being written by every rank
 META = "meta.pt"  # inside a sharded checkpoint: step, data position, RNG states, scaler, config
 
+NETWORKS = ("G", "D", "G_ema")
+CORE_KEYS = (*NETWORKS, "step", "config")  # in every ganscale checkpoint (sharded: meta.pt and the shards)
+META_KEYS = ("step", "data_position", "skipped_steps", "scaler", "rng", "config")  # what a resume reads of meta.pt
+RESUME_KEYS = (*NETWORKS, "opt_g", "opt_d", *META_KEYS)  # what a resume reads of a full checkpoint
+RESUME_FIX = "resume from an intact one with --resume PATH, or start a new --run-dir"
+LOAD_FIX = "use an intact checkpoint written by `ganscale train` (RUN_DIR/checkpoints/step-N.pt or step-N.dcp)"
+
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (e.g. no space left on device). Not bad input: the run stops with
@@ -103,16 +110,37 @@ def problem(path: Path) -> str | None:
         manifest = json.loads(marker.read_text())
     except (OSError, ValueError) as e:
         return f"unreadable completion marker {marker.name} ({e})"
-    expected = manifest.get("files") or {path.name: manifest}  # older full-format markers describe one file
-    present = _files(path)
-    for name, want in expected.items():
-        if name not in present:
-            return f"incomplete: {name} is missing"
-        if present[name].stat().st_size != want.get("bytes"):
-            return f"truncated: {name} has {present[name].stat().st_size} bytes, {want.get('bytes')} expected"
-        if _sha256(present[name]) != want.get("sha256"):
-            return f"corrupted: the SHA-256 of {name} does not match its completion marker"
+    expected = _expected_files(manifest, path)
+    if isinstance(expected, str):
+        return f"malformed completion marker {marker.name} ({expected})"
+    try:
+        present = _files(path)
+        for name, want in expected.items():
+            if name not in present:
+                return f"incomplete: {name} is missing"
+            if present[name].stat().st_size != want["bytes"]:
+                return f"truncated: {name} has {present[name].stat().st_size} bytes, {want['bytes']} expected"
+            if _sha256(present[name]) != want["sha256"]:
+                return f"corrupted: the SHA-256 of {name} does not match its completion marker"
+    except OSError as e:
+        return f"unreadable ({_reason(e)})"
     return None
+
+
+def _expected_files(manifest, path: Path) -> dict[str, dict] | str:
+    """{name: {"bytes", "sha256"}} from a completion marker, or what is wrong with it."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    if "files" in manifest:
+        expected = manifest["files"]
+        if not isinstance(expected, dict) or not expected:
+            return "'files' is not an object naming at least one file"
+    else:
+        expected = {path.name: manifest}  # older full-format markers describe one file
+    for name, want in expected.items():
+        if not (isinstance(want, dict) and type(want.get("bytes")) is int and isinstance(want.get("sha256"), str)):
+            return f"the entry of {name} has no 'bytes' and 'sha256'"
+    return expected
 
 
 def newest_valid(run_dir: Path) -> Path | None:
@@ -363,24 +391,59 @@ def _full_networks(path: Path) -> dict[str, dict]:
     return {"G": nested["G"]["model"], "D": nested["D"]["model"], "G_ema": nested["G"]["ema"]}
 
 
-def load_meta(path: Path) -> dict:
-    """A sharded checkpoint's step, data position, RNG states, scaler and config (checked like `load`)."""
-    reason = problem(path)
-    if reason is not None:
-        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})",
-                          "resume from an intact one with --resume PATH, or start a new --run-dir")
-    return torch.load(Path(path) / META, map_location="cpu", weights_only=True)
+def load_meta(path: Path, require: tuple[str, ...] = META_KEYS, fix: str = RESUME_FIX) -> dict:
+    """A sharded checkpoint's step, data position, RNG states, scaler and config (checked like `load`;
+    used by a resume, hence its fix text)."""
+    path = Path(path)
+    _check_intact(path, fix)
+    try:
+        state = torch.load(path / META, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
+        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})", fix) from None
+    _check_contents(path, state, require, fix)
+    return state
 
 
-def load(path: Path) -> dict:
-    reason = problem(path)
-    if reason is not None:
-        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})",
-                          "resume from an intact one with --resume PATH, or start a new --run-dir")
+def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX) -> dict:
+    """The state in a checkpoint (of a sharded one: meta.pt and the full networks, no optimizers), checked:
+    intact against its completion marker, readable, and holding `require`. Otherwise a ConfigError naming
+    the file, whose fix is `fix` (the caller's options: a resume passes RESUME_FIX)."""
+    path = Path(path)
+    _check_intact(path, fix)
     try:
         if is_sharded(path):  # everything but the optimizers, which only a training run's DCP load restores
-            return {**torch.load(path / META, map_location="cpu", weights_only=True), **_full_networks(path)}
-        return torch.load(path, map_location="cpu", weights_only=True)
+            state = {**torch.load(path / META, map_location="cpu", weights_only=True), **_full_networks(path)}
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})",
-                          "resume from another file with --resume PATH, or start a new --run-dir") from None
+        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})", fix) from None
+    _check_contents(path, state, require, fix)
+    return state
+
+
+def _check_intact(path: Path, fix: str) -> None:
+    reason = problem(path)
+    if reason is not None:
+        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})", fix)
+
+
+def _check_contents(path: Path, state, require: tuple[str, ...], fix: str) -> None:
+    """A file that is intact but not what ganscale writes (another program's, or edited) is named, not a KeyError."""
+    def refuse(what: str) -> None:
+        raise ConfigError(str(path), f"this is not a ganscale checkpoint: {what}", fix)
+
+    if not isinstance(state, dict):
+        refuse(f"it holds a {type(state).__name__}, not a dict")
+    missing = [key for key in require if key not in state
+               or (key in NETWORKS and isinstance(state[key], dict) and not state[key])]  # sharded: no such shards
+    if missing:
+        refuse("no " + ", ".join(repr(key) for key in missing))
+    for key in require:
+        value = state[key]
+        tensors = isinstance(value, dict) and all(isinstance(t, torch.Tensor) for t in value.values())
+        if key in NETWORKS and not tensors:
+            refuse(f"{key!r} is a {type(value).__name__}, not a dict of tensors")
+        if key == "step" and type(value) is not int:
+            refuse(f"'step' is a {type(value).__name__}, not an int")
+        if key == "config" and not isinstance(value, str):
+            refuse(f"'config' is a {type(value).__name__}, not YAML text")
