@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from click.testing import CliRunner
 
 from ganscale import checkpoint
 from ganscale.config import ConfigError
@@ -225,6 +226,10 @@ def test_fix_texts_fit_the_command(tmp_path):
     assert "--resume" not in str(raised.value) and "--run-dir" not in str(raised.value)
     with pytest.raises(ConfigError, match="--resume PATH"):  # a resume may say so
         checkpoint.load(newest, fix=checkpoint.RESUME_FIX)
+    from ganscale.export import export_generator
+    with pytest.raises(ConfigError, match="pass another file with --checkpoint") as raised:
+        export_generator(tmp_path, tmp_path / "g.safetensors", newest)
+    assert "--resume" not in str(raised.value)
 
 
 def test_a_sharded_checkpoint_is_checked_like_a_full_one(tmp_path):
@@ -238,3 +243,54 @@ def test_a_sharded_checkpoint_is_checked_like_a_full_one(tmp_path):
         checkpoint.load(no_d)
     with pytest.raises(ConfigError, match="no 'data_position', 'skipped_steps', 'scaler', 'rng'.*--resume PATH"):
         checkpoint.load_meta(path)  # what a resume reads besides the shards
+
+
+def _export(*args, cwd):
+    from ganscale.cli import main
+
+    with contextlib.chdir(cwd):
+        return CliRunner().invoke(main, ["export", *args])
+
+
+def test_export_of_a_foreign_file_exits_2_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    foreign = checkpoint.save({"step": 1, "w": torch.ones(3)}, run, 1, keep=3)
+    result = _export(str(run), "--checkpoint", str(foreign), "--out", "g.safetensors", cwd=tmp_path)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert f"{foreign}': this is not a ganscale checkpoint: no 'G'" in result.output
+    assert "Traceback" not in result.output and "KeyError" not in result.output
+    assert not (tmp_path / "g.safetensors").exists()
+    checkpoint.manifest_path(foreign).write_text("[1,2]")  # no intact checkpoint left in the run
+    result = _export(str(run), "--out", "g.safetensors", cwd=tmp_path)
+    assert result.exit_code == 2 and "malformed completion marker" in result.output, result.output
+    assert "AttributeError" not in result.output
+
+
+def test_export_that_cannot_write_its_output_leaves_nothing(tmp_path, monkeypatch):
+    from ganscale import export
+
+    _two_checkpoints(tmp_path)
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(export, "save_file", full_disk)
+    out = tmp_path / "out" / "g.safetensors"
+    with pytest.raises(ConfigError, match="could not write .*g.safetensors: no space left on device"):
+        export.export_generator(tmp_path, out)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_export_writes_its_output_with_the_usual_permissions(tmp_path):
+    from ganscale.export import export_generator
+
+    _two_checkpoints(tmp_path)
+    umask = os.umask(0o022)
+    try:
+        out = export_generator(tmp_path, tmp_path / "g.safetensors")
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o644  # was 0600: safetensors' private temporary file, renamed
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
