@@ -1,32 +1,60 @@
-"""Checkpoint integrity: completion marker, checksum, fallback to the newest intact one."""
+"""Checkpoint integrity: completion marker, checksum, fallback to the newest intact one; failed writes
+leave nothing behind; malformed or foreign files are named, never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import torch.distributed as dist
+from click.testing import CliRunner
 
 from ganscale import checkpoint
 from ganscale.config import ConfigError
 
 
+def _state(step: int) -> dict:
+    """What every ganscale checkpoint holds (networks, step, config), small."""
+    return {"step": step, "config": "name: test\n", "G": {"w": torch.full((256,), float(step))},
+            "D": {"w": torch.zeros(4)}, "G_ema": {"w": torch.full((256,), float(step))}}
+
+
 def _two_checkpoints(run_dir):
     for step in (10, 20):
-        checkpoint.save({"step": step, "w": torch.full((256,), float(step))}, run_dir, step, keep=3)
+        checkpoint.save(_state(step), run_dir, step, keep=3)
     return checkpoint.checkpoint_dir(run_dir)
+
+
+def _names(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
 def test_intact_checkpoints_load_and_the_newest_is_used(tmp_path):
     folder = _two_checkpoints(tmp_path)
     assert checkpoint.newest_valid(tmp_path) == folder / "step-00000020.pt"
     assert checkpoint.load(folder / "step-00000020.pt")["step"] == 20
-    assert sorted(p.name for p in folder.iterdir()) == ["step-00000010.json", "step-00000010.pt",
-                                                        "step-00000020.json", "step-00000020.pt"]
+    assert _names(folder) == ["step-00000010.json", "step-00000010.pt", "step-00000020.json", "step-00000020.pt"]
 
 
 @pytest.mark.parametrize("damage, reason", [
     (lambda p: p.write_bytes(p.read_bytes()[:-100]), "truncated"),
     (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "corrupted"),
     (lambda p: checkpoint.manifest_path(p).unlink(), "incomplete"),
+    # A malformed completion marker is an unverifiable checkpoint, like a garbage file (was: AttributeError)
+    (lambda p: checkpoint.manifest_path(p).write_text("[1,2]"), "malformed completion marker"),
+    (lambda p: checkpoint.manifest_path(p).write_text('"text"'), "malformed completion marker"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"files": {"step-00000020.pt": null}}'), "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"files": []}'), "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"files": {}}'), "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"files": {"step-00000020.pt": {"bytes": "1", "sha256": 2}}}'),
+     "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_text('{"step": 20}'), "malformed"),
+    (lambda p: checkpoint.manifest_path(p).write_bytes(b"\xff\xfe garbage"), "unreadable completion marker"),
 ])
 def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path, capsys, damage, reason):
     folder = _two_checkpoints(tmp_path)
@@ -35,8 +63,9 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path,
     assert checkpoint.newest_valid(tmp_path) == folder / "step-00000010.pt"
     warning = capsys.readouterr().err
     assert str(newest) in warning and reason in warning
-    with pytest.raises(ConfigError, match=reason):
+    with pytest.raises(ConfigError, match=reason) as raised:
         checkpoint.load(newest)
+    assert raised.value.key == str(newest)
 
 
 def test_keep_prunes_checkpoints_and_their_markers(tmp_path):
@@ -44,3 +73,224 @@ def test_keep_prunes_checkpoints_and_their_markers(tmp_path):
         checkpoint.save({"step": step}, tmp_path, step, keep=2)
     names = sorted(p.name for p in checkpoint.checkpoint_dir(tmp_path).iterdir())
     assert names == ["step-00000003.json", "step-00000003.pt", "step-00000004.json", "step-00000004.pt"]
+
+
+# ------------------------------------------------------------------------------------- failed writes
+class _FullDisk:
+    """A file that takes `room` bytes, then fails as a full disk does."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            self.f.write(bytes(data[:self.room]))
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """torch.save writes part of the file, then the disk is full: torch reports a RuntimeError
+    ("unexpected pos") whose context is the OSError, as on a real full disk."""
+    real = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real(obj, _FullDisk(f, 1000), *a, **k))
+
+
+
+
+def test_a_failed_write_removes_its_temporary_file_and_says_why(tmp_path, request):
+    folder = _two_checkpoints(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    request.getfixturevalue("full_disk")  # from here on
+    for _ in range(3):  # every retry used to leave another .step-00000030.pt.tmp-PID
+        with pytest.raises(checkpoint.CheckpointWriteError) as raised:
+            checkpoint.save(_state(30), tmp_path, 30, keep=3)
+        message = str(raised.value)
+        assert message.startswith(f"could not write checkpoint {folder / 'step-00000030.pt'}: no space left on device")
+        assert "Fix: free space" in message and "\n" not in message
+        assert raised.value.errno == errno.ENOSPC and raised.value.exit_code == 1
+        assert isinstance(raised.value, OSError) and not isinstance(raised.value, ConfigError)  # not bad input
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing left, nothing lost
+    assert checkpoint.newest_valid(tmp_path) == folder / "step-00000020.pt"
+
+
+def test_a_failed_completion_marker_removes_the_unmarked_checkpoint(tmp_path, monkeypatch):
+    folder = _two_checkpoints(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real = checkpoint._write_atomically
+
+    def marker_fails(path, write):
+        if path.suffix == ".json":
+            return real(path, lambda f: write(_FullDisk(f, 10)))
+        return real(path, write)
+    monkeypatch.setattr(checkpoint, "_write_atomically", marker_fails)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="step-00000030.json.*no space left on device"):
+        checkpoint.save(_state(30), tmp_path, 30, keep=3)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_an_error_that_is_not_the_disk_keeps_its_own_traceback_and_leaves_nothing(tmp_path):
+    folder = _two_checkpoints(tmp_path)
+    with pytest.raises(Exception) as raised:  # a bug: an object torch cannot pickle
+        checkpoint.save({**_state(30), "bad": lambda: 0}, tmp_path, 30, keep=3)
+    assert not isinstance(raised.value, checkpoint.CheckpointWriteError)
+    assert _names(folder) == ["step-00000010.json", "step-00000010.pt", "step-00000020.json", "step-00000020.pt"]
+
+
+def test_leftovers_of_dead_writers_are_swept_before_a_write_and_nothing_else(tmp_path):
+    folder = _two_checkpoints(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale = [f".step-00000030.pt.tmp-{dead_pid}", f".step-00000030.json.tmp-{dead_pid}",
+                 f".step-00000030.pt.tmp-{os.getpid()}"]  # this process writes nothing while it sweeps
+        kept = [f".step-00000030.pt.tmp-{live.pid}",  # a live writer's
+                "notes.txt", ".step-00000030.pt.tmp-abc", ".other.pt.tmp-1", "step-00000030.pt.tmp-1",
+                f".step-00000030.pt.tmp-{dead_pid}.bak"]
+        for name in stale + kept:
+            (folder / name).write_bytes(b"x" * 100)
+        (folder / ".step-00000025.dcp.tmp").mkdir()  # a sharded write's staging folder, interrupted
+        (folder / ".step-00000025.dcp.tmp" / "__0_0.distcp").write_bytes(b"x")
+        (folder / ".keep.dcp.tmp").mkdir()
+        checkpoint.save(_state(40), tmp_path, 40, keep=3)
+        names = set(_names(folder))
+        assert not names & {*stale, ".step-00000025.dcp.tmp"}
+        assert set(kept) | {".keep.dcp.tmp", "step-00000010.pt", "step-00000020.pt", "step-00000040.pt"} <= names
+    finally:
+        live.kill()
+        live.wait()
+
+
+@contextlib.contextmanager
+def _one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_sharded_write_leaves_no_staging_folder(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    run = tmp_path / "run"
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def full_disk(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield _FullDisk(stream, 100) if str(path).endswith(".distcp") else stream
+
+    shards = {"G": {"model": {"w": torch.randn(1000)}}}
+    with _one_rank(tmp_path):
+        assert checkpoint.save_sharded(shards, _state(10), run, 10, keep=3) is not None
+        folder = checkpoint.checkpoint_dir(run)
+        (folder / ".step-00000015.dcp.tmp").mkdir()  # left by a write that was killed
+        before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if "15" not in p.name)
+        monkeypatch.setattr(FileSystem, "create_stream", full_disk)
+        with pytest.raises(checkpoint.CheckpointWriteError, match=r"step-00000020\.dcp: no space left on device"):
+            checkpoint.save_sharded(shards, _state(20), run, 20, keep=3)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
+    assert checkpoint.problem(folder / "step-00000010.dcp") is None
+
+
+# ------------------------------------------------------------------------------ foreign files, fix texts
+@pytest.mark.parametrize("state, what", [
+    ({"step": 1, "w": torch.ones(3)}, "no 'G', 'D', 'G_ema', 'config'"),
+    ({**_state(1), "G": [torch.ones(3)]}, "'G' is a list, not a dict of tensors"),
+    ({**_state(1), "G_ema": {"w": 1.0}}, "'G_ema' is a dict, not a dict of tensors"),
+    ({**_state(1), "config": {"name": "x"}}, "'config' is a dict, not YAML text"),
+    ([1, 2], "it holds a list, not a dict"),
+])
+def test_an_intact_file_that_is_not_a_ganscale_checkpoint_is_named(tmp_path, state, what):
+    path = checkpoint.save(state, tmp_path, 1, keep=3)  # intact: its completion marker matches
+    with pytest.raises(ConfigError, match="this is not a ganscale checkpoint: " + what.replace("(", r"\(")) as raised:
+        checkpoint.load(path)
+    assert raised.value.key == str(path)
+
+
+def test_fix_texts_fit_the_command(tmp_path):
+    folder = _two_checkpoints(tmp_path)
+    newest = folder / "step-00000020.pt"
+    newest.write_bytes(newest.read_bytes()[:-100])
+    with pytest.raises(ConfigError) as raised:  # export, sample, eval: they have no --resume nor --run-dir
+        checkpoint.load(newest)
+    assert "--resume" not in str(raised.value) and "--run-dir" not in str(raised.value)
+    with pytest.raises(ConfigError, match="--resume PATH"):  # a resume may say so
+        checkpoint.load(newest, fix=checkpoint.RESUME_FIX)
+    from ganscale.export import export_generator
+    with pytest.raises(ConfigError, match="pass another file with --checkpoint") as raised:
+        export_generator(tmp_path, tmp_path / "g.safetensors", newest)
+    assert "--resume" not in str(raised.value)
+
+
+def test_a_sharded_checkpoint_is_checked_like_a_full_one(tmp_path):
+    run = tmp_path / "run"
+    shards = {"G": {"model": {"w": torch.ones(8)}, "ema": {"w": torch.ones(8)}}, "D": {"model": {"w": torch.ones(2)}}}
+    with _one_rank(tmp_path):
+        path = checkpoint.save_sharded(shards, _state(10), run, 10, keep=3)
+        no_d = checkpoint.save_sharded({"G": shards["G"]}, _state(20), run, 20, keep=3)
+    assert checkpoint.load(path)["step"] == 10  # export, sample, eval: one process reads the full networks
+    with pytest.raises(ConfigError, match="this is not a ganscale checkpoint: no 'D'"):
+        checkpoint.load(no_d)
+    with pytest.raises(ConfigError, match="no 'data_position', 'skipped_steps', 'scaler', 'rng'.*--resume PATH"):
+        checkpoint.load_meta(path)  # what a resume reads besides the shards
+
+
+def _export(*args, cwd):
+    from ganscale.cli import main
+
+    with contextlib.chdir(cwd):
+        return CliRunner().invoke(main, ["export", *args])
+
+
+def test_export_of_a_foreign_file_exits_2_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    foreign = checkpoint.save({"step": 1, "w": torch.ones(3)}, run, 1, keep=3)
+    result = _export(str(run), "--checkpoint", str(foreign), "--out", "g.safetensors", cwd=tmp_path)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert f"{foreign}': this is not a ganscale checkpoint: no 'G'" in result.output
+    assert "Traceback" not in result.output and "KeyError" not in result.output
+    assert not (tmp_path / "g.safetensors").exists()
+    checkpoint.manifest_path(foreign).write_text("[1,2]")  # no intact checkpoint left in the run
+    result = _export(str(run), "--out", "g.safetensors", cwd=tmp_path)
+    assert result.exit_code == 2 and "malformed completion marker" in result.output, result.output
+    assert "AttributeError" not in result.output
+
+
+def test_export_that_cannot_write_its_output_leaves_nothing(tmp_path, monkeypatch):
+    from ganscale import export
+
+    _two_checkpoints(tmp_path)
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(export, "save_file", full_disk)
+    out = tmp_path / "out" / "g.safetensors"
+    with pytest.raises(ConfigError, match="could not write .*g.safetensors: no space left on device"):
+        export.export_generator(tmp_path, out)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_export_writes_its_output_with_the_usual_permissions(tmp_path):
+    from ganscale.export import export_generator
+
+    _two_checkpoints(tmp_path)
+    umask = os.umask(0o022)
+    try:
+        out = export_generator(tmp_path, tmp_path / "g.safetensors")
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o644  # was 0600: safetensors' private temporary file, renamed
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

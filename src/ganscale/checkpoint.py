@@ -7,10 +7,15 @@ torch.distributed.checkpoint into a temporary folder, rank 0 adds `meta.pt` (eve
 and renames the folder to `step-N.dcp`. Then rank 0 writes `step-N.json` (size and SHA-256 of every
 file) the same way: that manifest is the completion marker. A checkpoint without its manifest, or whose
 bytes do not match it, is reported and passed over. Both formats load under any strategy and world size.
+
+A write that fails (e.g. a full disk) removes what it had written and raises CheckpointWriteError; the
+checkpoints written before are untouched. Temporary files of writers that died (kill -9, a lost node) are
+swept before each write.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -27,7 +32,28 @@ import torch.distributed as dist
 from ganscale.config import ConfigError
 
 PATTERN = re.compile(r"^step-(\d{8})\.(pt|dcp)$")
+TEMPORARY = re.compile(r"^\.step-\d{8}\.(pt|json)\.tmp-(\d+)$")  # a file being written by process PID
+STAGING = re.compile(r"^\.step-\d{8}\.dcp\.tmp$")  # a sharded checkpoint being written by every rank
 META = "meta.pt"  # inside a sharded checkpoint: step, data position, RNG states, scaler, config
+
+NETWORKS = ("G", "D", "G_ema")
+CORE_KEYS = (*NETWORKS, "step", "config")  # in every ganscale checkpoint (sharded: meta.pt and the shards)
+META_KEYS = ("step", "data_position", "skipped_steps", "scaler", "rng", "config")  # what a resume reads of meta.pt
+RESUME_KEYS = (*NETWORKS, "opt_g", "opt_d", *META_KEYS)  # what a resume reads of a full checkpoint
+RESUME_FIX = "resume from an intact one with --resume PATH, or start a new --run-dir"
+LOAD_FIX = "use an intact checkpoint written by `ganscale train` (RUN_DIR/checkpoints/step-N.pt or step-N.dcp)"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. no space left on device). Not bad input: the run stops with
+    exit code 1 and this one-line message; what the failed write had written is removed, the checkpoints
+    written before are untouched."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.errno = code
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -84,16 +110,37 @@ def problem(path: Path) -> str | None:
         manifest = json.loads(marker.read_text())
     except (OSError, ValueError) as e:
         return f"unreadable completion marker {marker.name} ({e})"
-    expected = manifest.get("files") or {path.name: manifest}  # older full-format markers describe one file
-    present = _files(path)
-    for name, want in expected.items():
-        if name not in present:
-            return f"incomplete: {name} is missing"
-        if present[name].stat().st_size != want.get("bytes"):
-            return f"truncated: {name} has {present[name].stat().st_size} bytes, {want.get('bytes')} expected"
-        if _sha256(present[name]) != want.get("sha256"):
-            return f"corrupted: the SHA-256 of {name} does not match its completion marker"
+    expected = _expected_files(manifest, path)
+    if isinstance(expected, str):
+        return f"malformed completion marker {marker.name} ({expected})"
+    try:
+        present = _files(path)
+        for name, want in expected.items():
+            if name not in present:
+                return f"incomplete: {name} is missing"
+            if present[name].stat().st_size != want["bytes"]:
+                return f"truncated: {name} has {present[name].stat().st_size} bytes, {want['bytes']} expected"
+            if _sha256(present[name]) != want["sha256"]:
+                return f"corrupted: the SHA-256 of {name} does not match its completion marker"
+    except OSError as e:
+        return f"unreadable ({_reason(e)})"
     return None
+
+
+def _expected_files(manifest, path: Path) -> dict[str, dict] | str:
+    """{name: {"bytes", "sha256"}} from a completion marker, or what is wrong with it."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    if "files" in manifest:
+        expected = manifest["files"]
+        if not isinstance(expected, dict) or not expected:
+            return "'files' is not an object naming at least one file"
+    else:
+        expected = {path.name: manifest}  # older full-format markers describe one file
+    for name, want in expected.items():
+        if not (isinstance(want, dict) and type(want.get("bytes")) is int and isinstance(want.get("sha256"), str)):
+            return f"the entry of {name} has no 'bytes' and 'sha256'"
+    return expected
 
 
 def newest_valid(run_dir: Path) -> Path | None:
@@ -133,27 +180,124 @@ def gather_rng_states() -> list[dict]:
 
 
 def _write_atomically(path: Path, write) -> None:
+    """Write under a temporary name, then rename into place; on any failure the temporary file is removed."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or folder we wrote, if it is there (best effort: this runs while handling a failure)."""
+    try:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0 or pid == os.getpid():  # this process writes no checkpoint while it sweeps
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists, as another user
+        return True
+    return True
+
+
+def sweep(run_dir: Path) -> list[Path]:
+    """Remove what interrupted checkpoint writes left in RUN_DIR/checkpoints: `.step-N.pt.tmp-PID` and
+    `.step-N.json.tmp-PID` files whose process is gone, and `.step-N.dcp.tmp` staging folders. Nothing else
+    is touched. Called on rank 0 while no rank writes a checkpoint (save and save_sharded do it first)."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for entry in sorted(folder.iterdir()):
+        temporary = TEMPORARY.match(entry.name)
+        if ((temporary and entry.is_file() and not entry.is_symlink() and not _alive(int(temporary.group(2))))
+                or (STAGING.match(entry.name) and entry.is_dir() and not entry.is_symlink())):
+            _remove(entry)
+            removed.append(entry)
+    if removed:
+        print(f"ganscale: removed {len(removed)} temporary file(s) of interrupted checkpoint writes in {folder} "
+              f"({', '.join(p.name for p in removed)})", file=sys.stderr, flush=True)
+    return removed
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind a failed write: torch.save reports ENOSPC as a RuntimeError from its zip writer
+    (the OSError is its context), torch.distributed.checkpoint as a CheckpointException with each rank's error."""
+    pending, seen = [error], set()
+    while pending:
+        e = pending.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        pending += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def _reason(error: OSError) -> str:
+    text = error.strerror or str(error) or type(error).__name__
+    return text[:1].lower() + text[1:]
+
+
+def _write_failed(path: Path, error: BaseException, what: str = "") -> CheckpointWriteError:
+    """The error to raise for a failed write of checkpoint `path`; re-raises `error` when no OSError is behind
+    it (a bug, an interrupt: its own traceback is the useful one)."""
+    cause = _os_error(error)
+    if cause is None:
+        raise error
+    folder = path.parent
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = (f"free space on the disk holding {folder} (a write needs room for one more checkpoint beside the "
+               f"checkpoint.keep kept)")
+    elif cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"make {folder} writable"
+    else:
+        fix = f"check the disk holding {folder}"
+    fix += ", then continue with --resume auto; the checkpoints written before are untouched"
+    return CheckpointWriteError(f"could not write checkpoint {path}{what}: {_reason(cause)}. Fix: {fix}", cause.errno)
 
 
 def save(state: dict, run_dir: Path, step: int, keep: int) -> Path:
-    """Write atomically, then the completion marker; prune to the newest `keep`. Called on rank 0 only."""
+    """Write atomically, then the completion marker; prune to the newest `keep`. Called on rank 0 only.
+    Raises CheckpointWriteError when the disk refuses (full, read-only); nothing of this write is left."""
     folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:08d}.pt"
-    _write_atomically(path, lambda f: torch.save(state, f))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        sweep(run_dir)
+        _write_atomically(path, lambda f: torch.save(state, f))
+    except BaseException as e:
+        raise _write_failed(path, e) from e
     return _complete(path, run_dir, step, keep)
 
 
 def _complete(path: Path, run_dir: Path, step: int, keep: int) -> Path:
-    """Write the completion marker of a checkpoint that is in place, then prune to the newest `keep`."""
-    manifest = _manifest(path, step)
-    _write_atomically(manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
+    """Write the completion marker of a checkpoint that is in place, then prune to the newest `keep`.
+    Without its marker the checkpoint is never used: when the marker cannot be written, it is removed."""
+    try:
+        manifest = _manifest(path, step)
+        _write_atomically(manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
+    except BaseException as e:
+        _remove(manifest_path(path))  # one of an earlier write of this step would describe other bytes
+        _remove(path)
+        raise _write_failed(path, e, f" (its completion marker {manifest_path(path).name})") from e
     for old in list_checkpoints(run_dir)[:-keep]:
         manifest_path(old).unlink(missing_ok=True)  # first: a half-removed checkpoint is then plainly incomplete
         shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
@@ -169,18 +313,55 @@ def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) 
     path = folder / f"step-{step:08d}.dcp"
     staging = folder / f".{path.name}.tmp"  # the same name on every rank: one folder, written by all
     if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # left over by an interrupted write
-        staging.mkdir(parents=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            sweep(run_dir)  # also the staging folder of an interrupted write, of this step or another
+            staging.mkdir()
+        except BaseException as e:
+            raise _write_failed(path, e) from e
     dist.barrier()
-    dcp.save(shards, checkpoint_id=staging)  # collective: each rank its own file, rank 0 the metadata
+    try:
+        dcp.save(shards, storage_writer=_shard_writer(staging))  # collective: each rank its files, rank 0 the metadata
+    except BaseException as e:  # every rank gets the CheckpointException, after every rank stopped writing
+        if dist.get_rank() == 0:
+            _remove(staging)
+        raise _write_failed(path, e) from e
     if dist.get_rank() != 0:
         dist.barrier()  # rank 0 moves the folder into place
         return None
-    _write_atomically(staging / META, lambda f: torch.save(meta, f))
-    shutil.rmtree(path, ignore_errors=True)  # one of the same step (e.g. an interrupted write) is replaced, as a .pt is
-    os.replace(staging, path)
+    try:
+        _write_atomically(staging / META, lambda f: torch.save(meta, f))
+        shutil.rmtree(path, ignore_errors=True)  # one of the same step (e.g. an interrupted write) is replaced
+        os.replace(staging, path)
+    except BaseException as e:
+        _remove(staging)
+        raise _write_failed(path, e) from e
     dist.barrier()
     return _complete(path, run_dir, step, keep)
+
+
+def _shard_writer(folder: Path):
+    """torch.distributed.checkpoint's file writer, except that a failed write raises the OSError behind it
+    (a full disk shows as torch.save's RuntimeError otherwise): DCP pickles each rank's error to every rank,
+    and the OSError's errno and text survive that where the RuntimeError's context does not."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def plainly(method):
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except Exception as e:
+                cause = _os_error(e)
+                if cause is None or cause is e:
+                    raise
+                raise OSError(cause.errno, cause.strerror or str(cause)) from e
+        return call
+
+    class Writer(FileSystemWriter):
+        write_data = plainly(FileSystemWriter.write_data)
+        finish = plainly(FileSystemWriter.finish)
+
+    return Writer(folder)
 
 
 def load_sharded(path: Path, shards: dict) -> None:
@@ -210,24 +391,59 @@ def _full_networks(path: Path) -> dict[str, dict]:
     return {"G": nested["G"]["model"], "D": nested["D"]["model"], "G_ema": nested["G"]["ema"]}
 
 
-def load_meta(path: Path) -> dict:
-    """A sharded checkpoint's step, data position, RNG states, scaler and config (checked like `load`)."""
-    reason = problem(path)
-    if reason is not None:
-        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})",
-                          "resume from an intact one with --resume PATH, or start a new --run-dir")
-    return torch.load(Path(path) / META, map_location="cpu", weights_only=True)
+def load_meta(path: Path, require: tuple[str, ...] = META_KEYS, fix: str = RESUME_FIX) -> dict:
+    """A sharded checkpoint's step, data position, RNG states, scaler and config (checked like `load`;
+    used by a resume, hence its fix text)."""
+    path = Path(path)
+    _check_intact(path, fix)
+    try:
+        state = torch.load(path / META, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
+        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})", fix) from None
+    _check_contents(path, state, require, fix)
+    return state
 
 
-def load(path: Path) -> dict:
-    reason = problem(path)
-    if reason is not None:
-        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})",
-                          "resume from an intact one with --resume PATH, or start a new --run-dir")
+def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX) -> dict:
+    """The state in a checkpoint (of a sharded one: meta.pt and the full networks, no optimizers), checked:
+    intact against its completion marker, readable, and holding `require`. Otherwise a ConfigError naming
+    the file, whose fix is `fix` (the caller's options: a resume passes RESUME_FIX)."""
+    path = Path(path)
+    _check_intact(path, fix)
     try:
         if is_sharded(path):  # everything but the optimizers, which only a training run's DCP load restores
-            return {**torch.load(path / META, map_location="cpu", weights_only=True), **_full_networks(path)}
-        return torch.load(path, map_location="cpu", weights_only=True)
+            state = {**torch.load(path / META, map_location="cpu", weights_only=True), **_full_networks(path)}
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})",
-                          "resume from another file with --resume PATH, or start a new --run-dir") from None
+        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})", fix) from None
+    _check_contents(path, state, require, fix)
+    return state
+
+
+def _check_intact(path: Path, fix: str) -> None:
+    reason = problem(path)
+    if reason is not None:
+        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})", fix)
+
+
+def _check_contents(path: Path, state, require: tuple[str, ...], fix: str) -> None:
+    """A file that is intact but not what ganscale writes (another program's, or edited) is named, not a KeyError."""
+    def refuse(what: str) -> None:
+        raise ConfigError(str(path), f"this is not a ganscale checkpoint: {what}", fix)
+
+    if not isinstance(state, dict):
+        refuse(f"it holds a {type(state).__name__}, not a dict")
+    missing = [key for key in require if key not in state
+               or (key in NETWORKS and isinstance(state[key], dict) and not state[key])]  # sharded: no such shards
+    if missing:
+        refuse("no " + ", ".join(repr(key) for key in missing))
+    for key in require:
+        value = state[key]
+        tensors = isinstance(value, dict) and all(isinstance(t, torch.Tensor) for t in value.values())
+        if key in NETWORKS and not tensors:
+            refuse(f"{key!r} is a {type(value).__name__}, not a dict of tensors")
+        if key == "step" and type(value) is not int:
+            refuse(f"'step' is a {type(value).__name__}, not an int")
+        if key == "config" and not isinstance(value, str):
+            refuse(f"'config' is a {type(value).__name__}, not YAML text")

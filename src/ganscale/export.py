@@ -10,17 +10,40 @@ from safetensors.torch import save_file
 from ganscale import checkpoint
 from ganscale.config import ConfigError
 
+EXPORTED = ("G", "G_ema", "step", "config")  # what an export reads of a checkpoint
+
 
 def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Path:
-    source = source or checkpoint.newest_valid(run_dir)
     if source is None:
-        raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints",
-                          "train first, or pass --checkpoint")
-    state = checkpoint.load(source)
+        source = checkpoint.newest_valid(run_dir)  # newer damaged ones are reported on stderr
+        if source is None:
+            newest = checkpoint.latest(run_dir)
+            if newest is None:
+                raise ConfigError("RUN_DIR", f"no checkpoint under {run_dir}/checkpoints",
+                                  "train first, or pass --checkpoint")
+            raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints (newest: {newest.name}, "
+                              f"{checkpoint.problem(newest)})", "pass an intact checkpoint with --checkpoint")
+        fix = "pass an older checkpoint of this run with --checkpoint"
+    else:
+        fix = "pass another file with --checkpoint, or leave it out to use RUN_DIR's newest intact checkpoint"
+    state = checkpoint.load(source, require=EXPORTED, fix=fix)
     tensors = {f"{net}.{key}": value.detach().contiguous().clone()
                for net in ("G", "G_ema") for key, value in state[net].items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"step": str(state["step"]), "config": state["config"]})
-    os.replace(tmp, out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata={"step": str(state["step"]), "config": state["config"]})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600 (a private temporary file): as any new file instead
+        os.replace(tmp, out)
+    except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error for a failed write
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        cause = checkpoint._os_error(e)
+        reason = checkpoint._reason(cause) if cause else str(e).splitlines()[0]
+        raise ConfigError("--out", f"could not write {out}: {reason}",
+                          "choose another --out, or make room on its disk") from None
     return out
