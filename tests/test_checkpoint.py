@@ -102,6 +102,27 @@ def full_disk(monkeypatch):
     monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real(obj, _FullDisk(f, 1000), *a, **k))
 
 
+def test_train_with_a_full_disk_says_so_in_one_line_and_exits_1(tmp_path, monkeypatch):
+    import io
+
+    import torch.distributed as dist
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    real = torch.save  # files fill the disk; in-memory pickling (the RNG states' all-gather) does not
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real(
+        obj, f if isinstance(f, io.BytesIO) else _FullDisk(f, 1000), *a, **k))
+    monkeypatch.chdir(tmp_path)
+    try:
+        result = CliRunner().invoke(main, ["train", "--set", "train.steps=2", "--set", "train.batch_size=8",
+                                           "--set", "log.sample_every=0", "--run-dir", "run"])
+    finally:  # a rank's own failure leaves its group open until the process exits; this process goes on
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert result.exit_code == 1, result.output
+    assert "ganscale: could not write checkpoint" in result.output and "no space left" in result.output
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # no temporary file left
 
 
 def test_a_failed_write_removes_its_temporary_file_and_says_why(tmp_path, request):

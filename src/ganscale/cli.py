@@ -32,10 +32,13 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
     """(one-line message, exit code) for failures a user can fix without a traceback: an image of the data set
     that does not decode (bad input, exit 2), a file operation the system refused (permissions, a full or
     read-only disk: exit 1). None for anything else."""
+    from ganscale.checkpoint import CheckpointWriteError
     from ganscale.data.folder import UnreadableImage
 
     if isinstance(error, UnreadableImage):
         return f"ganscale: {ConfigError('data.path', error.problem(), 'remove or replace the file')}", EXIT_CONFIG
+    if isinstance(error, CheckpointWriteError):  # its own message names the checkpoint, the cause and the fix
+        return f"ganscale: {error}", error.exit_code
     if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:
         where = f": {error.filename}" if error.filename else ""
         return (f"ganscale: {error.strerror}{where}. Fix: check that path's permissions and free space, or choose "

@@ -510,22 +510,25 @@ class Trainer:
 
     def _load(self, path: Path) -> list | None:
         """Load the training state of checkpoint `path`; returns its per-rank RNG states, restored last."""
+        # Checked first (ConfigError naming the file: not intact, not a ganscale checkpoint, keys missing).
+        sharded = checkpoint.is_sharded(path)
+        state = checkpoint.load_meta(path) if sharded else checkpoint.load(path, require=checkpoint.RESUME_KEYS,
+                                                                            fix=checkpoint.RESUME_FIX)
         try:
-            if checkpoint.is_sharded(path):  # any strategy or world size: DCP reads the shards this rank needs
-                state = checkpoint.load_meta(path)
+            if sharded:  # any strategy or world size: DCP reads the shards this rank needs
                 shards = self._sharded_state()
                 checkpoint.load_sharded(path, shards)  # collective
                 self.G.load_sharded_state(shards["G"], self.opt_g, self.G_ema)
                 self.D.load_sharded_state(shards["D"], self.opt_d)
             else:
-                state = checkpoint.load(path)
                 self.G.load_model_state(state["G"])
                 self.D.load_model_state(state["D"])
                 self.G.load_model_state(state["G_ema"], self.G_ema)
                 self.G.load_optimizer_state(self.opt_g, state["opt_g"])
                 self.D.load_optimizer_state(self.opt_d, state["opt_d"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({e})",
+            first = str(e).strip().splitlines()[0][:300]  # torch lists every mismatched tensor after it
+            raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({first})",
                               "resume with the config the checkpoint was written with (its config.yaml)") from None
         self.precision.load_state_dict(state["scaler"])
         self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
