@@ -151,7 +151,8 @@ def test_make_facades_keeps_the_user_s_files_and_exits_2(tmp_path):
     (folder / "NOTES.txt").write_text("keep me")
     result = CliRunner().invoke(main, ["make-facades", str(folder), "--n", "3", "--size", "128x64"])
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert len(result.output.strip().splitlines()) == 1 and "NOTES.txt" in result.output and str(folder) in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "NOTES.txt" in result.output and str(folder) in result.output
     assert (folder / "NOTES.txt").read_text() == "keep me" and len(jpgs(folder)) == 2
 
 
