@@ -153,3 +153,51 @@ def test_pix2pix_table_names_an_unknown_row(tmp_path):
                                        str(tmp_path)])
     assert result.exit_code == 2 and "warp-speed" in result.output and "--rows" in result.output
     assert not list(tmp_path.iterdir())
+
+
+def test_pix2pix_table_names_an_empty_rows_list(tmp_path, monkeypatch):
+    from ganscale.bench import pix2pix
+
+    def no_training(*args):
+        raise AssertionError("an empty --rows ran a row")
+    monkeypatch.setattr(pix2pix, "run_training", no_training)
+    for rows in ("", "baseline,"):
+        result = CliRunner().invoke(main, ["bench", "pix2pix-table", "--rows", rows, "--out-dir", str(tmp_path)])
+        assert result.exit_code == 2 and "--rows" in result.output and "empty row" in result.output, result.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_pix2pix_table_on_a_folder_that_is_not_a_paired_set_exits_2_naming_data(tmp_path):
+    from PIL import Image
+
+    square = tmp_path / "good"
+    square.mkdir()
+    Image.new("RGB", (32, 32)).save(square / "0.png")
+    result = CliRunner().invoke(main, ["bench", "pix2pix-table", "--data", str(square), "--device", "cpu",
+                                       "--out-dir", str(tmp_path / "results")])
+    assert result.exit_code == 2 and not isinstance(result.exception, config.ConfigError), result.output
+    assert result.output.startswith("ganscale: config error at '--data':") and "0.png is 32x32" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "results").exists()
+
+
+def test_pix2pix_table_shows_a_failed_row_s_output_writes_the_table_and_exits_1(tmp_path, monkeypatch):
+    from ganscale.bench import pix2pix
+    from ganscale.bench.strategies import RunFailed
+
+    def failing(recipe, overrides, nproc, run_dir, threads, timeout_s):
+        raise RunFailed("`train pix2pix` exited 1:\nTraceback (most recent call last):\n"
+                        "OSError: cannot read image broken/0000.jpg: image file is truncated\n"
+                        "ganscale: worker rank 0 failed with exit code 1 (see its output above)")
+    monkeypatch.setattr(pix2pix, "run_training", failing)
+    out = tmp_path / "results"
+    result = CliRunner().invoke(main, ["bench", "pix2pix-table", "--images", "2", "--epochs", "2", "--device", "cpu",
+                                       "--threads", "1", "--rows", "baseline,fsdp-offload", "--out-dir", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "OSError: cannot read image broken/0000.jpg" in result.stderr  # the run's own words, not only its last line
+    assert "1 of 2 row(s) failed (baseline)" in result.stderr
+    (js,) = out.glob("bench-pix2pix-table-*.json")  # the table is still written
+    assert len(list(out.glob("bench-pix2pix-table-*.md"))) == 1
+    baseline, offload = json.loads(js.read_text())["rows"]
+    assert baseline["status"].startswith("failed") and "cannot read image" in baseline["output"]
+    assert offload["status"].startswith("skipped")  # a skipped row is no failure

@@ -122,6 +122,60 @@ def test_synthetic_bad_arguments(tmp_path):
         write_synthetic_facades(tmp_path / "x", n=0, seed=0)
 
 
+def test_synthetic_never_deletes_files_it_did_not_write(tmp_path):
+    """Rerunning on an earlier set that someone added files to refuses (naming them) instead of replacing it."""
+    folder = write_synthetic_facades(tmp_path / "set", n=3, seed=0, size=SMALL)
+    (folder / "NOTES.txt").write_text("keep me")
+    (folder / "mine.png").write_bytes(b"mine")
+    (folder / "extra").mkdir()
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    with pytest.raises(ConfigError, match=r"set holds an earlier synthetic set .*\(NOTES.txt, extra, mine.png\)"):
+        write_synthetic_facades(folder, n=4, seed=0, size=SMALL)
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before and (folder / "extra").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["set"]  # no staging folder left behind
+    write_synthetic_facades(folder, n=3, seed=0, size=SMALL)  # the same set: kept, and nothing is touched
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+    for name in ("NOTES.txt", "mine.png", "extra"):  # with only its own files left, it is replaced as before
+        (folder / name).rmdir() if name == "extra" else (folder / name).unlink()
+    write_synthetic_facades(folder, n=4, seed=0, size=SMALL)
+    assert len(jpgs(folder)) == 4
+
+
+def test_make_facades_keeps_the_user_s_files_and_exits_2(tmp_path):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    folder = tmp_path / "set"
+    assert CliRunner().invoke(main, ["make-facades", str(folder), "--n", "2", "--size", "128x64"]).exit_code == 0
+    (folder / "NOTES.txt").write_text("keep me")
+    result = CliRunner().invoke(main, ["make-facades", str(folder), "--n", "3", "--size", "128x64"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "NOTES.txt" in result.output and str(folder) in result.output
+    assert (folder / "NOTES.txt").read_text() == "keep me" and len(jpgs(folder)) == 2
+
+
+@pytest.mark.parametrize("size, why", [("64x64", "twice as wide as high"), ("99999x99999", "width 99999 is odd"),
+                                       ("99998x49999", "too large"), ("16x8", "too small"), ("128x", "WIDTHxHEIGHT")])
+def test_make_facades_refuses_a_size_the_trainer_would_not_take(tmp_path, size, why):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    result = CliRunner().invoke(main, ["make-facades", str(tmp_path / "set"), "--n", "1", "--size", size])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "'--size'" in result.output and why in result.output
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written
+
+
+@pytest.mark.parametrize("size", [(32, 16), (34, 16), (128, 64), (140, 64)])
+def test_every_size_synthetic_accepts_is_a_set_the_paired_loader_reads(tmp_path, size):
+    folder = write_synthetic_facades(tmp_path / "set", n=1, seed=0, size=size)
+    a, b = PairedImages(folder, load_size=32, crop_size=32)[0]
+    assert a.shape == b.shape == (3, 32, 32)
+
+
 # ------------------------------------------------------------------------------- paired data set
 def test_paired_reads_synthetic_in_both_directions(facades):
     a_to_b = PairedImages(facades, direction="AtoB", seed=3)

@@ -239,3 +239,49 @@ def test_peer_failures_are_told_apart_from_a_rank_s_own_error():
 
     assert is_peer_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
     assert not is_peer_failure(RuntimeError("CUDA out of memory"))
+
+
+def test_the_watchdog_works_when_its_descriptors_are_numbered_above_1024(tmp_path):
+    """Many open files (data.workers=500) give the watchdog's sockets numbers select() cannot watch; it must still
+    notice a stop signal and enforce fault.exit_timeout_s (with select() its thread died at once, silently)."""
+    import resource
+    import socket
+    import threading
+
+    from ganscale.watchdog import Watchdog
+
+    wanted = 1100 + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {wanted}: cannot open enough files")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    filler: list[int] = []
+    try:
+        filler.append(os.open(tmp_path / "filler", os.O_WRONLY | os.O_CREAT))
+        while len(filler) < 1100:
+            filler.append(os.dup(filler[0]))  # the lowest free numbers: everything below ~1100 is taken
+        signals, sender = socket.socketpair()
+        watchdog = Watchdog(0, 1, timeout_s=1000, diagnostics_dir=tmp_path / "diagnostics", exit_timeout_s=0.4)
+        assert min(signals.fileno(), watchdog._wake.fileno()) > 1024
+        fired = threading.Event()
+        reasons: list[str] = []
+
+        def diagnose_and_exit(why: str) -> None:  # the real one writes diagnostics and calls os._exit
+            reasons.append(why)
+            fired.set()
+            watchdog._stop.set()
+        watchdog._diagnose_and_exit = diagnose_and_exit
+        with watchdog.watching(signals):
+            time.sleep(0.3)
+            assert watchdog._thread.is_alive(), "the watchdog thread died"
+            sender.send(bytes([int(signal.SIGTERM)]))
+            assert fired.wait(10), "the exit timeout never fired after a stop signal"
+        assert watchdog.stop_requested_at is not None
+        assert "asked to stop 0 s ago (fault.exit_timeout_s)" in reasons[0]
+        signals.close()
+        sender.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

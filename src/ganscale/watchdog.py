@@ -15,7 +15,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import select
+import selectors
 import socket
 import sys
 import threading
@@ -84,9 +84,14 @@ class Watchdog:
 
     def _wait_for_signal(self, period: float) -> None:
         """Sleep for `period`, noting a stop signal the moment it arrives (even if the main thread is blocked)."""
-        watched = [self._wake] if self.signals is None else [self._wake, self.signals]
-        readable, _, _ = select.select(watched, [], [], period)
-        if self.signals in readable:
+        # selectors (epoll/poll), not select.select: select() cannot watch a descriptor numbered 1024 or above, and
+        # a process with many open files (data.workers=500) gets such numbers; the thread would die of it.
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._wake, selectors.EVENT_READ)
+            if self.signals is not None and self.signals.fileno() >= 0:  # -1 once closed: training is over
+                selector.register(self.signals, selectors.EVENT_READ)
+            readable = [key.fileobj for key, _ in selector.select(period)]
+        if self.signals is not None and self.signals in readable:
             try:
                 arrived = self.signals.recv(64)  # one byte per signal: its number
             except OSError:  # closed: training is over

@@ -3,6 +3,7 @@ benchmarks/results/ (or --out-dir), with the machine and the exact command."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -253,15 +254,24 @@ def pix2pix_table(ctx: click.Context, data: str | None, images: int | None, epoc
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
-    names = [n.strip() for n in rows_csv.split(",")] if rows_csv else pix2pix.ROW_NAMES
+    names = [n.strip() for n in rows_csv.split(",")] if rows_csv is not None else pix2pix.ROW_NAMES
+    if "" in names:  # --rows "" or "baseline,": not "every row"
+        raise click.BadParameter(f"{rows_csv!r} names an empty row; give comma-separated rows, e.g. --rows "
+                                 "baseline,fast, or leave --rows out for all", param_hint="--rows")
     unknown = sorted(set(names) - set(pix2pix.ROW_NAMES))
     if unknown:
         raise click.BadParameter(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(pix2pix.ROW_NAMES)}",
                                  param_hint="--rows")
     if data is not None:
+        from ganscale.config import ConfigError
         from ganscale.data.paired import PairedImages
+        from ganscale.fault import EXIT_CONFIG
 
-        images = len(PairedImages(data))
+        try:
+            images = len(PairedImages(data))
+        except ConfigError as e:  # the option here is --data (the rows pass it on as data.path)
+            click.echo(f"ganscale: {ConfigError('--data', e.problem, e.fix.replace('data.path', '--data'))}", err=True)
+            sys.exit(EXIT_CONFIG)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     ctx.params.update(device=device, images=images or (400 if device == "cuda" else 8),
                       nproc=nproc or (torch.cuda.device_count() if device == "cuda" else 2),
@@ -286,3 +296,8 @@ def pix2pix_table(ctx: click.Context, data: str | None, images: int | None, epoc
             notes.append(f"fast path, a 400-image epoch: {epoch_400:.2f} s "
                          "(target <= 4 s, the document's 40.38 s / 10)")
     publish(ctx, "pix2pix-table", pix2pix.COLUMNS, results, notes, {"rows_detail": results})
+    failed = [r["row"] for r in results if r["status"].startswith("failed")]
+    if failed:  # the table is written; the command still says that it is incomplete
+        click.echo(f"ganscale: {len(failed)} of {len(results)} row(s) failed ({', '.join(failed)}): each one's output "
+                   "is shown above where it failed, and kept in the JSON record ('output')", err=True)
+        sys.exit(1)

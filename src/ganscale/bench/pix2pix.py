@@ -28,6 +28,8 @@ later epochs. The data-wait share comes from the trainer's step-time breakdown (
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,7 @@ def rows(on_cuda: bool) -> list[Row]:
 
 
 ROW_NAMES = [row.name for row in rows(on_cuda=True)]
+OUTPUT_LINES = 40  # of a failed row's run, shown as it fails and kept in the JSON record
 COLUMNS = ["row", "processes", "global batch", "steps/epoch", "first epoch s", "epoch median s", "epoch min s",
            "epoch max s", "img/s", "peak MiB", "data wait %", "loss_d", "loss_g", "document s/epoch", "status"]
 
@@ -90,7 +93,14 @@ def run_row(row: Row, data: Path, images: int, epochs: int, nproc: int, device: 
     try:
         summary, records = run_training("pix2pix", overrides, world, scratch / row.name, run_threads, timeout_s)
     except RunFailed as e:
-        return {**base, "status": f"failed: {str(e).splitlines()[-1][:200]}"}
+        lines = str(e).splitlines()
+        output = "\n".join([lines[0], *lines[1:][-OUTPUT_LINES:]])  # the command, then the tail of its output
+        return {**base, "status": f"failed: {lines[-1][:200]}", "output": output}
+    except subprocess.TimeoutExpired as e:
+        tail = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                       for part in (e.stdout, e.stderr) if part)
+        return {**base, "status": f"failed: timed out after {timeout_s:.0f} s",
+                "output": "\n".join(tail.splitlines()[-OUTPUT_LINES:])}
     finally:
         shutil.rmtree(scratch / row.name, ignore_errors=True)  # its final checkpoint is ~0.9 GB
     epoch_s = [steps_per_epoch * batch / r["img_per_s"] for r in records]
@@ -123,5 +133,10 @@ def table(data: Path | None, images: int, epochs: int, nproc: int, device: str, 
             if row.name in names:
                 result = run_row(row, data, images, epochs, nproc, device, threads, scratch, timeout_s)
                 results.append({column: None for column in COLUMNS} | result)  # skipped rows: empty cells
-                print(f"{row.name}: {results[-1].get('epoch median s', results[-1]['status'])}", flush=True)
+                if "output" in result:  # a failed run: its own words, not only the launcher's last line
+                    print(f"{row.name}: {result['status']}; the run's output (last {OUTPUT_LINES} lines):\n"
+                          + "\n".join(f"    {line}" for line in result["output"].splitlines()),
+                          file=sys.stderr, flush=True)
+                ok = results[-1]["epoch median s"] is not None
+                print(f"{row.name}: {results[-1]['epoch median s'] if ok else results[-1]['status']}", flush=True)
         return results

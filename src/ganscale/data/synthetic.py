@@ -9,7 +9,9 @@ facades' labels -> photo is approximately, and pix2pix's L1 falls within a short
 
 The set is written into a temporary sibling folder and renamed into place, with a marker file
 recording (n, seed, size), so a failure leaves nothing half-written and a second call with the
-same arguments (another rank, a rerun) finds the set complete and returns at once.
+same arguments (another rank, a rerun) finds the set complete and returns at once. A previous set
+with other arguments is replaced only while the folder holds nothing but that set's own files:
+a file someone else put there is never deleted (the call is refused instead).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from PIL import Image
 
 from ganscale.config import ConfigError
+from ganscale.data.paired import ASPECT_TOLERANCE
 
 MARKER = ".ganscale-synthetic-facades.json"
 FORMAT_VERSION = 1
@@ -33,6 +36,37 @@ WALL, WINDOW, DOOR, CORNICE, BALCONY = range(5)
 LABEL_COLOURS = np.array([(30, 60, 200), (0, 200, 255), (200, 120, 0), (255, 80, 80), (80, 255, 120)], np.uint8)
 MATERIAL_COLOURS = np.array([(196, 164, 132), (52, 70, 92), (92, 56, 32), (222, 216, 204), (38, 38, 44)], np.float32)
 FRAME_COLOUR = np.array((236, 234, 226), np.float32)
+
+MIN_HEIGHT, MAX_HEIGHT = 16, 4096  # the layout needs a few rows per floor; each file is painted in memory
+SIZE_FIX = (f"use WIDTHxHEIGHT with an even width twice the height, height {MIN_HEIGHT} to {MAX_HEIGHT} "
+            "(e.g. --size 512x256, facades' own; --size 128x64 for a quick set)")
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """`--size WIDTHxHEIGHT` of make-facades as (width, height), checked as `check_size` does."""
+    width, sep, height = text.strip().lower().partition("x")
+    if not (sep and width.isdigit() and height.isdigit()):
+        raise ConfigError("--size", f"{text!r} is not WIDTHxHEIGHT", SIZE_FIX)
+    return check_size((int(width), int(height)))
+
+
+def check_size(size: tuple[int, int]) -> tuple[int, int]:
+    """Refuse, naming why, a size whose A|B files `PairedImages` (pix2pix's loader) would not take."""
+    width, height = size
+    shown = f"{width}x{height}"
+    if width % 2:
+        raise ConfigError("--size", f"{shown}: the width {width} is odd, but each file holds A and B side by side, "
+                          "two halves of equal width", SIZE_FIX)
+    if abs(width / (2 * max(height, 1)) - 1) > ASPECT_TOLERANCE:
+        raise ConfigError("--size", f"{shown}: the paired loader (ganscale train pix2pix) takes only files about "
+                          f"twice as wide as high (A|B, each half square), width/height "
+                          f"{2 * (1 - ASPECT_TOLERANCE):.1f} to {2 * (1 + ASPECT_TOLERANCE):.1f}", SIZE_FIX)
+    if height < MIN_HEIGHT:
+        raise ConfigError("--size", f"{shown}: a height of {height} is too small for the facade layout", SIZE_FIX)
+    if height > MAX_HEIGHT:
+        raise ConfigError("--size", f"{shown}: a height of {height} is too large (each file is painted in memory; "
+                          "pix2pix trains on 256x256 crops anyway)", SIZE_FIX)
+    return width, height
 
 
 def _rectangles(rng: np.random.Generator, width: int, height: int) -> list[tuple[int, int, int, int, int]]:
@@ -108,19 +142,35 @@ def _marker(folder: Path) -> dict | None:
         return None
 
 
+def _wrote(marker: dict | None, name: str) -> bool:
+    """Whether the synthetic set that left `marker` wrote the file `name` (its marker, 0000.jpg ... n-1)."""
+    n = marker.get("n") if isinstance(marker, dict) and marker.get("kind") == "synthetic-facades" else None
+    if not isinstance(n, int):
+        return False
+    stem, _, suffix = name.partition(".")
+    return name == MARKER or (suffix == "jpg" and stem.isdigit() and name == f"{int(stem):04d}.jpg" and int(stem) < n)
+
+
+def _refuse_foreign_files(folder: Path, previous: dict | None) -> None:
+    """A previous set is replaced whole (its folder renamed away and deleted): refuse if anything else is in it."""
+    foreign = sorted(p.name for p in folder.iterdir() if not (p.is_file() and _wrote(previous, p.name)))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError("data.path", f"{folder} holds an earlier synthetic set and also files make-facades did not "
+                          f"write ({shown}); replacing the set would delete them",
+                          "move those files out, or choose another (empty or new) folder: nothing there is deleted")
+
+
 def write_synthetic_facades(folder: str | Path, n: int, seed: int, size: tuple[int, int] = (512, 256)) -> Path:
     """Write n synthetic A|B pairs `0000.jpg`, ... into `folder` (created); returns the folder.
 
     An existing set with the same (n, seed, size) is kept as it is; a previous synthetic set with
-    other arguments is replaced; any other non-empty folder is refused.
+    other arguments is replaced when the folder holds nothing else; any other non-empty folder is refused.
     """
     folder = Path(folder)
-    width, height = size
     if n < 1:
         raise ConfigError("n", f"{n} pairs requested", "ask for at least one pair")
-    if width % 2 or width < 32 or height < 16:
-        raise ConfigError("size", f"size {size} (width, height)",
-                          "use an even width >= 32 and height >= 16, e.g. (512, 256)")
+    width, height = check_size(size)
     wanted = {"kind": "synthetic-facades", "version": FORMAT_VERSION, "n": n, "seed": seed, "size": [width, height]}
     if folder.exists():
         if not folder.is_dir():
@@ -131,6 +181,8 @@ def write_synthetic_facades(folder: str | Path, n: int, seed: int, size: tuple[i
         if previous is None and any(folder.iterdir()):
             raise ConfigError("data.path", f"{folder} is not empty and holds no synthetic set ({MARKER} missing)",
                               "choose an empty or new folder: nothing there is overwritten")
+        if previous is not None:
+            _refuse_foreign_files(folder, previous)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.writing-", dir=folder.parent))
     try:
@@ -153,6 +205,7 @@ def _move_into_place(staging: Path, folder: Path, wanted: dict) -> None:
     if previous == wanted:
         return
     if previous is not None:
+        _refuse_foreign_files(folder, previous)  # again: a file may have been added while the set was painted
         retired = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
         os.replace(folder, retired / folder.name)
         shutil.rmtree(retired)
