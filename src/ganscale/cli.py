@@ -150,13 +150,10 @@ def recipes() -> None:
 @click.option("--size", default="512x256", show_default=True, help="WIDTHxHEIGHT of each A|B file.")
 def make_facades(folder: str, count: int, seed: int, size: str) -> None:
     """Write a synthetic facades-shaped paired data set: photo | label map files, as facades' A|B (train BtoA)."""
-    from ganscale.data.synthetic import write_synthetic_facades
+    from ganscale.data.synthetic import parse_size, write_synthetic_facades
 
     try:
-        width, _, height = size.lower().partition("x")
-        if not (width.isdigit() and height.isdigit()):
-            raise ConfigError("--size", f"{size!r} is not WIDTHxHEIGHT", "e.g. --size 512x256")
-        written = write_synthetic_facades(Path(folder), count, seed, (int(width), int(height)))
+        written = write_synthetic_facades(Path(folder), count, seed, parse_size(size))
     except ConfigError as e:
         _fail(e)
     click.echo(f"wrote {count} pairs to {written}; train with: ganscale train pix2pix --set data.path={written}")
