@@ -207,6 +207,9 @@ def test_pair_scoring_measures_l1_to_the_target(facades):
     cfg = build(tiny_pix2pix(facades))
     scores = score_pairs(cfg, torch.nn.Identity())
     assert scores["pairs"] == 8 and scores["l1"] == pytest.approx(scores["l1_identity"]) and scores["l1"] > 0.1
+    with pytest.raises(config.ConfigError) as refused:  # held-out pairs that are not a paired set: eval's option
+        score_pairs(cfg, torch.nn.Identity(), facades.parent / "no-such-folder")
+    assert refused.value.key == "--pairs"
 
 
 def test_class_conditional_samples_from_noise_are_deterministic_and_cover_the_classes():

@@ -114,7 +114,11 @@ def score_pairs(cfg: Config, generator: nn.Module, folder: Path | None = None) -
     from ganscale.data.paired import PairedImages
 
     d = cfg.data
-    pairs = PairedImages(folder or d.path, d.load_size, d.resolution, d.direction, augment=False, channels=d.channels)
+    try:
+        pairs = PairedImages(folder or d.path, d.load_size, d.resolution, d.direction, augment=False,
+                             channels=d.channels)
+    except ConfigError as e:  # the loader names data.path; held-out pairs came from --pairs
+        raise (ConfigError("--pairs", e.problem, e.fix) if folder is not None else e) from None
     l1 = identity = 0.0
     for index in range(len(pairs)):
         source, target = (t.unsqueeze(0) for t in pairs[index])
