@@ -286,3 +286,19 @@ def test_scatter():
     lone = scatter(torch.zeros(1, 2), size=64)  # no reference, a single point at the origin
     assert lone.shape == (64, 64, 3)
     assert tuple(lone[32, 32]) == (30, 60, 160)
+
+
+def test_an_undecodable_image_read_by_a_loader_worker_keeps_its_type_and_message(tmp_path):
+    """Raised again in the main process, it is still UnreadableImage, and problem() is the worker's own message."""
+    from torch.utils.data import DataLoader
+
+    from ganscale.data.folder import UnreadableImage
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "b.png").write_text("not an image")
+    loader = DataLoader(ImageFolder(tmp_path, resolution=8), batch_size=2, num_workers=1)
+    with pytest.raises(UnreadableImage) as raised:
+        next(iter(loader))
+    assert "Traceback" in str(raised.value)  # the worker's traceback is its text
+    assert raised.value.problem().startswith(f"cannot read image {tmp_path / 'b.png'}: ")
+    assert "\n" not in raised.value.problem()

@@ -284,4 +284,5 @@ def test_the_watchdog_works_when_its_descriptors_are_numbered_above_1024(tmp_pat
     finally:
         for fd in filler:
             os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # this process's limit as it was
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -153,6 +153,16 @@ def newest_valid(run_dir: Path) -> Path | None:
     return None
 
 
+def newest_intact(run_dir: Path, key: str, fix: str) -> Path:
+    """`newest_valid`, or a ConfigError at `key` (the caller's option) saying why a run has none."""
+    found = newest_valid(run_dir)
+    if found is None:
+        newest = latest(run_dir)
+        raise ConfigError(key, f"no intact checkpoint under {run_dir}/checkpoints"
+                          + (f" (newest: {newest.name}, {problem(newest)})" if newest else ""), fix)
+    return found
+
+
 def rng_state() -> dict:
     """This rank's RNG state, in tensors only (so checkpoints load with weights_only=True)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()

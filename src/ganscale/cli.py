@@ -30,8 +30,8 @@ REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, 
 
 def _known_failure(error: BaseException) -> tuple[str, int] | None:
     """(one-line message, exit code) for failures a user can fix without a traceback: an image of the data set
-    that does not decode (bad input, exit 2), a file operation the system refused (permissions, a full or
-    read-only disk: exit 1). None for anything else."""
+    that does not decode (bad input, exit 2), a checkpoint write or another file operation the system refused
+    (permissions, a full or read-only disk: exit 1). None for anything else."""
     from ganscale.checkpoint import CheckpointWriteError
     from ganscale.data.folder import UnreadableImage
 

@@ -28,10 +28,8 @@ from ganscale.trainer import MIXTURE_MODES
 
 def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, nn.Module, int]:
     """(config, G_ema in eval mode, step) from the newest intact checkpoint of a run (or `source`)."""
-    source = source or checkpoint.newest_valid(run_dir)
-    if source is None:
-        raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints",
-                          "train that run to its first checkpoint, or give a run directory that has one")
+    source = source or checkpoint.newest_intact(run_dir, "RUN_DIR", "train that run to its first checkpoint, or "
+                                                "give a run directory that has one")
     state = checkpoint.load(source)
     cfg = build(yaml.safe_load(state["config"]))
     generator, _ = build_networks(cfg)

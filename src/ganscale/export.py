@@ -15,14 +15,8 @@ EXPORTED = ("G", "G_ema", "step", "config")  # what an export reads of a checkpo
 
 def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Path:
     if source is None:
-        source = checkpoint.newest_valid(run_dir)  # newer damaged ones are reported on stderr
-        if source is None:
-            newest = checkpoint.latest(run_dir)
-            if newest is None:
-                raise ConfigError("RUN_DIR", f"no checkpoint under {run_dir}/checkpoints",
-                                  "train first, or pass --checkpoint")
-            raise ConfigError("RUN_DIR", f"no intact checkpoint under {run_dir}/checkpoints (newest: {newest.name}, "
-                              f"{checkpoint.problem(newest)})", "pass an intact checkpoint with --checkpoint")
+        source = checkpoint.newest_intact(run_dir, "RUN_DIR", "train first, or pass an intact checkpoint with "
+                                          "--checkpoint")
         fix = "pass an older checkpoint of this run with --checkpoint"
     else:
         fix = "pass another file with --checkpoint, or leave it out to use RUN_DIR's newest intact checkpoint"
@@ -38,10 +32,7 @@ def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Pa
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600 (a private temporary file): as any new file instead
         os.replace(tmp, out)
     except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error for a failed write
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        checkpoint._remove(tmp)
         cause = checkpoint._os_error(e)
         reason = checkpoint._reason(cause) if cause else str(e).splitlines()[0]
         raise ConfigError("--out", f"could not write {out}: {reason}",

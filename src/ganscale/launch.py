@@ -112,14 +112,8 @@ def _left_to_train(cfg: Config, source: Path) -> Path:
 
 def _resumable(run_dir: Path) -> Path:
     """The newest intact checkpoint of a run (newer bad ones are reported), or a ConfigError."""
-    found = checkpoint.newest_valid(run_dir)
-    if found is None:
-        newest = checkpoint.latest(run_dir)
-        raise ConfigError("--resume", f"no intact checkpoint under {run_dir}/checkpoints"
-                          + (f" (newest: {newest.name}, {checkpoint.problem(newest)})" if newest else ""),
-                          "pass a checkpoint file, a run directory holding intact checkpoints, "
-                          "or start a new --run-dir")
-    return found
+    return checkpoint.newest_intact(run_dir, "--resume", "pass a checkpoint file, a run directory holding intact "
+                                    "checkpoints, or start a new --run-dir")
 
 
 def agree_on_run(run_dir: Path, resume: Path | None) -> tuple[Path, Path | None]:

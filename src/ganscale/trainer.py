@@ -508,7 +508,7 @@ class Trainer:
         """This rank's shards of G (with G_ema), D and their optimizers, for torch.distributed.checkpoint."""
         return {"G": self.G.sharded_state(self.opt_g, self.G_ema), "D": self.D.sharded_state(self.opt_d)}
 
-    def _load(self, path: Path) -> list | None:
+    def _load(self, path: Path) -> list:
         """Load the training state of checkpoint `path`; returns its per-rank RNG states, restored last."""
         # Checked first (ConfigError naming the file: not intact, not a ganscale checkpoint, keys missing).
         sharded = checkpoint.is_sharded(path)
