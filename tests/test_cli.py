@@ -216,6 +216,94 @@ def test_resuming_a_finished_run_or_an_older_checkpoint_into_it_leaves_it_as_it_
     assert checkpoint_steps(tmp_path / "BRANCH") == [12]
 
 
+def _torchrun_like(rank_args: list[list[str]], cwd: Path, timeout: float = 90) -> list[subprocess.CompletedProcess]:
+    """One `python -m ganscale train` per rank, with the environment torchrun gives its workers (rendezvous at
+    rank 0's store); each rank gets its own command line."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = len(rank_args)
+    ranks = [subprocess.Popen([sys.executable, "-m", "ganscale", "train", *args], cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+             for rank, args in enumerate(rank_args)]
+    results = []
+    for rank, process in enumerate(ranks):
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            raise AssertionError(f"rank {rank} still running after {timeout} s") from None
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return results
+
+
+def test_rank_0_decides_the_run_directory_and_resume_point_for_every_rank(tmp_path):
+    """A rank whose view of the run directory differs (another node, a stale network file system) follows rank 0:
+    rank 1 is pointed at an empty folder while rank 0 sees the finished run."""
+    finished = ganscale("train", *TINY_RUN, "--run-dir", "RUN", cwd=tmp_path)
+    assert finished.returncode == 0, explain(finished)
+    files = {p: p.read_bytes() for p in (tmp_path / "RUN").rglob("*") if p.is_file()}
+    common = [*TINY_RUN, "--set", "parallel.timeout_s=30", "--resume", "auto"]
+
+    done = _torchrun_like([[*common, "--run-dir", "RUN"], [*common, "--run-dir", "ELSEWHERE"]], tmp_path)
+    assert [r.returncode for r in done] == [0, 0], "\n".join(map(explain, done))
+    assert "nothing to do" in done[0].stdout and done[1].stdout == ""  # said once, by rank 0
+
+    past = [*common, "--set", "train.steps=1"]  # the run is at step 2: refused, on every rank, naming the key
+    refused = _torchrun_like([[*past, "--run-dir", "RUN"], [*past, "--run-dir", "ELSEWHERE"]], tmp_path)
+    assert [r.returncode for r in refused] == [2, 2], "\n".join(map(explain, refused))
+    assert all("'train.steps'" in r.stderr and "Traceback" not in r.stderr for r in refused)
+    assert not (tmp_path / "ELSEWHERE").exists()
+    assert {p: p.read_bytes() for p in (tmp_path / "RUN").rglob("*") if p.is_file()} == files
+
+
+def test_a_restart_resumes_from_the_run_directory_once_it_holds_a_checkpoint(tmp_path):
+    from ganscale.launch import resume_after_restart
+
+    branch_source = "OTHER/checkpoints/step-00000010.pt"
+    assert resume_after_restart(tmp_path / "new", branch_source) == branch_source  # died before its first save
+    assert resume_after_restart(tmp_path / "new", None) is None
+    (tmp_path / "new" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "new" / "checkpoints" / "step-00000012.pt").write_bytes(b"")
+    assert resume_after_restart(tmp_path / "new", branch_source) == "auto"
+    assert resume_after_restart(None, branch_source) == "auto"  # torchrun without --run-dir: the newest run
+
+
+def test_checkpoints_are_ordered_by_step_and_compared_by_step(tmp_path, monkeypatch):
+    from ganscale import checkpoint, launch
+    from ganscale.config import ConfigError
+
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    for name in ("step-99999999.pt", "step-100000000.pt", "step-100000000.dcp", "step-00000010.pt"):
+        (folder / name).write_bytes(b"")
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == [
+        "step-00000010.pt", "step-99999999.pt", "step-100000000.dcp", "step-100000000.pt"]
+    monkeypatch.setattr(checkpoint, "problem", lambda path: None)  # every one of them intact
+    launch._refuse_two_histories(tmp_path / "run", folder / "step-100000000.dcp")  # the same step: not older
+    with pytest.raises(ConfigError, match="step-100000000.pt"):
+        launch._refuse_two_histories(tmp_path / "run", folder / "step-99999999.pt")
+
+
+def test_a_data_error_found_by_the_workers_is_not_restarted(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(5):
+        Image.new("RGB", (12, 12), (40 * i, 0, 0)).save(images / f"{i}.png")
+    (images / "broken.png").write_text("not an image")  # only a worker reading it finds out
+    result = ganscale("train", *TINY_RUN, "--set", "data.kind=folder", "--set", f"data.path={images}",
+                      "--set", "data.resolution=8", "--nproc", "2", "--max-restarts", "2", "--run-dir", "X",
+                      cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert "broken.png" in result.stderr and "not restarting the workers" in result.stderr
+    assert "restarting the workers (" not in result.stderr, explain(result)
+
+
 @pytest.mark.slow
 def test_rerun_without_resume_is_refused_then_resume_continues(trained_run, tmp_path):
     run = tmp_path / "RUN"

@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from ganscale.config import ConfigError
 
-PATTERN = re.compile(r"^step-(\d{8})\.(pt|dcp)$")
-TEMPORARY = re.compile(r"^\.step-\d{8}\.(pt|json)\.tmp-(\d+)$")  # a file being written by process PID
-STAGING = re.compile(r"^\.step-\d{8}\.dcp\.tmp$")  # a sharded checkpoint being written by every rank
+PATTERN = re.compile(r"^step-(\d{8,})\.(pt|dcp)$")  # zero-padded to 8 digits; step 10**8 and on take more
+TEMPORARY = re.compile(r"^\.step-\d{8,}\.(pt|json)\.tmp-(\d+)$")  # a file being written by process PID
+STAGING = re.compile(r"^\.step-\d{8,}\.dcp\.tmp$")  # a sharded checkpoint being written by every rank
 META = "meta.pt"  # inside a sharded checkpoint: step, data position, RNG states, scaler, config
 
 NETWORKS = ("G", "D", "G_ema")
@@ -64,7 +64,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     folder = checkpoint_dir(run_dir)
     if not folder.is_dir():
         return []
-    return sorted((p for p in folder.iterdir() if PATTERN.match(p.name)), key=lambda p: p.name)
+    return sorted((p for p in folder.iterdir() if PATTERN.match(p.name)),
+                  key=lambda p: (int(PATTERN.match(p.name).group(1)), p.name))  # by step, not by name
 
 
 def latest(run_dir: Path) -> Path | None:

@@ -88,29 +88,33 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     from ganscale.runtime import environment_world_size
 
     worker = launch.under_launcher()
-    if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        resume = "auto"  # a restarted group continues from its run directory's newest intact checkpoint
+    if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # torchrun --max-restarts
+        resume = launch.resume_after_restart(run_dir, resume)
     if max_restarts and not nproc and not worker:
-        nproc = 1  # restarts need the elastic agent
+        nproc = 1  # restarts need a launcher
+    launching = bool(nproc) and not worker
     try:
         cfg = config_mod.load(recipe, overrides)
         world = environment_world_size() if worker else (nproc or 1)
         config_mod.check(cfg, world, torch.cuda.is_available())
-        resolved_dir, resume_from = launch.resolve_run(cfg, run_dir, resume)
+        if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
+            run_dir, resume = launch.resolve_run(cfg, run_dir, resume)
     except ConfigError as e:
         _fail(e)
     except launch.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
+        click.echo(f"ganscale: {e}")
+        return
+    if launching:
+        args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
+        sys.exit(launch.launch_local(nproc, args, max_restarts, run_dir, str(resume) if resume else None))
+    try:
+        resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
+    except ConfigError as e:
+        _fail(e)
+    except launch.AlreadyTrained as e:
         if launch.rank_from_environment() == 0:
             click.echo(f"ganscale: {e}")
         return
-    if nproc and not worker:
-        args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), []),
-                "--run-dir", str(resolved_dir), *(["--resume", str(resume_from)] if resume_from else [])]
-        sys.exit(launch.launch_local(nproc, args, max_restarts, resolved_dir))
-    try:
-        summary = launch.run_worker(cfg, resolved_dir, resume_from)
-    except ConfigError as e:
-        _fail(e)
     except (Preempted, NonFiniteTraining) as e:
         click.echo(f"ganscale: {e}", err=True)
         sys.exit(e.exit_code)

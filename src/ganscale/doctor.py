@@ -90,7 +90,8 @@ ENV_EXPLANATIONS: dict[str, str] = {
                                "and reports DDP's unused parameters (slow; for debugging)",
     "TORCH_CPP_LOG_LEVEL": "log level of torch's C++ side (INFO shows process-group setup)",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1: workers open their own TCP store instead of sharing the elastic "
-                                          "agent's rendezvous store (ganscale sets it with --max-restarts)",
+                                          "agent's rendezvous store (torch 2.13: restarted gloo workers under "
+                                          "torchrun --max-restarts hang without it)",
     "GLOO_SOCKET_IFNAME": "network interface gloo uses (set it when the default one cannot reach the other nodes)",
     "CUDA_VISIBLE_DEVICES": "which GPUs (indices or UUIDs) the processes see, renumbered from 0; empty hides all",
     "CUDA_LAUNCH_BLOCKING": "1 makes every CUDA kernel launch synchronous: exact error locations, much slower",

@@ -6,6 +6,7 @@ collective, so no rank is left waiting in a collective the others have abandoned
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -16,6 +17,14 @@ EXIT_PREEMPTED = 3    # SIGTERM/SIGINT: the current step finished, a checkpoint 
 EXIT_NON_FINITE = 4   # too many consecutive non-finite steps: stopped, the last good checkpoint is kept
 EXIT_HANG = 5         # a rank made no progress for fault.hang_timeout_s: diagnostics/ written, ranks named
 EXIT_PEER_FAILED = 6  # this rank stopped because another rank died first (its error is the one to read)
+
+RESTARTS_ENV = "GANSCALE_RESTARTS"  # set by `train --max-restarts` for each start of the worker group
+
+
+def restart_count() -> int:
+    """How many times this worker group was restarted: by ganscale's launcher, or by torchrun --max-restarts."""
+    return int(os.environ.get(RESTARTS_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
 
 PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 

@@ -17,11 +17,12 @@ import torch.distributed as dist
 
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError
-from ganscale.fault import EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED, EXIT_PREEMPTED
+from ganscale.fault import (EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED, EXIT_PREEMPTED,
+                           RESTARTS_ENV)
 
 RUNS_ROOT = Path("runs")
 # What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
-RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|config\.yaml|config\.resumed-\d{8}\.yaml"
+RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|config\.yaml|config\.resumed-\d{8,}\.yaml"
                        r"|metrics\.jsonl|summary\.json|eval\.json)$")
 
 
@@ -91,7 +92,8 @@ def _refuse_two_histories(run_dir: Path, source: Path) -> None:
     if source.resolve().parent != checkpoint.checkpoint_dir(run_dir).resolve():
         raise ConfigError("--run-dir", f"'{run_dir}' already holds another run (checkpoints/{held[-1].name}); "
                           f"resuming {source} there would mix the two", "pass a new --run-dir to continue from it")
-    newer = [p for p in held if p.name > source.name and not checkpoint.problem(p)]
+    step = _step_of(source)
+    newer = [p for p in held if (_step_of(p) or 0) > (step or 0) and not checkpoint.problem(p)]
     if newer:
         raise ConfigError("--resume", f"'{run_dir}' holds newer intact checkpoints than {source.name} (up to "
                           f"{newer[-1].name}); training on from the older one there would discard or mix them",
@@ -123,21 +125,76 @@ def agree_on_run(run_dir: Path, resume: Path | None) -> tuple[Path, Path | None]
     return Path(chosen[0]), (Path(chosen[1]) if chosen[1] else None)
 
 
-def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0, run_dir: Path | None = None) -> int:
-    """Start `nproc` workers running `python -m ganscale <worker_args>` via torch's elastic agent."""
+def decide_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, Path | None]:
+    """Collective: rank 0 decides the run directory and resume point (`resolve_run`, its refusals included);
+    every rank takes that answer, or raises the same ConfigError or AlreadyTrained. A rank whose view of the
+    run directory differs (another node, a stale network file system) follows rank 0 instead of deciding
+    alone and leaving its peers waiting at the next collective."""
+    answer: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            path, source = resolve_run(cfg, run_dir, resume)
+            answer = [("run", str(path), str(source) if source else None)]
+        except ConfigError as e:
+            answer = [("refused", e.key, e.problem, e.fix)]
+        except AlreadyTrained as e:
+            answer = [("done", str(e))]
+    dist.broadcast_object_list(answer, src=0)
+    kind, *fields = answer[0]
+    if kind == "refused":
+        raise ConfigError(*fields)
+    if kind == "done":
+        raise AlreadyTrained(fields[0])
+    return Path(fields[0]), (Path(fields[1]) if fields[1] else None)
+
+
+def resume_after_restart(run_dir: str | Path | None, resume: str | None) -> str | None:
+    """What a restarted worker group resumes from: its run directory's newest intact checkpoint ('auto') once
+    it holds one; before its first checkpoint, what the first start resumed from (a branch's source, or None)."""
+    if run_dir is None or checkpoint.latest(Path(run_dir)) is not None:
+        return "auto"
+    return resume
+
+
+# A worker's exit that a restart cannot mend: a config, data or checkpoint error (the same again), a stop
+# request (the job is being ended), diverged training (the same again from the same checkpoint).
+NOT_RESTARTED = {EXIT_CONFIG: "a config, data or checkpoint error", EXIT_PREEMPTED: "a stop request",
+                 EXIT_NON_FINITE: "non-finite training"}
+
+
+def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0, run_dir: Path | None = None,
+                 resume: str | None = None) -> int:
+    """Start `nproc` workers running `python -m ganscale <worker_args> --run-dir RUN_DIR [--resume ...]` via torch's
+    elastic agent; after a worker dies, start the group again (up to `max_restarts` times) from the newest intact
+    checkpoint, unless the failure is one a restart repeats (NOT_RESTARTED). The restarts are ours, not the
+    agent's: the agent restarts on any exit code, a config error included."""
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    for restart in range(max_restarts + 1):
+        os.environ[RESTARTS_ENV] = str(restart)
+        where = ["--run-dir", str(run_dir), *(["--resume", resume] if resume else [])]
+        code, failed = _launch_once(nproc, [*worker_args, *where], run_dir)
+        if not failed or restart == max_restarts:
+            return code
+        if code in NOT_RESTARTED:
+            print(f"ganscale: not restarting the workers: {NOT_RESTARTED[code]} would stop them again",
+                  file=sys.stderr)
+            return code
+        resume = resume_after_restart(run_dir, resume)
+        print(f"ganscale: restarting the workers ({restart + 1} of --max-restarts {max_restarts}), resuming from "
+              f"{'the newest intact checkpoint' if resume == 'auto' else resume or 'the start'}", file=sys.stderr)
+    return code
+
+
+def _launch_once(nproc: int, worker_args: list[str], run_dir: Path | None) -> tuple[int, bool]:
+    """One start of the worker group: (exit code, whether a worker failed). The code is the root cause's where
+    a worker failed; a signal to this process (the job is being stopped) is not a worker's failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    if max_restarts:
-        # torch 2.13: restarted gloo workers hang in connectFullMesh when they share the agent's
-        # rendezvous TCP store (pytorch issues 135712, 167288).
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-                          monitor_interval=0.5)
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     started = time.time()
     try:
         elastic_launch(config, sys.executable)("-m", "ganscale", *worker_args)
@@ -150,10 +207,10 @@ def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0, run_
             print(f"ganscale: {e.sigval.name} received, but {', '.join(stalled)} did not finish the step within "
                   f"fault.exit_timeout_s; stacks and collectives are in {run_dir}/diagnostics/; the previous "
                   "checkpoint is kept", file=sys.stderr)
-            return EXIT_HANG
+            return EXIT_HANG, False
         print(f"ganscale: {e.sigval.name} received; workers were asked to checkpoint. Continue with --resume auto",
               file=sys.stderr)
-        return EXIT_PREEMPTED
+        return EXIT_PREEMPTED, False
     except ChildFailedError as e:
         # The root cause is a worker that failed on its own: not one the agent then stopped with a signal
         # (code < 0), nor one whose collective broke because a peer had died (EXIT_PEER_FAILED); the earliest.
@@ -161,12 +218,14 @@ def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0, run_
             item[1].exitcode < 0 or item[1].exitcode == EXIT_PEER_FAILED, item[1].timestamp, item[0]))
         print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
               f" (see its output above)", file=sys.stderr)
-        return first.exitcode if first.exitcode in (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE, EXIT_HANG) else 1
-    return 0
+        named = first.exitcode in (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE, EXIT_HANG)
+        return (first.exitcode if named else 1), True
+    return 0, False
 
 
-def run_worker(cfg: Config, run_dir: Path, resume: Path | None) -> dict:
-    """Train in this process as one rank of the group described by the environment."""
+def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, dict]:
+    """Train in this process as one rank of the group described by the environment; (run directory, summary).
+    Raises AlreadyTrained on every rank when rank 0 finds the run finished."""
     from ganscale import runtime as rt
     from ganscale.trainer import Trainer
 
@@ -174,13 +233,13 @@ def run_worker(cfg: Config, run_dir: Path, resume: Path | None) -> dict:
 
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
-        run_dir, resume = agree_on_run(run_dir, resume)
-        summary = Trainer(cfg, runtime, run_dir, resume).fit()
+        run_path, resume_from = decide_run(cfg, run_dir, resume)
+        summary = Trainer(cfg, runtime, run_path, resume_from).fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them
-    except (ConfigError, Preempted, NonFiniteTraining):
+    except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining):
         runtime.close()  # decisions every rank reached together: leave together
         raise
     # Any other error is this rank's own: the group stays open until the process exits, so the peers'
     # collectives break only then and the launcher sees this rank fail first.
     runtime.close()
-    return summary
+    return run_path, summary

@@ -9,7 +9,6 @@ limit) is a function of the step counter and of agreed values, the same on every
 from __future__ import annotations
 
 import math
-import os
 import resource
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
-from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault
+from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault, restart_count
 from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
@@ -264,7 +263,7 @@ class Trainer:
         return {"steps": self.step, "world_size": self.runtime.world, "global_batch": self.global_batch,
                 "micro_batch": self.slicing.micro_batch, "accumulation_steps": self.slicing.accumulation,
                 "skipped_steps": self.skipped_steps, "stopped": stopped, "wall_s": wall,
-                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                "restarts": restart_count(),
                 "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
                 "final": record, "quality": quality, "held_bytes": self.memory,
                 "communicated_bytes": {phase: dict(kinds) for phase, kinds in self.traffic.by_phase.items()},
