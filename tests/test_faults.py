@@ -286,3 +286,56 @@ def test_the_watchdog_works_when_its_descriptors_are_numbered_above_1024(tmp_pat
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # this process's limit as it was
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_hang_names_where_the_main_thread_is_not_only_its_last_mark(tmp_path):
+    """Slow local work after a mark (an optimizer step after "DDP all-reduce in backward") must not be reported
+    as a hang in the marked collective alone: the verdict also says where the main thread actually is."""
+    import ganscale
+
+    # Mark once from the main thread, then spin past the timeout in a uniquely named function.
+    script = (
+        "import time\n"
+        "from ganscale.watchdog import Watchdog\n"
+        "def spin_in_slow_local_work_q7z():\n"
+        "    until = time.monotonic() + 30\n"
+        "    while time.monotonic() < until:\n"
+        "        pass\n"
+        f"with Watchdog(0, 1, timeout_s=1, diagnostics_dir={str(tmp_path / 'diagnostics')!r}) as watchdog:\n"
+        "    watchdog.mark('step 1: DDP all-reduce in backward')\n"
+        "    spin_in_slow_local_work_q7z()\n"
+    )
+    src = str(Path(ganscale.__file__).resolve().parent.parent)
+    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)
+    from ganscale.fault import EXIT_HANG
+
+    assert result.returncode == EXIT_HANG, result.stderr[-3000:]
+    assert time.time() - started < 20
+    assert "hang detected on rank 0: no progress for 1 s" in result.stderr
+    assert "('step 1: DDP all-reduce in backward')" in result.stderr  # the last mark, as before
+    assert "main thread in <string>:" in result.stderr and " spin_in_slow_local_work_q7z" in result.stderr
+    stacks = (tmp_path / "diagnostics" / "rank0-stacks.txt").read_text()
+    assert stacks.startswith("# main thread in <string>:") and "spin_in_slow_local_work_q7z" in stacks.splitlines()[0]
+    assert "File" in stacks
+
+
+def test_main_thread_location_names_the_innermost_frame_and_ganscale_s_caller(tmp_path):
+    import threading
+
+    from ganscale.watchdog import Watchdog, main_thread_location
+
+    watchdog = Watchdog(0, 1, timeout_s=1000, diagnostics_dir=tmp_path / "diagnostics")
+    seen: list[str] = []
+
+    def look_while_main_waits_in_exit() -> None:  # stands in for the watchdog loop
+        watchdog._stop.wait(10)
+        time.sleep(0.3)  # the main thread is now in Watchdog.__exit__, joining this thread
+        seen.append(main_thread_location())
+    watchdog._thread = threading.Thread(target=look_while_main_waits_in_exit, daemon=True)
+    with watchdog:
+        pass
+    assert seen and seen[0].startswith("main thread in "), seen
+    assert ", called from ganscale/watchdog.py:" in seen[0] and seen[0].endswith(" __exit__"), seen

@@ -121,8 +121,16 @@ class Watchdog:
         return progress
 
     def _diagnose_and_exit(self, why: str) -> None:
+        # Where the main thread is now, not where it last marked: slow local work (an optimizer step after the mark
+        # "DDP all-reduce in backward") or a stop that waits for a step must not be blamed on the last mark.
+        location = main_thread_location()
+        if location:
+            why = f"{why} ({location})"
         self.diagnostics_dir.mkdir(parents=True, exist_ok=True)
         with open(self.diagnostics_dir / f"rank{self.rank}-stacks.txt", "w") as f:
+            if location:
+                f.write(f"# {location}\n\n")
+                f.flush()  # faulthandler writes to the descriptor, after this line
             faulthandler.dump_traceback(file=f, all_threads=True)
         with open(self.diagnostics_dir / f"rank{self.rank}-collectives.txt", "w") as f:
             f.write("time\tmark\twhere (ganscale's phases and collectives, oldest first)\n")
@@ -145,6 +153,43 @@ class Watchdog:
         print(f"ganscale: hang detected on rank {self.rank}: {why}. {verdict}. "
               f"Stacks and each rank's last collectives: {self.diagnostics_dir}/", file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def main_thread_location() -> str:
+    """One clause naming where the main thread is right now: its innermost frame and, when that is not
+    ganscale's own code, the innermost frame that is, e.g. "main thread in torch/optim/adam.py:123
+    _single_tensor_adam, called from ganscale/trainer.py:301 d_step". Empty if it cannot be told."""
+    try:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        if frame is None:
+            return ""
+        innermost, ours = frame, None
+        while frame is not None:
+            if os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+                ours = frame
+                break
+            frame = frame.f_back
+        where = f"main thread in {_describe(innermost)}"
+        if ours is not None and ours is not innermost:
+            where += f", called from {_describe(ours)}"
+        return where
+    except Exception:  # noqa: BLE001 - a diagnosis must not fail on the way out
+        return ""
+
+
+def _describe(frame) -> str:
+    """'torch/optim/adam.py:123 _single_tensor_adam': the file relative to its sys.path entry (else its name)."""
+    filename = frame.f_code.co_filename
+    shown = os.path.basename(filename)
+    if os.path.isabs(filename):
+        roots = [os.path.abspath(entry) for entry in sys.path if entry and isinstance(entry, str)]
+        roots = [root for root in roots if filename.startswith(root.rstrip(os.sep) + os.sep)]
+        if roots:
+            shown = os.path.relpath(filename, max(roots, key=len))
+    return f"{shown}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
 def _write_flight_recorder(path: Path) -> None:
