@@ -68,6 +68,20 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path,
     assert raised.value.key == str(newest)
 
 
+def test_a_checkpoint_renamed_with_its_marker_is_intact_and_one_copied_without_it_says_so(tmp_path):
+    folder = _two_checkpoints(tmp_path)
+    for suffix in (".pt", ".json"):
+        (tmp_path / f"best{suffix}").write_bytes((folder / f"step-00000020{suffix}").read_bytes())
+    assert checkpoint.problem(tmp_path / "best.pt") is None
+    assert checkpoint.load(tmp_path / "best.pt")["step"] == 20
+    (tmp_path / "best.pt").write_bytes((folder / "step-00000010.pt").read_bytes())  # other bytes: still caught
+    assert "truncated" in checkpoint.problem(tmp_path / "best.pt") or "corrupted" in checkpoint.problem(
+        tmp_path / "best.pt")
+    (tmp_path / "copy.pt").write_bytes((folder / "step-00000020.pt").read_bytes())
+    assert "copy.json" in checkpoint.problem(tmp_path / "copy.pt")
+    assert "copied without it" in checkpoint.problem(tmp_path / "copy.pt")
+
+
 def test_keep_prunes_checkpoints_and_their_markers(tmp_path):
     for step in (1, 2, 3, 4):
         checkpoint.save({"step": step}, tmp_path, step, keep=2)

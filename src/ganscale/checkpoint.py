@@ -106,7 +106,8 @@ def problem(path: Path) -> str | None:
     """Why this checkpoint cannot be trusted, or None when it is complete and intact."""
     marker = manifest_path(path)
     if not marker.is_file():
-        return "incomplete: no completion marker (the write was interrupted)"
+        return (f"incomplete: no completion marker {marker.name} beside it (the write was interrupted, or the file "
+                "was copied without it)")
     try:
         manifest = json.loads(marker.read_text())
     except (OSError, ValueError) as e:
@@ -114,6 +115,8 @@ def problem(path: Path) -> str | None:
     expected = _expected_files(manifest, path)
     if isinstance(expected, str):
         return f"malformed completion marker {marker.name} ({expected})"
+    if not path.is_dir() and len(expected) == 1:  # one file, renamed with its marker (best.pt, best.json): by content
+        expected = {path.name: next(iter(expected.values()))}
     try:
         present = _files(path)
         for name, want in expected.items():
@@ -124,7 +127,7 @@ def problem(path: Path) -> str | None:
             if _sha256(present[name]) != want["sha256"]:
                 return f"corrupted: the SHA-256 of {name} does not match its completion marker"
     except OSError as e:
-        return f"unreadable ({_reason(e)})"
+        return f"unreadable ({os_reason(e)})"
     return None
 
 
@@ -200,11 +203,11 @@ def _write_atomically(path: Path, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        _remove(tmp)
+        remove_written(tmp)
         raise
 
 
-def _remove(path: Path) -> None:
+def remove_written(path: Path) -> None:
     """Remove a file or folder we wrote, if it is there (best effort: this runs while handling a failure)."""
     try:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
@@ -236,7 +239,7 @@ def sweep(run_dir: Path) -> list[Path]:
         temporary = TEMPORARY.match(entry.name)
         if ((temporary and entry.is_file() and not entry.is_symlink() and not _alive(int(temporary.group(2))))
                 or (STAGING.match(entry.name) and entry.is_dir() and not entry.is_symlink())):
-            _remove(entry)
+            remove_written(entry)
             removed.append(entry)
     if removed:
         print(f"ganscale: removed {len(removed)} temporary file(s) of interrupted checkpoint writes in {folder} "
@@ -244,7 +247,7 @@ def sweep(run_dir: Path) -> list[Path]:
     return removed
 
 
-def _os_error(error: BaseException) -> OSError | None:
+def os_error_behind(error: BaseException) -> OSError | None:
     """The OSError behind a failed write: torch.save reports ENOSPC as a RuntimeError from its zip writer
     (the OSError is its context), torch.distributed.checkpoint as a CheckpointException with each rank's error."""
     pending, seen = [error], set()
@@ -262,7 +265,8 @@ def _os_error(error: BaseException) -> OSError | None:
     return None
 
 
-def _reason(error: OSError) -> str:
+def os_reason(error: OSError) -> str:
+    """The system's reason for a failed file operation, as a clause: 'no space left on device'."""
     text = error.strerror or str(error) or type(error).__name__
     return text[:1].lower() + text[1:]
 
@@ -270,7 +274,7 @@ def _reason(error: OSError) -> str:
 def _write_failed(path: Path, error: BaseException, what: str = "") -> CheckpointWriteError:
     """The error to raise for a failed write of checkpoint `path`; re-raises `error` when no OSError is behind
     it (a bug, an interrupt: its own traceback is the useful one)."""
-    cause = _os_error(error)
+    cause = os_error_behind(error)
     if cause is None:
         raise error
     folder = path.parent
@@ -282,7 +286,7 @@ def _write_failed(path: Path, error: BaseException, what: str = "") -> Checkpoin
     else:
         fix = f"check the disk holding {folder}"
     fix += ", then continue with --resume auto; the checkpoints written before are untouched"
-    return CheckpointWriteError(f"could not write checkpoint {path}{what}: {_reason(cause)}. Fix: {fix}", cause.errno)
+    return CheckpointWriteError(f"could not write checkpoint {path}{what}: {os_reason(cause)}. Fix: {fix}", cause.errno)
 
 
 def save(state: dict, run_dir: Path, step: int, keep: int) -> Path:
@@ -306,8 +310,8 @@ def _complete(path: Path, run_dir: Path, step: int, keep: int) -> Path:
         manifest = _manifest(path, step)
         _write_atomically(manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
     except BaseException as e:
-        _remove(manifest_path(path))  # one of an earlier write of this step would describe other bytes
-        _remove(path)
+        remove_written(manifest_path(path))  # one of an earlier write of this step would describe other bytes
+        remove_written(path)
         raise _write_failed(path, e, f" (its completion marker {manifest_path(path).name})") from e
     for old in list_checkpoints(run_dir)[:-keep]:
         manifest_path(old).unlink(missing_ok=True)  # first: a half-removed checkpoint is then plainly incomplete
@@ -335,7 +339,7 @@ def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) 
         dcp.save(shards, storage_writer=_shard_writer(staging))  # collective: each rank its files, rank 0 the metadata
     except BaseException as e:  # every rank gets the CheckpointException, after every rank stopped writing
         if dist.get_rank() == 0:
-            _remove(staging)
+            remove_written(staging)
         raise _write_failed(path, e) from e
     if dist.get_rank() != 0:
         dist.barrier()  # rank 0 moves the folder into place
@@ -345,7 +349,7 @@ def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) 
         shutil.rmtree(path, ignore_errors=True)  # one of the same step (e.g. an interrupted write) is replaced
         os.replace(staging, path)
     except BaseException as e:
-        _remove(staging)
+        remove_written(staging)
         raise _write_failed(path, e) from e
     dist.barrier()
     return _complete(path, run_dir, step, keep)
@@ -362,7 +366,7 @@ def _shard_writer(folder: Path):
             try:
                 return method(*args, **kwargs)
             except Exception as e:
-                cause = _os_error(e)
+                cause = os_error_behind(e)
                 if cause is None or cause is e:
                     raise
                 raise OSError(cause.errno, cause.strerror or str(cause)) from e

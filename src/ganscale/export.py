@@ -32,9 +32,9 @@ def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Pa
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600 (a private temporary file): as any new file instead
         os.replace(tmp, out)
     except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error for a failed write
-        checkpoint._remove(tmp)
-        cause = checkpoint._os_error(e)
-        reason = checkpoint._reason(cause) if cause else str(e).splitlines()[0]
+        checkpoint.remove_written(tmp)
+        cause = checkpoint.os_error_behind(e)
+        reason = checkpoint.os_reason(cause) if cause else str(e).splitlines()[0]
         raise ConfigError("--out", f"could not write {out}: {reason}",
                           "choose another --out, or make room on its disk") from None
     return out
