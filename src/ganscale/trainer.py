@@ -4,6 +4,8 @@ Every rank runs exactly this control flow. The decisions taken from local data o
 step with a non-finite loss or gradient, stop after a signal) are agreed in one all-reduce per
 optimizer step; everything else (penalty steps, logging, samples, checkpoints, the non-finite streak
 limit) is a function of the step counter and of agreed values, the same on every rank.
+What rank 0 alone writes (config, log, samples, checkpoint) is agreed where it is written: one broadcast
+tells every rank whether it succeeded (`rank0_writes`), so a failed write stops all ranks with its error.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import math
 import resource
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -75,6 +79,32 @@ class ReplicaDivergence(RuntimeError):
     """Parameters or buffers differ across ranks where they must be identical."""
 
 
+class Rank0WriteFailed(Exception):
+    """Rank 0 could not write its outputs, for a reason other than a refused file operation (those keep their
+    OSError type on every rank); raised on the other ranks, naming rank 0's error."""
+
+
+def _report(error: Exception) -> tuple:
+    """What rank 0 tells the other ranks of its failed write: enough to raise the same kind of error."""
+    kind = ("checkpoint" if isinstance(error, checkpoint.CheckpointWriteError)
+            else "file" if isinstance(error, OSError) and error.errno is not None else type(error).__name__)
+    code, reason, filename = (getattr(error, name, None) for name in ("errno", "strerror", "filename"))
+    message = (str(error).strip().splitlines() or [""])[0][:2000]  # its first line, whole
+    return kind, code, reason, filename, message
+
+
+def _error_of_rank0(what: str, report: tuple) -> Exception:
+    """The other ranks' error for rank 0's failed write: its type and errno, so the CLI shows it the same way
+    (one line, same exit code), and a message naming rank 0 and its own."""
+    kind, code, reason, filename, message = report
+    told = f"rank 0 could not write its {what}"
+    if kind == "checkpoint":
+        return checkpoint.CheckpointWriteError(f"{told}: {message}", code)
+    if kind == "file":
+        return OSError(code, f"{told}: {reason or message}", filename)  # the subclass of its errno, as rank 0's
+    return Rank0WriteFailed(f"{told}: {kind}: {message}")
+
+
 class Trainer:
     def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path, resume: Path | None = None):
         self.cfg, self.runtime, self.run_dir = cfg, runtime, Path(run_dir)
@@ -133,14 +163,15 @@ class Trainer:
         # the global RNG. Restored any earlier, those draws would shift G's dropout masks against the stopped run.
         if resume is not None:
             self._restore_rank_streams(saved_streams)
-        if runtime.is_main:  # only now: a bad data set or checkpoint leaves nothing behind
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            resolved = to_yaml(cfg)
-            config_file = self.run_dir / "config.yaml"
-            if self.step > 0 and config_file.exists() and config_file.read_text() != resolved:
-                config_file = self.run_dir / f"config.resumed-{self.step:08d}.yaml"  # never overwrite the original
-            config_file.write_text(resolved)
-        self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
+        with self.rank0_writes("run directory"):  # collective on leaving: one broadcast
+            if runtime.is_main:  # only now: a bad data set or checkpoint leaves nothing behind
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                resolved = to_yaml(cfg)
+                config_file = self.run_dir / "config.yaml"
+                if self.step > 0 and config_file.exists() and config_file.read_text() != resolved:
+                    config_file = self.run_dir / f"config.resumed-{self.step:08d}.yaml"  # never overwrite the original
+                config_file.write_text(resolved)
+            self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
 
     @staticmethod
     def _adam(net: Wrapped, opt_cfg, fused: bool) -> torch.optim.Optimizer:
@@ -221,10 +252,12 @@ class Trainer:
                 times = self.times.take(self.step - logged_step)  # this rank's; rank 0's are logged
                 logged_step = self.step
                 values = {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held, **sent, **times}
-                record = self.log.log(self.step, values, self.global_batch)
+                with self.rank0_writes("metrics"):  # collective on leaving: one broadcast
+                    record = self.log.log(self.step, values, self.global_batch)
             # Both decisions below come from values every rank agreed on in _finish_step's collective.
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
-                self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
+                with self.rank0_writes("summary"):  # collective on leaving: one broadcast
+                    self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
                 raise NonFiniteTraining(
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
                     f"(last: {record or g_stats}); the last good checkpoint is kept. "
@@ -237,12 +270,14 @@ class Trainer:
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed:
                     self.save_checkpoint()
             if self.stop_agreed and not final:
-                self.log.close(self._summary(start_step, started, record, quality, stopped="preempted"))
+                with self.rank0_writes("summary"):  # collective on leaving: one broadcast
+                    self.log.close(self._summary(start_step, started, record, quality, stopped="preempted"))
                 raise Preempted(f"stopped at step {self.step} on request ({self.stop_signal or 'another rank'}); "
                                 f"checkpoint written; continue with --resume auto")
 
         summary = self._summary(start_step, started, record, quality)
-        self.log.close(summary)
+        with self.rank0_writes("summary"):  # collective on leaving: one broadcast
+            self.log.close(summary)
         return summary
 
     def _memory_report(self) -> list[dict]:
@@ -438,6 +473,30 @@ class Trainer:
         return (*means, norm)
 
     # ----------------------------------------------------------------------------------- outputs
+    @contextmanager
+    def rank0_writes(self, what: str) -> Iterator[None]:
+        """Collective on leaving the block: one broadcast tells every rank whether rank 0's writes in it
+        succeeded. If not, every rank raises: rank 0 its own error, the others the same kind of error naming it
+        (`_error_of_rank0`). A rank 0 that failed alone would leave its peers waiting in the next collective
+        until a timeout that hides the cause. Used only where rank 0 writes; no broadcast in a one-rank run."""
+        if self.runtime.world == 1:
+            yield
+            return
+        failure = None
+        try:
+            yield
+        except Exception as e:
+            if not self.runtime.is_main:  # another rank's own error: it leaves at once, as anywhere else
+                raise
+            failure = e
+        self.watchdog.mark(f"step {self.step}: broadcast of whether rank 0 wrote its {what}")
+        told = [None if failure is None else _report(failure)]
+        dist.broadcast_object_list(told, src=0)
+        if failure is not None:
+            raise failure  # unchanged: the CLI shows it as before
+        if told[0] is not None:
+            raise _error_of_rank0(what, told[0])
+
     def synchronise_buffers(self) -> None:
         """Collective: make per-rank BatchNorm statistics one (before sampling, evaluating, saving)."""
         self.watchdog.mark(f"step {self.step}: all-reduce of BatchNorm statistics")
@@ -453,18 +512,17 @@ class Trainer:
         z = self._global_latents(0, PHASE_SAMPLES, PROTOCOL_SAMPLES) if mixture else self.sample_z
         with torch.no_grad():
             drawn = self.task.preview(self.G_ema, z).float().cpu()
-        if not self.runtime.is_main:
-            return {}
         quality: dict[str, float] = {}
-        if mixture:
-            points = drawn
-            quality = score_named(self.cfg.data.kind, points).as_dict()
-            self.log.add_scalars("quality", quality, self.step)
-            picture = scatter(points, MIXTURE_MODES[self.cfg.data.kind]())
-        else:
-            picture = image_grid(drawn, cols=self.task.grid_columns)
-        write_png(picture, self.run_dir / "samples" / f"step-{self.step:08d}.png")
-        self.log.add_image("samples", picture, self.step)
+        with self.rank0_writes("samples"):  # collective on leaving: one broadcast
+            if self.runtime.is_main:
+                if mixture:
+                    quality = score_named(self.cfg.data.kind, drawn).as_dict()
+                    self.log.add_scalars("quality", quality, self.step)
+                    picture = scatter(drawn, MIXTURE_MODES[self.cfg.data.kind]())
+                else:
+                    picture = image_grid(drawn, cols=self.task.grid_columns)
+                write_png(picture, self.run_dir / "samples" / f"step-{self.step:08d}.png")
+                self.log.add_image("samples", picture, self.step)
         return quality
 
     def score_images(self) -> dict[str, float]:
@@ -472,9 +530,10 @@ class Trainer:
         self.synchronise_buffers()
         self.watchdog.mark(f"step {self.step}: image metrics (features all-gathered)")
         scores = self.image_scorer.score(lambda z: self.task.from_noise(self.G_ema, z).float())
-        if self.runtime.is_main:
-            self.log.add_scalars("quality", scores, self.step)
-            self.log.log_extra(self.step, {f"eval_{k}": v for k, v in scores.items()})
+        with self.rank0_writes("image metrics"):  # collective on leaving: one broadcast
+            if self.runtime.is_main:
+                self.log.add_scalars("quality", scores, self.step)
+                self.log.log_extra(self.step, {f"eval_{k}": v for k, v in scores.items()})
         return scores
 
     def state_dict(self, rng_states: list[dict], networks: dict[str, dict]) -> dict:
@@ -498,10 +557,12 @@ class Trainer:
                                            self.step, self.cfg.checkpoint.keep)
         networks = {"G": self.G.model_state(), "D": self.D.model_state(), "G_ema": self.G.model_state(self.G_ema),
                     "opt_g": self.G.optimizer_state(self.opt_g), "opt_d": self.D.optimizer_state(self.opt_d)}
-        if self.runtime.is_main:  # the full states above were gathered by every rank (collectives when sharded)
-            state = self.state_dict(rng_states, networks)
-            return checkpoint.save(state, self.run_dir, self.step, self.cfg.checkpoint.keep)
-        return None
+        path = None
+        with self.rank0_writes("checkpoint"):  # collective on leaving: one broadcast
+            if self.runtime.is_main:  # the full states above were gathered by every rank (collectives when sharded)
+                state = self.state_dict(rng_states, networks)
+                path = checkpoint.save(state, self.run_dir, self.step, self.cfg.checkpoint.keep)
+        return path
 
     def _sharded_state(self) -> dict:
         """This rank's shards of G (with G_ema), D and their optimizers, for torch.distributed.checkpoint."""

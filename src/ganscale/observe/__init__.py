@@ -1,6 +1,7 @@
 """What a run leaves behind for people: metrics.jsonl, TensorBoard, progress, samples, summary.
 
-Only rank 0 writes. Values handed in here are already global (reduced by the trainer).
+Only rank 0 writes. Values handed in here are already global (reduced by the trainer). A write that fails
+raises; the trainer then stops every rank with that error (Trainer.rank0_writes).
 """
 
 from __future__ import annotations
