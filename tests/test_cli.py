@@ -216,29 +216,36 @@ def test_resuming_a_finished_run_or_an_older_checkpoint_into_it_leaves_it_as_it_
     assert checkpoint_steps(tmp_path / "BRANCH") == [12]
 
 
-def _torchrun_like(rank_args: list[list[str]], cwd: Path, timeout: float = 90) -> list[subprocess.CompletedProcess]:
-    """One `python -m ganscale train` per rank, with the environment torchrun gives its workers (rendezvous at
-    rank 0's store); each rank gets its own command line."""
+def ganscale_ranks(rank_args: list[list[str]], cwd: Path, timeout: float = 90,
+                   setup: dict[int, object] | None = None) -> list[subprocess.CompletedProcess]:
+    """`python -m ganscale train ARGS` once per rank with the environment torchrun gives its workers (rendezvous
+    at rank 0's store), each rank its own ARGS and optional `setup` (run in the child before it starts); each
+    rank's exit code and output. A rank still running after `timeout` (left waiting) fails the test."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    world = len(rank_args)
+    world, setup = len(rank_args), setup or {}
     ranks = [subprocess.Popen([sys.executable, "-m", "ganscale", "train", *args], cwd=cwd, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=setup.get(rank),
                               env={**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+                                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                                   "OMP_NUM_THREADS": "1"})
              for rank, args in enumerate(rank_args)]
     results = []
-    for rank, process in enumerate(ranks):
-        try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in ranks:
-                other.kill()
-            raise AssertionError(f"rank {rank} still running after {timeout} s") from None
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    try:
+        for rank, process in enumerate(ranks):
+            try:
+                out, err = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"rank {rank} still running after {timeout} s: left waiting") from None
+            results.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
     return results
 
 
@@ -250,12 +257,12 @@ def test_rank_0_decides_the_run_directory_and_resume_point_for_every_rank(tmp_pa
     files = {p: p.read_bytes() for p in (tmp_path / "RUN").rglob("*") if p.is_file()}
     common = [*TINY_RUN, "--set", "parallel.timeout_s=30", "--resume", "auto"]
 
-    done = _torchrun_like([[*common, "--run-dir", "RUN"], [*common, "--run-dir", "ELSEWHERE"]], tmp_path)
+    done = ganscale_ranks([[*common, "--run-dir", "RUN"], [*common, "--run-dir", "ELSEWHERE"]], tmp_path)
     assert [r.returncode for r in done] == [0, 0], "\n".join(map(explain, done))
     assert "nothing to do" in done[0].stdout and done[1].stdout == ""  # said once, by rank 0
 
     past = [*common, "--set", "train.steps=1"]  # the run is at step 2: refused, on every rank, naming the key
-    refused = _torchrun_like([[*past, "--run-dir", "RUN"], [*past, "--run-dir", "ELSEWHERE"]], tmp_path)
+    refused = ganscale_ranks([[*past, "--run-dir", "RUN"], [*past, "--run-dir", "ELSEWHERE"]], tmp_path)
     assert [r.returncode for r in refused] == [2, 2], "\n".join(map(explain, refused))
     assert all("'train.steps'" in r.stderr and "Traceback" not in r.stderr for r in refused)
     assert not (tmp_path / "ELSEWHERE").exists()

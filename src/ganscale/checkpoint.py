@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ganscale.config import ConfigError
+from ganscale.fault import CheckpointWriteError, rank0_writes
 
 PATTERN = re.compile(r"^step-(\d{8,})\.(pt|dcp)$")  # zero-padded to 8 digits; step 10**8 and on take more
 TEMPORARY = re.compile(r"^\.step-\d{8,}\.(pt|json)\.tmp-(\d+)$")  # a file being written by process PID
@@ -42,18 +43,6 @@ META_KEYS = ("step", "data_position", "skipped_steps", "scaler", "rng", "config"
 RESUME_KEYS = (*NETWORKS, "opt_g", "opt_d", *META_KEYS)  # what a resume reads of a full checkpoint
 RESUME_FIX = "resume from an intact one with --resume PATH, or start a new --run-dir"
 LOAD_FIX = "use an intact checkpoint written by `ganscale train` (RUN_DIR/checkpoints/step-N.pt or step-N.dcp)"
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (e.g. no space left on device). Not bad input: the run stops with
-    exit code 1 and this one-line message; what the failed write had written is removed, the checkpoints
-    written before are untouched."""
-
-    exit_code = 1
-
-    def __init__(self, message: str, code: int | None = None):
-        super().__init__(message)
-        self.errno = code
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -327,32 +316,32 @@ def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) 
     folder = checkpoint_dir(run_dir)
     path = folder / f"step-{step:08d}.dcp"
     staging = folder / f".{path.name}.tmp"  # the same name on every rank: one folder, written by all
-    if dist.get_rank() == 0:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            sweep(run_dir)  # also the staging folder of an interrupted write, of this step or another
-            staging.mkdir()
-        except BaseException as e:
-            raise _write_failed(path, e) from e
-    dist.barrier()
+    main = dist.get_rank() == 0
+    with rank0_writes("checkpoint"):  # collective on leaving: one broadcast
+        if main:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                sweep(run_dir)  # also the staging folder of an interrupted write, of this step or another
+                staging.mkdir()
+            except BaseException as e:
+                raise _write_failed(path, e) from e
     try:
         dcp.save(shards, storage_writer=_shard_writer(staging))  # collective: each rank its files, rank 0 the metadata
     except BaseException as e:  # every rank gets the CheckpointException, after every rank stopped writing
-        if dist.get_rank() == 0:
+        if main:
             remove_written(staging)
         raise _write_failed(path, e) from e
-    if dist.get_rank() != 0:
-        dist.barrier()  # rank 0 moves the folder into place
-        return None
-    try:
-        _write_atomically(staging / META, lambda f: torch.save(meta, f))
-        shutil.rmtree(path, ignore_errors=True)  # one of the same step (e.g. an interrupted write) is replaced
-        os.replace(staging, path)
-    except BaseException as e:
-        remove_written(staging)
-        raise _write_failed(path, e) from e
-    dist.barrier()
-    return _complete(path, run_dir, step, keep)
+    with rank0_writes("checkpoint"):  # collective on leaving: one broadcast
+        if main:
+            try:
+                _write_atomically(staging / META, lambda f: torch.save(meta, f))
+                shutil.rmtree(path, ignore_errors=True)  # one of the same step (an interrupted write) is replaced
+                os.replace(staging, path)
+            except BaseException as e:
+                remove_written(staging)
+                raise _write_failed(path, e) from e
+            return _complete(path, run_dir, step, keep)
+    return None
 
 
 def _shard_writer(folder: Path):

@@ -24,8 +24,8 @@ def _fail(error: Exception) -> None:
     sys.exit(EXIT_CONFIG)
 
 
-REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENOTDIR,
-                          errno.EISDIR}
+REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
+                          errno.EIO, errno.ENOTDIR, errno.EISDIR}
 
 
 def _known_failure(error: BaseException) -> tuple[str, int] | None:

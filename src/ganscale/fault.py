@@ -10,7 +10,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 EXIT_CONFIG = 2       # bad config, data or checkpoint: nothing was written
 EXIT_PREEMPTED = 3    # SIGTERM/SIGINT: the current step finished, a checkpoint was written; --resume auto
@@ -46,6 +47,78 @@ class NonFiniteTraining(Exception):
     """Losses or gradients stayed non-finite for `fault.max_consecutive_skips` steps."""
 
     exit_code = EXIT_NON_FINITE
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. no space left on device). Not bad input: the run stops with
+    exit code 1 and this one-line message; what the failed write had written is removed, the checkpoints
+    written before are untouched."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.errno = code
+
+
+class Rank0WriteFailed(Exception):
+    """Rank 0 could not write its outputs, for a reason other than a refused file operation (those keep their
+    OSError type on every rank); raised on the other ranks, naming rank 0's error."""
+
+
+@contextmanager
+def rank0_writes(what: str, mark: Callable[[str], None] = lambda where: None) -> Iterator[None]:
+    """Around what rank 0 alone writes (config, log, samples, a checkpoint). Collective on leaving the block: one
+    broadcast tells every rank whether rank 0's writes succeeded; if not, every rank raises, rank 0 its own error,
+    the others the same kind of error naming it (`error_of_rank0`), so the CLI shows them alike. A rank 0 that
+    failed alone would leave its peers waiting in their next collective, until a timeout that hides the cause.
+    `mark` is told before the collective (the hang watchdog). Nothing is sent in a one-rank group."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    main = dist.get_rank() == 0
+    failure = None
+    try:
+        yield
+    except Exception as e:
+        if not main:  # another rank's own error: it leaves at once, as anywhere else
+            raise
+        failure = e
+    mark(f"broadcast of whether rank 0 wrote its {what}")
+    nccl = dist.get_backend() == "nccl"
+    failed = torch.tensor([failure is not None], device=torch.cuda.current_device() if nccl else "cpu")
+    dist.broadcast(failed, src=0)
+    if not failed.item():
+        return
+    told = [report_of(failure) if main else None]  # only on failure: the report itself
+    dist.broadcast_object_list(told, src=0)
+    if failure is not None:
+        raise failure  # unchanged: the CLI shows it as before
+    raise error_of_rank0(what, told[0])
+
+
+def report_of(error: Exception) -> tuple:
+    """What rank 0 tells the other ranks of its failed write: enough to raise the same kind of error."""
+    kind = ("checkpoint" if isinstance(error, CheckpointWriteError)
+            else "file" if isinstance(error, OSError) and error.errno is not None else type(error).__name__)
+    code, reason, filename = (getattr(error, name, None) for name in ("errno", "strerror", "filename"))
+    message = (str(error).strip().splitlines() or [""])[0][:2000]  # its first line, whole
+    return kind, code, reason, filename, message
+
+
+def error_of_rank0(what: str, report: tuple) -> Exception:
+    """The other ranks' error for rank 0's failed write: its type and errno, so the CLI shows it the same way
+    (one line, same exit code), and a message naming rank 0 and its own."""
+    kind, code, reason, filename, message = report
+    told = f"rank 0 could not write its {what}"
+    if kind == "checkpoint":
+        return CheckpointWriteError(f"{told}: {message}", code)
+    if kind == "file":
+        return OSError(code, f"{told}: {reason or message}", filename)  # the subclass of its errno, as rank 0's
+    return Rank0WriteFailed(f"{told}: {kind}: {message}")
 
 
 class StopSignals:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 import resource
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
-from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault, restart_count
+from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault, rank0_writes, restart_count
 from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
@@ -77,32 +75,6 @@ class MicroStepMeans:
 
 class ReplicaDivergence(RuntimeError):
     """Parameters or buffers differ across ranks where they must be identical."""
-
-
-class Rank0WriteFailed(Exception):
-    """Rank 0 could not write its outputs, for a reason other than a refused file operation (those keep their
-    OSError type on every rank); raised on the other ranks, naming rank 0's error."""
-
-
-def _report(error: Exception) -> tuple:
-    """What rank 0 tells the other ranks of its failed write: enough to raise the same kind of error."""
-    kind = ("checkpoint" if isinstance(error, checkpoint.CheckpointWriteError)
-            else "file" if isinstance(error, OSError) and error.errno is not None else type(error).__name__)
-    code, reason, filename = (getattr(error, name, None) for name in ("errno", "strerror", "filename"))
-    message = (str(error).strip().splitlines() or [""])[0][:2000]  # its first line, whole
-    return kind, code, reason, filename, message
-
-
-def _error_of_rank0(what: str, report: tuple) -> Exception:
-    """The other ranks' error for rank 0's failed write: its type and errno, so the CLI shows it the same way
-    (one line, same exit code), and a message naming rank 0 and its own."""
-    kind, code, reason, filename, message = report
-    told = f"rank 0 could not write its {what}"
-    if kind == "checkpoint":
-        return checkpoint.CheckpointWriteError(f"{told}: {message}", code)
-    if kind == "file":
-        return OSError(code, f"{told}: {reason or message}", filename)  # the subclass of its errno, as rank 0's
-    return Rank0WriteFailed(f"{told}: {kind}: {message}")
 
 
 class Trainer:
@@ -473,29 +445,9 @@ class Trainer:
         return (*means, norm)
 
     # ----------------------------------------------------------------------------------- outputs
-    @contextmanager
-    def rank0_writes(self, what: str) -> Iterator[None]:
-        """Collective on leaving the block: one broadcast tells every rank whether rank 0's writes in it
-        succeeded. If not, every rank raises: rank 0 its own error, the others the same kind of error naming it
-        (`_error_of_rank0`). A rank 0 that failed alone would leave its peers waiting in the next collective
-        until a timeout that hides the cause. Used only where rank 0 writes; no broadcast in a one-rank run."""
-        if self.runtime.world == 1:
-            yield
-            return
-        failure = None
-        try:
-            yield
-        except Exception as e:
-            if not self.runtime.is_main:  # another rank's own error: it leaves at once, as anywhere else
-                raise
-            failure = e
-        self.watchdog.mark(f"step {self.step}: broadcast of whether rank 0 wrote its {what}")
-        told = [None if failure is None else _report(failure)]
-        dist.broadcast_object_list(told, src=0)
-        if failure is not None:
-            raise failure  # unchanged: the CLI shows it as before
-        if told[0] is not None:
-            raise _error_of_rank0(what, told[0])
+    def rank0_writes(self, what: str):
+        """`fault.rank0_writes` (a collective on leaving the block), marked for the hang watchdog."""
+        return rank0_writes(what, lambda where: self.watchdog.mark(f"step {self.step}: {where}"))
 
     def synchronise_buffers(self) -> None:
         """Collective: make per-rank BatchNorm statistics one (before sampling, evaluating, saving)."""

@@ -38,7 +38,7 @@ class RunLog:
         steps = max(step - self._last_step, 1)
         record = {"step": step, **values, "img_per_s": images_per_step * steps / max(now - self._last_time, 1e-9)}
         self._last_step, self._last_time = step, now
-        self.metrics.write(json.dumps(record) + "\n")
+        self._append(record)
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step":
@@ -54,9 +54,15 @@ class RunLog:
         """A record of its own (e.g. image metrics at an evaluation step): metrics.jsonl and the console."""
         if not self.enabled:
             return
-        self.metrics.write(json.dumps({"step": step, **values}) + "\n")
+        self._append({"step": step, **values})
         line = " ".join(f"{k} {v:.4g}" for k, v in values.items())
         (self.bar.write if self.bar is not None else print)(f"step {step} {line}")
+
+    def _append(self, record: dict) -> None:
+        try:
+            self.metrics.write(json.dumps(record) + "\n")
+        except OSError as e:  # a write error names no file: name it (a full disk, a file-size limit)
+            raise OSError(e.errno, e.strerror, self.metrics.name) from e
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
@@ -83,7 +89,15 @@ class RunLog:
 
 
 def _drop_records_after(path: Path, step: int) -> None:
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    """Keep the records up to `step`; one cut short by a failed write (a full disk) is dropped as well."""
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)
