@@ -92,6 +92,29 @@ def test_compile_is_refused_where_it_cannot_compute_what_eager_does(overrides, s
     assert refused.value.key == "train.compile" and says in str(refused.value)
 
 
+@pytest.mark.parametrize("mode, marks", [("off", False), ("default", False), ("reduce-overhead", True),
+                                         ("max-autotune", True)])
+def test_every_compile_mode_that_records_cuda_graphs_marks_each_iteration(mode, marks):
+    """max-autotune records CUDA graphs as reduce-overhead does; unmarked, a micro-step's forward would free the
+    gradients of the one before."""
+    from ganscale.parallel import Wrapped
+    from ganscale.parallel.speed import compiled
+
+    net = torch.nn.Linear(2, 2)
+    wrapped = compiled(Wrapped(net, net), mode)  # torch.compile is lazy: nothing is compiled here
+    assert (wrapped.begin_iteration == torch.compiler.cudagraph_mark_step_begin) is marks
+
+
+def test_channels_last_with_fsdp2_networks_is_refused():
+    """FSDP2 shards only contiguous parameters: it raised NotImplementedError at start-up."""
+    from ganscale import config
+
+    cfg = config.load(None, ["train.channels_last=true", "parallel.generator=zero2"])
+    with pytest.raises(config.ConfigError) as refused:
+        config.check(cfg, 2, False)
+    assert refused.value.key == "train.channels_last" and "zero2" in str(refused.value)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_batch_one_step_trains_like_eager(tmp_path):
     """reduce-overhead (CUDA graphs) at batch 1 on a small pix2pix-like conv GAN: same training as eager."""

@@ -339,3 +339,18 @@ def test_main_thread_location_names_the_innermost_frame_and_ganscale_s_caller(tm
         pass
     assert seen and seen[0].startswith("main thread in "), seen
     assert ", called from ganscale/watchdog.py:" in seen[0] and seen[0].endswith(" __exit__"), seen
+
+
+@pytest.mark.parametrize("backend, written", [("nccl", b"nccl trace"), ("gloo", b"generic trace")])
+def test_the_flight_recorder_dumped_is_the_backend_s_own(tmp_path, monkeypatch, backend, written):
+    """Under NCCL the NCCL recorder (CUDA builds only: faked here); the generic one holds gloo's collectives."""
+    from torch._C import _distributed_c10d as c10d
+
+    from ganscale import watchdog
+
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *flags: b"nccl trace", raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda *flags: b"generic trace")
+    monkeypatch.setattr(watchdog.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(watchdog.dist, "get_backend", lambda *group: backend)
+    watchdog._write_flight_recorder(tmp_path / "fr.json")
+    assert (tmp_path / "fr.json").read_bytes() == written

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_helpers import max_relative_difference, run_ranks, train_and_collect
 from test_cli import clean_env
@@ -256,6 +257,32 @@ def test_mesh_and_offload_mistakes_are_refused_before_start(tmp_path, overrides,
     assert not (tmp_path / "r").exists()
 
 
+def _saved_states(rank, world, overrides, run_dir):
+    def hook(trainer):
+        def states():
+            saved = {"G": trainer.G.model_state(saving=True), "opt_d": trainer.D.optimizer_state(trainer.opt_d, True)}
+            full = {"G": trainer.G.model_state(), "opt_d": trainer.D.optimizer_state(trainer.opt_d)}
+            return {"saved": saved, "full": full}
+        return states
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
+
+
+def test_checkpoint_states_are_gathered_into_rank_0_alone():
+    """What a full checkpoint holds is gathered into rank 0's host memory only: no rank (no GPU) holds a full copy
+    of a sharded network beside its shards while rank 0 writes."""
+    import tempfile
+
+    overrides = {**MLP_ADAM, "train.steps": 2, "parallel.generator": "zero2", "parallel.discriminator": "fsdp",
+                 "loss.r1_gamma": 0}
+    with tempfile.TemporaryDirectory() as run_dir:
+        ranks = [r["extra"] for r in run_ranks(_saved_states, 2, overrides, run_dir)]
+    assert ranks[1]["saved"]["G"] == {} and not ranks[1]["saved"]["opt_d"].get("state")
+    saved, full = ranks[0]["saved"], ranks[0]["full"]
+    assert saved["G"].keys() == full["G"].keys()
+    assert all(torch.equal(saved["G"][k], full["G"][k]) and saved["G"][k].device.type == "cpu" for k in saved["G"])
+    assert saved["opt_d"]["state"].keys() == full["opt_d"]["state"].keys()
+
+
 # ------------------------------------------------------------------------------------ sharded checkpoints
 @pytest.mark.parametrize("first, first_world, second, second_world", [("fsdp", 2, "ddp", 1), ("ddp", 1, "zero2", 2)])
 def test_sharded_checkpoint_resumes_under_another_strategy_and_world_size(tmp_path, first, first_world, second,
@@ -294,6 +321,17 @@ def test_sharded_checkpoints_are_refused_where_the_state_dict_api_does_not_reach
     assert info.value.key == "checkpoint.format" and "zero1" in str(info.value)
 
 
+def test_cpu_offload_runs_host_memory_collectives_on_gloo_beside_nccl():
+    """NCCL has no CPU backend; FSDP2's CPU offload all-reduces gradient norms (and fp16's inf checks) of host-memory
+    gradients, which failed with 'No backend type associated with device type cpu'."""
+    from ganscale.runtime import backend_for
+
+    assert backend_for("auto", use_cuda=True, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
+    assert backend_for("nccl", use_cuda=True, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
+    assert backend_for("auto", use_cuda=True) == "nccl" and backend_for("auto", use_cuda=False) == "gloo"
+    assert backend_for("gloo", use_cuda=True, cpu_collectives=True) == "gloo"
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="FSDP2's CPU offload needs a CUDA device")
 def test_cpu_offload_keeps_shards_and_optimizer_state_in_host_memory(tmp_path):
     """ZeRO-offload on one GPU: FSDP2 over a group of one (NCCL), parameters and Adam state on the CPU."""
@@ -304,7 +342,7 @@ def test_cpu_offload_keeps_shards_and_optimizer_state_in_host_memory(tmp_path):
     cfg = config.load(None, [f"{k}={v}" for k, v in {**MLP_ADAM, "train.device": "cuda", "parallel.generator": "fsdp",
                                                        "parallel.cpu_offload": "true"}.items()])
     config.check(cfg, 1, True)
-    runtime = start("cuda")
+    runtime = start("cuda", cpu_collectives=True)  # as launch.run_worker starts it for cpu_offload
     try:
         trainer = Trainer(cfg, runtime, tmp_path)
         summary = trainer.fit()

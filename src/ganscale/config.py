@@ -183,8 +183,8 @@ class TrainConfig(Section):
     channels_last: bool = False
     """Image networks' weights (hence their activations) in NHWC layout: faster convolutions on GPUs."""
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
-    """torch.compile G and D (the mode): reduce-overhead also captures CUDA graphs on GPU (what a batch-1
-    step needs). Not with R1 or the gradient penalty (no double backward), FSDP2 strategies or pipeline."""
+    """torch.compile G and D (the mode): reduce-overhead and max-autotune also capture CUDA graphs on GPU (what a
+    batch-1 step needs). Not with R1 or the gradient penalty (no double backward), FSDP2 strategies or pipeline."""
     reuse_fake: bool | None = None
     """G's step judges the samples D's step generated (kept with their graph: one G forward per iteration,
     as PyTorch's DCGAN example and the pix2pix reference train) instead of fresh ones. Unset: on for
@@ -478,6 +478,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     _check_parallel(cfg.parallel, world_size, on_cuda)
     _check_eval(cfg)
     _check_compile(cfg)
+    _check_channels_last(cfg)
     unsupported = sorted({s for s in cfg.parallel.strategies() if s in ("zero1", "pipeline")})
     if cfg.checkpoint.format == "sharded" and unsupported:
         raise ConfigError("checkpoint.format", f"sharded checkpoints are written through torch's state-dict API, "
@@ -656,6 +657,15 @@ def _check_compile(cfg: Config) -> None:
         raise ConfigError("train.compile", f"compiling {', '.join(eager_only)} networks is not supported by ganscale "
                           "(their communication runs in hooks and stages the compiled graph would have to cross)",
                           "set train.compile=off, or use ddp or zero1 for both networks")
+
+
+def _check_channels_last(cfg: Config) -> None:
+    """FSDP2 shards only contiguous parameters, and channels-last 4-D weights are not (torch 2.13)."""
+    sharded = sorted({s for s in cfg.parallel.strategies() if s in FULLY_SHARDED})
+    if cfg.train.channels_last and sharded:
+        raise ConfigError("train.channels_last", f"{', '.join(sharded)} networks cannot hold channels-last weights "
+                          "(FSDP2 shards only contiguous parameters)",
+                          "set train.channels_last=false, or use ddp or zero1 for both networks")
 
 
 def _check_eval(cfg: Config) -> None:

@@ -175,8 +175,10 @@ def usable_cores() -> int:
 
 def resolve(device: str, backend: str, cuda_available: bool) -> tuple[bool, str]:
     """(runs on CUDA, backend) as `ganscale.runtime.start` would choose them."""
+    from ganscale.runtime import backend_for
+
     on_cuda = device == "cuda" or (device == "auto" and cuda_available)
-    return on_cuda, backend if backend != "auto" else ("nccl" if on_cuda else "gloo")
+    return on_cuda, backend_for(backend, on_cuda)
 
 
 @dataclass

@@ -231,7 +231,7 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
 
     from ganscale.fault import NonFiniteTraining, Preempted
 
-    runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
     try:
         run_path, resume_from = decide_run(cfg, run_dir, resume)
         summary = Trainer(cfg, runtime, run_path, resume_from).fit()

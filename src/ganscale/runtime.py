@@ -40,7 +40,16 @@ def environment_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> Runtime:
+def backend_for(backend: str, use_cuda: bool, cpu_collectives: bool = False) -> str:
+    """The process group's backend: NCCL on GPUs, gloo on CPUs ('auto'). `cpu_collectives` (FSDP2's CPU offload,
+    whose gradients live in host memory: their norm and fp16's inf check are all-reduced there) adds gloo for
+    CPU tensors beside NCCL, which has no CPU backend."""
+    chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+    return "cpu:gloo,cuda:nccl" if chosen == "nccl" and cpu_collectives else chosen
+
+
+def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
+          cpu_collectives: bool = False) -> Runtime:
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
@@ -53,7 +62,7 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
     # watchdog writes it to RUN_DIR/diagnostics/. It must be sized before the group is made.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     if owns:
-        chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+        chosen = backend_for(backend, use_cuda, cpu_collectives)
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(chosen, timeout=timeout, device_id=dev if use_cuda else None)

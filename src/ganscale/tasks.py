@@ -111,8 +111,8 @@ class Paired(Unconditional):
         device = next(G.parameters()).device
         inputs = torch.stack([pair[0] for pair in self.preview_pairs]).to(device)
         targets = torch.stack([pair[1] for pair in self.preview_pairs]).to(device)
-        outputs = G(inputs)
-        return torch.stack([inputs, outputs.to(inputs.dtype), targets], dim=1).flatten(0, 1)
+        outputs = G(inputs).to(inputs)  # FSDP2 with CPU offload: parameters on the CPU, outputs on the GPU
+        return torch.stack([inputs, outputs, targets], dim=1).flatten(0, 1)
 
 
 def build_task(cfg: Config) -> Unconditional:

@@ -341,7 +341,8 @@ class Trainer:
             logits = self.D(torch.cat(parts), *self.task.critic_conditions(sample, labels))
         real_logits, fake_logits, *interp_logits = logits.chunk(len(parts))  # a packed D (model.pack) gives b/pack each
         adversarial = objectives.d_loss(loss_cfg.kind, real_logits, fake_logits)
-        scale, penalty = self.precision.loss_scale, None
+        penalty = None
+        scale = self.precision.loss_scale if with_r1 or alpha is not None else 1.0  # fp16: a GPU sync, when needed
         if with_r1:
             penalty = 0.5 * loss_cfg.r1_gamma * loss_cfg.r1_interval * objectives.r1_penalty(real_logits, real, scale)
         if alpha is not None:
@@ -507,11 +508,13 @@ class Trainer:
         if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards: collective
             return checkpoint.save_sharded(self._sharded_state(), self.state_dict(rng_states, {}), self.run_dir,
                                            self.step, self.cfg.checkpoint.keep)
-        networks = {"G": self.G.model_state(), "D": self.D.model_state(), "G_ema": self.G.model_state(self.G_ema),
-                    "opt_g": self.G.optimizer_state(self.opt_g), "opt_d": self.D.optimizer_state(self.opt_d)}
+        networks = {"G": self.G.model_state(saving=True), "D": self.D.model_state(saving=True),
+                    "G_ema": self.G.model_state(self.G_ema, saving=True),
+                    "opt_g": self.G.optimizer_state(self.opt_g, saving=True),
+                    "opt_d": self.D.optimizer_state(self.opt_d, saving=True)}
         path = None
         with self.rank0_writes("checkpoint"):  # collective on leaving: one broadcast
-            if self.runtime.is_main:  # the full states above were gathered by every rank (collectives when sharded)
+            if self.runtime.is_main:  # the states above: gathered into its host memory
                 state = self.state_dict(rng_states, networks)
                 path = checkpoint.save(state, self.run_dir, self.step, self.cfg.checkpoint.keep)
         return path

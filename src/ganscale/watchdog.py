@@ -194,10 +194,13 @@ def _describe(frame) -> str:
 
 def _write_flight_recorder(path: Path) -> None:
     """PyTorch's record of every collective this process issued (op, sizes, state, sequence number), as
-    `torchfrtrace` reads it; empty when TORCH_FR_BUFFER_SIZE=0."""
+    `torchfrtrace` reads it; empty when TORCH_FR_BUFFER_SIZE=0. NCCL keeps its own recorder (CUDA builds):
+    under NCCL that is the one dumped, the generic one (gloo's) holds nothing of its collectives."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        from torch._C import _distributed_c10d as c10d
 
-        path.write_bytes(_dump_fr_trace_json(True, True))
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        dump = getattr(c10d, "_dump_nccl_trace_json", None) if nccl else None
+        path.write_bytes((dump or c10d._dump_fr_trace_json)(True, True))  # collectives, only the active ones
     except Exception as e:  # a diagnosis must not fail on the way out
         path.write_text(json.dumps({"error": f"flight recorder unavailable: {e}"}))

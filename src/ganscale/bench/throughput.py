@@ -94,6 +94,8 @@ def make_iteration(pair: GanPair, batch: int, resolution: int, device: torch.dev
 
 def measure(model: str, batch: int, resolution: int, width: int, device: torch.device, precision: str,
             iters: int, warmup: int, peak_tflops: float | None) -> dict:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # this row's peak, not the largest of the rows before
     pair = build(model, resolution, width)
     iteration = make_iteration(pair, batch, resolution, device, precision)
     with FlopCounterMode(display=False) as counter:  # also the first warm-up iteration

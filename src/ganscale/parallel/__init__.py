@@ -43,6 +43,7 @@ from ganscale.parallel.syncbn import average_batchnorm_stats, convert_batchnorm
 from ganscale.runtime import Runtime
 
 FULL = StateDictOptions(full_state_dict=True)
+SAVED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered into rank 0's host memory only
 
 
 @dataclass
@@ -147,16 +148,17 @@ class Wrapped:
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         return optimizer_class(self.module.parameters(), **kwargs)
 
-    def model_state(self, module: nn.Module | None = None) -> dict[str, Tensor]:
-        """Full state dict of this network (or of one sharded like it). Collective when sharded."""
-        return get_model_state_dict(module or self.module, options=FULL)
+    def model_state(self, module: nn.Module | None = None, saving: bool = False) -> dict[str, Tensor]:
+        """Full state dict of this network (or of one sharded like it). Collective when sharded. `saving`: for
+        rank 0 to write, in host memory, and {} on the other ranks: no GPU holds a full copy of a sharded network."""
+        return get_model_state_dict(module or self.module, options=SAVED if saving else FULL)
 
     def load_model_state(self, state: dict[str, Tensor], module: nn.Module | None = None) -> None:
         set_model_state_dict(module or self.module, state, options=FULL)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Full optimizer state keyed by parameter name. Collective when sharded."""
-        return get_optimizer_state_dict(self.module, optimizer, options=FULL)
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, saving: bool = False) -> dict:
+        """Full optimizer state keyed by parameter name. Collective when sharded. `saving`: as for model_state."""
+        return get_optimizer_state_dict(self.module, optimizer, options=SAVED if saving else FULL)
 
     def sharded_state(self, optimizer: torch.optim.Optimizer, ema: nn.Module | None = None) -> dict:
         """This rank's part of the network's (and its EMA's) weights and optimizer state, as DTensor shards
@@ -199,8 +201,8 @@ class ShardedOptimizerState(Wrapped):
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=optimizer_class, **kwargs)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, saving: bool = False) -> dict:
+        optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0 (saving or not)
         if dist.get_rank() != 0:
             return {}
         by_index = optimizer.state_dict()  # parameters numbered in module.parameters() order

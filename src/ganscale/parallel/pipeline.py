@@ -511,14 +511,14 @@ class PipelineStages(Wrapped):
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         return optimizer_class(self.pipeline.parameters_of(self.network), **kwargs)
 
-    def model_state(self, module: nn.Module | None = None) -> dict[str, Tensor]:
-        return self.pipeline.model_state(self.network if module is None else _part_of(module))
+    def model_state(self, module: nn.Module | None = None, saving: bool = False) -> dict[str, Tensor]:
+        return self.pipeline.model_state(self.network if module is None else _part_of(module))  # in host memory
 
     def load_model_state(self, state: dict[str, Tensor], module: nn.Module | None = None) -> None:
         self.pipeline.load_model_state(self.network if module is None else _part_of(module), state)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return self.pipeline.optimizer_state(self.network, optimizer)
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, saving: bool = False) -> dict:
+        return self.pipeline.optimizer_state(self.network, optimizer)  # in host memory
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         self.pipeline.load_optimizer_state(self.network, optimizer, state)

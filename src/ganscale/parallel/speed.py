@@ -3,8 +3,9 @@
 - `in_layout(module, channels_last)` puts an image network's 4-D weights in NHWC before it is wrapped
   (DDP's gradient buckets then take the same strides); convolutions follow their weights' layout, so the
   activations are NHWC too, which is what tensor-core convolutions want.
-- `compiled(wrapped, mode)` runs the wrapped network's forward through `torch.compile`; mode
-  `reduce-overhead` also records CUDA graphs on a GPU, replaying a batch-1 step without launch overhead.
+- `compiled(wrapped, mode)` runs the wrapped network's forward through `torch.compile`; modes
+  `reduce-overhead` and `max-autotune` also record CUDA graphs on a GPU, replaying a batch-1 step without
+  launch overhead.
   The strategy keeps working underneath: a compiled DDP module still reduces gradients in backward and
   still honours `no_sync`, since `Wrapped.gradient_sync` acts on the DDP module itself.
 - Fused Adam is the optimizer's own option (`optim.fused`), set where the trainer builds its optimizers.
@@ -30,6 +31,15 @@ def compiled(wrapped: Wrapped, mode: str) -> Wrapped:
     """The network's forward compiled with `torch.compile(mode=mode)` ("off": left eager)."""
     if mode != "off":
         wrapped.forward = wrapped.forward_without_grad = torch.compile(wrapped.net, mode=mode)
-    if mode == "reduce-overhead":  # CUDA-graph trees must be told where an iteration starts (~0.1 ms a call)
+    if records_cuda_graphs(mode):  # CUDA-graph trees must be told where an iteration starts (~0.1 ms a call)
         wrapped.begin_iteration = torch.compiler.cudagraph_mark_step_begin
     return wrapped
+
+
+def records_cuda_graphs(mode: str) -> bool:
+    """Whether torch.compile's `mode` records CUDA graphs (reduce-overhead and max-autotune do). Unmarked, their
+    graph trees start a new iteration at every compiled call, which frees the outputs of the one before: the
+    gradients of an earlier micro-step of accumulation included."""
+    from torch._inductor import list_mode_options
+
+    return mode != "off" and bool(list_mode_options(mode).get("triton.cudagraphs"))
