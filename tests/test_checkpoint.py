@@ -82,6 +82,16 @@ def test_a_checkpoint_renamed_with_its_marker_is_intact_and_one_copied_without_i
     assert "copied without it" in checkpoint.problem(tmp_path / "copy.pt")
 
 
+def test_pruning_never_removes_the_checkpoint_just_written_for_a_newer_unfinished_one(tmp_path):
+    """A crash left step 30 without its marker; the run resumed from 20 and saves 25 with keep=1."""
+    checkpoint.save(_state(20), tmp_path, 20, keep=1)
+    unfinished = checkpoint.save(_state(30), tmp_path, 30, keep=2)
+    checkpoint.manifest_path(unfinished).unlink()
+    written = checkpoint.save(_state(25), tmp_path, 25, keep=1)
+    assert checkpoint.newest_valid(tmp_path) == written  # it was removed with step 20, leaving nothing intact
+    assert checkpoint.step_of(written) == 25 and checkpoint.list_checkpoints(tmp_path)[-1] == unfinished
+
+
 def test_keep_prunes_checkpoints_and_their_markers(tmp_path):
     for step in (1, 2, 3, 4):
         checkpoint.save({"step": step}, tmp_path, step, keep=2)

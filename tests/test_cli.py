@@ -269,16 +269,52 @@ def test_rank_0_decides_the_run_directory_and_resume_point_for_every_rank(tmp_pa
     assert {p: p.read_bytes() for p in (tmp_path / "RUN").rglob("*") if p.is_file()} == files
 
 
-def test_a_restart_resumes_from_the_run_directory_once_it_holds_a_checkpoint(tmp_path):
+def test_a_restart_resumes_from_the_run_directory_once_it_holds_an_intact_checkpoint(tmp_path):
+    from ganscale import checkpoint
     from ganscale.launch import resume_after_restart
 
-    branch_source = "OTHER/checkpoints/step-00000010.pt"
-    assert resume_after_restart(tmp_path / "new", branch_source) == branch_source  # died before its first save
-    assert resume_after_restart(tmp_path / "new", None) is None
-    (tmp_path / "new" / "checkpoints").mkdir(parents=True)
-    (tmp_path / "new" / "checkpoints" / "step-00000012.pt").write_bytes(b"")
-    assert resume_after_restart(tmp_path / "new", branch_source) == "auto"
-    assert resume_after_restart(None, branch_source) == "auto"  # torchrun without --run-dir: the newest run
+    run, branch_source = tmp_path / "new", "OTHER/checkpoints/step-00000010.pt"
+    assert resume_after_restart(run, branch_source) == branch_source  # died before its first save
+    assert resume_after_restart(run, None) is None
+    unfinished = checkpoint.save({"step": 12}, run, 12, keep=3)
+    checkpoint.manifest_path(unfinished).unlink()  # died while completing its first save
+    assert resume_after_restart(run, branch_source) == branch_source
+    assert checkpoint.remove_unfinished(run) == [unfinished] and checkpoint.list_checkpoints(run) == []
+    checkpoint.save({"step": 12}, run, 12, keep=3)
+    assert resume_after_restart(run, branch_source) == "auto"
+
+
+def test_torchrun_max_restarts_without_a_run_directory_is_refused(tmp_path):
+    env = {**clean_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29999", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", *TINY_RUN], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "'--run-dir'" in result.stderr, explain(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_renamed_with_its_marker_resumes_into_a_named_run_directory(tmp_path):
+    finished = ganscale("train", *TINY_RUN, "--run-dir", "RUN", cwd=tmp_path)  # trained to step 2
+    assert finished.returncode == 0, explain(finished)
+    for suffix in (".pt", ".json"):
+        shutil.copy(tmp_path / "RUN" / "checkpoints" / f"step-00000002{suffix}", tmp_path / f"best{suffix}")
+    nowhere = ganscale("train", *TINY_RUN, "--set", "train.steps=3", "--resume", "best.pt", cwd=tmp_path)
+    assert nowhere.returncode == 2 and "'--run-dir'" in nowhere.stderr, explain(nowhere)  # was: trained into '.'
+    past = ganscale("train", *TINY_RUN, "--set", "train.steps=1", "--resume", "best.pt", "--run-dir", "NEW",
+                    cwd=tmp_path)
+    assert past.returncode == 2 and "'train.steps'" in past.stderr, explain(past)  # its step, from its marker
+    on = ganscale("train", *TINY_RUN, "--set", "train.steps=3", "--resume", "best.pt", "--run-dir", "NEW",
+                  cwd=tmp_path)
+    assert on.returncode == 0, explain(on)
+    assert checkpoint_steps(tmp_path / "NEW") == [3] and [r["step"] for r in metrics(tmp_path / "NEW")] == [3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["NEW", "RUN", "best.json", "best.pt"]
+
+
+def test_when_rank_0_cannot_decide_the_run_directory_every_rank_stops(tmp_path):
+    args = [*TINY_RUN, "--resume", "x" * 300]  # rank 0's check of it fails: File name too long (not a refusal)
+    ranks = ganscale_ranks([args, args], tmp_path)
+    assert [r.returncode for r in ranks] == [1, 1], "\n".join(map(explain, ranks))
+    assert "rank 0 could not decide the run directory: File name too long" in ranks[1].stderr
 
 
 def test_checkpoints_are_ordered_by_step_and_compared_by_step(tmp_path, monkeypatch):

@@ -119,12 +119,12 @@ def test_the_other_ranks_error_is_shown_as_rank_0_s_with_the_same_exit_code():
     full = checkpoint.CheckpointWriteError("could not write checkpoint /runs/x/step-1.pt: no space left on device. "
                                            "Fix: free space", errno.ENOSPC)
     for error, what in ((refused, "samples"), (full, "checkpoint")):
-        theirs = error_of_rank0(what, report_of(error))
+        theirs = error_of_rank0(f"write its {what}", report_of(error))
         assert type(theirs) is type(error) and theirs.errno == error.errno
         own_line, own_code = _known_failure(error)
         their_line, their_code = _known_failure(theirs)
         assert their_code == own_code == 1
         assert their_line == own_line.replace("ganscale: ", f"ganscale: rank 0 could not write its {what}: ", 1)
-    bug = error_of_rank0("samples", report_of(ValueError("bad shape\nmore detail")))
+    bug = error_of_rank0("write its samples", report_of(ValueError("bad shape\nmore detail")))
     assert isinstance(bug, Rank0WriteFailed) and str(bug) == "rank 0 could not write its samples: ValueError: bad shape"
     assert _known_failure(bug) is None  # shown with its traceback and exit 1, as rank 0's own ValueError

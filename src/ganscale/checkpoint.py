@@ -63,6 +63,30 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def step_of(path: Path) -> int | None:
+    """The step of a checkpoint: from its name (step-N.pt, step-N.dcp), else from its completion marker (a copy
+    renamed with its marker, best.pt); None when neither tells."""
+    named = PATTERN.match(Path(path).name)
+    if named:
+        return int(named.group(1))
+    try:
+        step = json.loads(manifest_path(Path(path)).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if type(step) is int else None
+
+
+def remove_unfinished(run_dir: Path) -> list[Path]:
+    """Remove RUN_DIR's checkpoints that are not intact, with their markers. Only for the launcher, before it
+    restarts a group that left no intact checkpoint: every one there was then written by that group, which
+    died writing it (an explicit --resume of another run into a directory holding checkpoints is refused)."""
+    unfinished = [p for p in list_checkpoints(run_dir) if problem(p) is not None]
+    for path in unfinished:
+        remove_written(manifest_path(path))
+        remove_written(path)
+    return unfinished
+
+
 def manifest_path(path: Path) -> Path:
     return path.with_suffix(".json")
 
@@ -302,7 +326,9 @@ def _complete(path: Path, run_dir: Path, step: int, keep: int) -> Path:
         remove_written(manifest_path(path))  # one of an earlier write of this step would describe other bytes
         remove_written(path)
         raise _write_failed(path, e, f" (its completion marker {manifest_path(path).name})") from e
-    for old in list_checkpoints(run_dir)[:-keep]:
+    # Among this one and older ones only: a newer one without its marker (a crash, then a resume from an older
+    # checkpoint) must not push the one just written out.
+    for old in [p for p in list_checkpoints(run_dir) if step_of(p) <= step][:-keep]:
         manifest_path(old).unlink(missing_ok=True)  # first: a half-removed checkpoint is then plainly incomplete
         shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
     return path

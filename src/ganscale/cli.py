@@ -88,7 +88,10 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     from ganscale.runtime import environment_world_size
 
     worker = launch.under_launcher()
-    if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # torchrun --max-restarts
+    if worker and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and run_dir is None:
+        _fail(ConfigError("--run-dir", "torchrun --max-restarts restarts the workers, and they must find the run "
+                          "they were training", "pass --run-dir (the same on every node) with torchrun --max-restarts"))
+    if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun
         resume = launch.resume_after_restart(run_dir, resume)
     if max_restarts and not nproc and not worker:
         nproc = 1  # restarts need a launcher
@@ -106,7 +109,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         return
     if launching:
         args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
-        sys.exit(launch.launch_local(nproc, args, max_restarts, run_dir, str(resume) if resume else None))
+        sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None))
     try:
         resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
     except ConfigError as e:

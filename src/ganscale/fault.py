@@ -97,7 +97,7 @@ def rank0_writes(what: str, mark: Callable[[str], None] = lambda where: None) ->
     dist.broadcast_object_list(told, src=0)
     if failure is not None:
         raise failure  # unchanged: the CLI shows it as before
-    raise error_of_rank0(what, told[0])
+    raise error_of_rank0(f"write its {what}", told[0])
 
 
 def report_of(error: Exception) -> tuple:
@@ -109,11 +109,11 @@ def report_of(error: Exception) -> tuple:
     return kind, code, reason, filename, message
 
 
-def error_of_rank0(what: str, report: tuple) -> Exception:
-    """The other ranks' error for rank 0's failed write: its type and errno, so the CLI shows it the same way
-    (one line, same exit code), and a message naming rank 0 and its own."""
+def error_of_rank0(doing: str, report: tuple) -> Exception:
+    """The other ranks' error for what rank 0 failed at (`doing`: "write its samples"): its type and errno, so
+    the CLI shows it the same way (one line, same exit code), and a message naming rank 0 and its own."""
     kind, code, reason, filename, message = report
-    told = f"rank 0 could not write its {what}"
+    told = f"rank 0 could not {doing}"
     if kind == "checkpoint":
         return CheckpointWriteError(f"{told}: {message}", code)
     if kind == "file":

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED, EXIT_PREEMPTED,
-                           RESTARTS_ENV)
+                           RESTARTS_ENV, error_of_rank0, report_of)
 
 RUNS_ROOT = Path("runs")
 # What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
@@ -50,6 +50,9 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
         found = _resumable(source) if is_run else source
         if not is_run and checkpoint.problem(source):
             raise ConfigError("--resume", f"{source}: {checkpoint.problem(source)}", "pass an intact checkpoint")
+        if not is_run and run_dir is None and not checkpoint.PATTERN.match(source.name):
+            raise ConfigError("--run-dir", f"{source} is not a run's checkpoints/step-N file, so it names no run "
+                              "directory to train on in", "pass --run-dir (a new folder) for the run it continues")
         target = Path(run_dir) if run_dir else (source if is_run else source.parent.parent)
         _refuse_two_histories(target, found)
         return target, _left_to_train(cfg, found)
@@ -77,11 +80,6 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
     return path, (_left_to_train(cfg, _resumable(path)) if newest is not None else None)
 
 
-def _step_of(path: Path) -> int | None:
-    named = checkpoint.PATTERN.match(path.name)
-    return int(named.group(1)) if named else None
-
-
 def _refuse_two_histories(run_dir: Path, source: Path) -> None:
     """Resuming writes checkpoints and metrics into `run_dir`: refuse where that would interleave two trainings
     (another run's checkpoint, or one older than intact checkpoints the run already holds, which pruning and
@@ -92,8 +90,8 @@ def _refuse_two_histories(run_dir: Path, source: Path) -> None:
     if source.resolve().parent != checkpoint.checkpoint_dir(run_dir).resolve():
         raise ConfigError("--run-dir", f"'{run_dir}' already holds another run (checkpoints/{held[-1].name}); "
                           f"resuming {source} there would mix the two", "pass a new --run-dir to continue from it")
-    step = _step_of(source)
-    newer = [p for p in held if (_step_of(p) or 0) > (step or 0) and not checkpoint.problem(p)]
+    step = checkpoint.step_of(source)
+    newer = [p for p in held if (checkpoint.step_of(p) or 0) > (step or 0) and not checkpoint.problem(p)]
     if newer:
         raise ConfigError("--resume", f"'{run_dir}' holds newer intact checkpoints than {source.name} (up to "
                           f"{newer[-1].name}); training on from the older one there would discard or mix them",
@@ -102,7 +100,7 @@ def _refuse_two_histories(run_dir: Path, source: Path) -> None:
 
 def _left_to_train(cfg: Config, source: Path) -> Path:
     """`source`, if the run has steps left after it; AlreadyTrained at its last step; a ConfigError past it."""
-    step = _step_of(source)
+    step = checkpoint.step_of(source)
     if step is not None and step > cfg.train.steps:
         raise ConfigError("train.steps", f"{source} is at step {step}, past train.steps={cfg.train.steps}",
                           f"set train.steps above {step} to train on from it")
@@ -131,6 +129,7 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     run directory differs (another node, a stale network file system) follows rank 0 instead of deciding
     alone and leaving its peers waiting at the next collective."""
     answer: list = [None]
+    failure = None
     if dist.get_rank() == 0:
         try:
             path, source = resolve_run(cfg, run_dir, resume)
@@ -139,8 +138,14 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
             answer = [("refused", e.key, e.problem, e.fix)]
         except AlreadyTrained as e:
             answer = [("done", str(e))]
+        except Exception as e:  # noqa: BLE001 - e.g. an unreadable --run-dir: told to the peers, raised here
+            failure, answer = e, [("failed", report_of(e))]
     dist.broadcast_object_list(answer, src=0)
     kind, *fields = answer[0]
+    if failure is not None:
+        raise failure
+    if kind == "failed":
+        raise error_of_rank0("decide the run directory", fields[0])
     if kind == "refused":
         raise ConfigError(*fields)
     if kind == "done":
@@ -148,12 +153,11 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     return Path(fields[0]), (Path(fields[1]) if fields[1] else None)
 
 
-def resume_after_restart(run_dir: str | Path | None, resume: str | None) -> str | None:
+def resume_after_restart(run_dir: str | Path, resume: str | None) -> str | None:
     """What a restarted worker group resumes from: its run directory's newest intact checkpoint ('auto') once
-    it holds one; before its first checkpoint, what the first start resumed from (a branch's source, or None)."""
-    if run_dir is None or checkpoint.latest(Path(run_dir)) is not None:
-        return "auto"
-    return resume
+    it holds one; before its first intact checkpoint, what the first start resumed from (a branch's source, or
+    None)."""
+    return "auto" if checkpoint.newest_valid(Path(run_dir)) is not None else resume
 
 
 # A worker's exit that a restart cannot mend: a config, data or checkpoint error (the same again), a stop
@@ -162,31 +166,40 @@ NOT_RESTARTED = {EXIT_CONFIG: "a config, data or checkpoint error", EXIT_PREEMPT
                  EXIT_NON_FINITE: "non-finite training"}
 
 
-def launch_local(nproc: int, worker_args: list[str], max_restarts: int = 0, run_dir: Path | None = None,
+def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,
                  resume: str | None = None) -> int:
     """Start `nproc` workers running `python -m ganscale <worker_args> --run-dir RUN_DIR [--resume ...]` via torch's
     elastic agent; after a worker dies, start the group again (up to `max_restarts` times) from the newest intact
     checkpoint, unless the failure is one a restart repeats (NOT_RESTARTED). The restarts are ours, not the
     agent's: the agent restarts on any exit code, a config error included."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    for restart in range(max_restarts + 1):
-        os.environ[RESTARTS_ENV] = str(restart)
-        where = ["--run-dir", str(run_dir), *(["--resume", resume] if resume else [])]
-        code, failed = _launch_once(nproc, [*worker_args, *where], run_dir)
-        if not failed or restart == max_restarts:
-            return code
-        if code in NOT_RESTARTED:
-            print(f"ganscale: not restarting the workers: {NOT_RESTARTED[code]} would stop them again",
+    try:
+        for restart in range(max_restarts + 1):
+            os.environ[RESTARTS_ENV] = str(restart)
+            where = ["--run-dir", str(run_dir), *(["--resume", resume] if resume else [])]
+            code, failed = _launch_once(nproc, [*worker_args, *where], run_dir)
+            if not failed or restart == max_restarts:
+                return code
+            if code in NOT_RESTARTED:
+                print(f"ganscale: not restarting the workers: {NOT_RESTARTED[code]} would stop them again",
+                      file=sys.stderr)
+                return code
+            resume = resume_after_restart(run_dir, resume)
+            if resume != "auto":  # it died writing its first checkpoint: start over that write
+                checkpoint.remove_unfinished(run_dir)
+            print(f"ganscale: restarting the workers ({restart + 1} of --max-restarts {max_restarts}), resuming "
+                  f"from {'the newest intact checkpoint' if resume == 'auto' else resume or 'the start'}",
                   file=sys.stderr)
-            return code
-        resume = resume_after_restart(run_dir, resume)
-        print(f"ganscale: restarting the workers ({restart + 1} of --max-restarts {max_restarts}), resuming from "
-              f"{'the newest intact checkpoint' if resume == 'auto' else resume or 'the start'}", file=sys.stderr)
+    except SignalException as e:  # between two starts (the agent's handlers stay installed): no workers to ask
+        print(f"ganscale: {e.sigval.name} received between restarts; continue with --resume auto", file=sys.stderr)
+        return EXIT_PREEMPTED
     return code
 
 
-def _launch_once(nproc: int, worker_args: list[str], run_dir: Path | None) -> tuple[int, bool]:
+def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int, bool]:
     """One start of the worker group: (exit code, whether a worker failed). The code is the root cause's where
     a worker failed; a signal to this process (the job is being stopped) is not a worker's failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -201,7 +214,7 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path | None) -> tu
     except SignalException as e:
         # The agent forwarded the signal; workers finish their step and checkpoint before exiting, unless a rank
         # could not within fault.exit_timeout_s: it then wrote diagnostics (the signal hides the exit codes).
-        stalled = [p.name.split("-")[0] for p in sorted(Path(run_dir or ".").glob("diagnostics/rank*-stacks.txt"))
+        stalled = [p.name.split("-")[0] for p in sorted(Path(run_dir).glob("diagnostics/rank*-stacks.txt"))
                    if p.stat().st_mtime >= started]
         if stalled:
             print(f"ganscale: {e.sigval.name} received, but {', '.join(stalled)} did not finish the step within "

@@ -199,7 +199,7 @@ def _write_flight_recorder(path: Path) -> None:
     try:
         from torch._C import _distributed_c10d as c10d
 
-        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        nccl = dist.is_initialized() and "nccl" in dist.get_backend()  # "nccl", or "cpu:gloo,cuda:nccl"
         dump = getattr(c10d, "_dump_nccl_trace_json", None) if nccl else None
         path.write_bytes((dump or c10d._dump_fr_trace_json)(True, True))  # collectives, only the active ones
     except Exception as e:  # a diagnosis must not fail on the way out
