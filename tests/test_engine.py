@@ -196,6 +196,37 @@ def test_step_time_breakdown_is_logged_and_adds_up(tmp_path):
     assert not any(k.startswith("time_") for k in json.loads((tmp_path / "quiet" / "metrics.jsonl").read_text().splitlines()[0]))
 
 
+def test_on_cuda_one_step_in_eight_is_synchronised_for_the_breakdown(monkeypatch):
+    """Timing synchronises the device at each part's edges, which stalls its queue: on CUDA only the first step
+    of each logging interval and every 8th after it are timed; outputs (rare steps) whenever they run."""
+    import torch
+
+    from ganscale.observe.timing import CUDA_SAMPLE_EVERY, PARTS, StepTimes
+
+    synchronised = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *device: synchronised.append(1))
+    times = StepTimes(torch.device("cuda"))
+    timed = []
+    for step in range(20):
+        before = len(synchronised)
+        times.begin_step()
+        with times.part("data"):
+            pass
+        with times.part("optimizer"):
+            pass
+        timed.append(len(synchronised) > before)
+        if step == 9:  # a log step: the next interval starts timed
+            assert set(times.take(10)) == {f"time_{part}_ms" for part in PARTS}
+    assert CUDA_SAMPLE_EVERY == 8
+    assert [i for i, t in enumerate(timed) if t] == [0, 8, 10, 18]
+    before = len(synchronised)
+    with times.part("outputs"):  # not a timed step, still timed
+        pass
+    assert len(synchronised) == before + 2
+    cpu = StepTimes(torch.device("cpu"))
+    assert cpu.sample_every == 1
+
+
 def test_one_process_skips_a_step_with_a_non_finite_loss_and_keeps_finite_weights(tmp_path, monkeypatch):
     """The one-rank path takes the skip decision without a collective: a NaN D loss at one step skips it."""
     calls = []

@@ -259,7 +259,7 @@ class LogConfig(Section):
     tensorboard: bool = True
     step_times: bool = True
     """Log where each step's time goes (time_<part>_ms: data, D and G forward/backward, sync, optimizer,
-    outputs); on CUDA this synchronises the device at each part's boundary."""
+    outputs); on CUDA this synchronises the device at each part's boundary, in one step out of 8."""
 
 
 class EvalConfig(Section):

@@ -187,6 +187,7 @@ class Trainer:
         while self.step < cfg.train.steps:
             step, skipped_before = self.step, self.skipped_steps
             self.watchdog.mark(f"step {step}: start")
+            self.times.begin_step()
             factor = lr_factor(step, cfg.train.steps, cfg.optim.decay_start)  # a function of the step: resumes exactly
             for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
                 group["lr"] = group["initial_lr"] * factor

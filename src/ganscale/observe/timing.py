@@ -3,7 +3,10 @@ per-step agreement collective, optimizer work, and outputs (logs, samples, check
 
 Each part is timed on this rank with `time.perf_counter`. On CUDA the device is synchronised at each
 boundary so that a part is charged for its own kernels rather than for whichever later part happens to
-wait for them; that costs a little overlap, so `log.step_times=false` turns the breakdown off.
+wait for them. That stalls the GPU's queue, so on CUDA only one step in CUDA_SAMPLE_EVERY is timed (the
+first of each logging interval, then every CUDA_SAMPLE_EVERY-th), the others run unsynchronised;
+`outputs` (logs, samples, checkpoints: rare steps) is timed whenever it runs. `log.step_times=false`
+turns the breakdown off.
 DDP's and FSDP's gradient communication runs inside backward (overlapped with it), so it is part of
 `d_forward_backward`/`g_forward_backward`; `sync` is the wait in the one all-reduce per optimizer step,
 which is also where a rank waits for slower peers. Under DDP that all-reduce rides on the gradients'
@@ -18,27 +21,42 @@ import time
 import torch
 
 PARTS = ("data", "d_forward_backward", "g_forward_backward", "sync", "optimizer", "outputs")
+EVERY_TIME = {"outputs"}  # parts of rare steps: timed whenever they run
+CUDA_SAMPLE_EVERY = 8     # on CUDA, one step in this many is timed (synchronised)
 
 
 class StepTimes:
     """Seconds per part, summed since the last `take()`."""
 
-    def __init__(self, device: torch.device, enabled: bool = True):
+    def __init__(self, device: torch.device, enabled: bool = True, sample_every: int | None = None):
         self.enabled = enabled
-        synchronize = torch.cuda.synchronize if device.type == "cuda" else None
-        self._parts = {name: _Part(synchronize) for name in PARTS}
+        cuda = device.type == "cuda"
+        self.sample_every = sample_every or (CUDA_SAMPLE_EVERY if cuda else 1)
+        self._parts = {name: _Part(torch.cuda.synchronize if cuda else None) for name in PARTS}
+        self._since_take, self._timed_steps, self._timing = 0, 0, enabled
+
+    def begin_step(self) -> None:
+        """Before each step: whether its parts are timed (the first step since `take`, then one in
+        `sample_every`)."""
+        self._timing = self.enabled and self._since_take % self.sample_every == 0
+        self._since_take += 1
+        self._timed_steps += self._timing
 
     def part(self, name: str) -> contextlib.AbstractContextManager:
-        """`with times.part(name):` charges the block's wall time to `name` (nothing when disabled)."""
-        return self._parts[name] if self.enabled else _NOTHING
+        """`with times.part(name):` charges the block's wall time to `name` (nothing when disabled, or when
+        this step is not timed)."""
+        return self._parts[name] if self._timing or (self.enabled and name in EVERY_TIME) else _NOTHING
 
     def take(self, steps: int) -> dict[str, float]:
-        """Mean milliseconds per step of each part since the last call, as `time_<part>_ms`; then reset."""
+        """Mean milliseconds per step of each part since the last call, as `time_<part>_ms`; then reset. A
+        sampled part's mean is over the steps timed, `outputs`' over all `steps`."""
         if not self.enabled:
             return {}
-        means = {f"time_{name}_ms": 1000 * part.total / max(steps, 1) for name, part in self._parts.items()}
+        means = {f"time_{name}_ms": 1000 * part.total / max(steps if name in EVERY_TIME else self._timed_steps, 1)
+                 for name, part in self._parts.items()}
         for part in self._parts.values():
             part.total = 0.0
+        self._since_take, self._timed_steps = 0, 0
         return means
 
 
