@@ -267,6 +267,22 @@ def _saved_states(rank, world, overrides, run_dir):
     return train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
 
 
+def _meshes(rank, world, overrides, run_dir):
+    def hook(trainer):
+        meshes = [wrapped.shard_options["mesh"] for wrapped in (trainer.G, trainer.D)]
+        return [(mesh.device_type, mesh.size()) if mesh is not None else None for mesh in meshes]
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
+
+
+def test_fsdp2_networks_are_sharded_on_the_run_s_device_type(tmp_path):
+    """Without a mesh FSDP2 takes the device type from the torch build: on a CUDA build a CPU run's shards went to
+    cuda:LOCAL_RANK (or failed in set_device on a machine without a GPU)."""
+    overrides = {**SMALL_MLP, "train.steps": 1, "parallel.generator": "zero2", "parallel.discriminator": "fsdp",
+                 "loss.r1_gamma": 0}
+    for rank in run_ranks(_meshes, 2, overrides, str(tmp_path)):
+        assert rank["extra"] == [("cpu", 2), ("cpu", 2)]
+
+
 def test_checkpoint_states_are_gathered_into_rank_0_alone():
     """What a full checkpoint holds is gathered into rank 0's host memory only: no rank (no GPU) holds a full copy
     of a sharded network beside its shards while rank 0 writes."""

@@ -68,6 +68,12 @@ class Layout:
     def mesh(self) -> DeviceMesh:
         return init_device_mesh(self.runtime.device.type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
 
+    @cached_property
+    def flat_mesh(self) -> DeviceMesh:
+        """Every rank in one dimension, on the run's device type, for zero2 and fsdp. Without it FSDP2 picks
+        the device type from the torch build (a CUDA build: a 'cuda' mesh, even for a CPU run)."""
+        return init_device_mesh(self.runtime.device.type, (self.runtime.world,))
+
     def offload(self) -> OffloadPolicy:
         return CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy()
 
@@ -295,7 +301,8 @@ def parallelize(module: nn.Module, strategy: str, layout: Layout) -> Wrapped:
         module = convert_batchnorm(module, use_cuda=runtime.device.type == "cuda")
     if strategy in FULLY_SHARDED:
         return FullyShardedWrapped(module, reshard_after_forward=strategy != "zero2",
-                                   mesh=layout.mesh if strategy == "hsdp" else None, offload_policy=layout.offload())
+                                   mesh=layout.mesh if strategy == "hsdp" else layout.flat_mesh,
+                                   offload_policy=layout.offload())
     net = data_parallel(module, runtime)
     return ShardedOptimizerState(module, net) if strategy == "zero1" else Wrapped(module, net)
 
