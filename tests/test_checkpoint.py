@@ -290,6 +290,47 @@ def test_a_sharded_checkpoint_is_checked_like_a_full_one(tmp_path):
         checkpoint.load_meta(path)  # what a resume reads besides the shards
 
 
+def test_a_sharded_checkpoint_that_does_not_fit_is_a_runtime_error_not_dcp_s_base_exception(tmp_path):
+    """DCP's CheckpointException is a BaseException: the trainer's and the CLI's handlers missed it (a traceback)."""
+    run = tmp_path / "run"
+    with _one_rank(tmp_path):
+        path = checkpoint.save_sharded({"G": {"model": {"w": torch.ones(8)}}}, _state(10), run, 10, keep=3)
+        with pytest.raises(RuntimeError, match="^ValueError: .*w"):
+            checkpoint.load_sharded(path, {"G": {"model": {"w": torch.ones(5)}}})
+
+
+def _save_on_node_local_disks(rank, world, root):
+    """Rank 1 writes its shards into a folder of the same name under another root: another node's disk."""
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ganscale import checkpoint
+
+    root = Path(root)
+    if rank == 1:
+        own = checkpoint._shard_writer
+        checkpoint._shard_writer = lambda staging: own(root / "node1" / staging.relative_to(root))
+        (root / "node1" / "run" / "checkpoints" / ".step-00000010.dcp.tmp").mkdir(parents=True)
+    w = distribute_tensor(torch.arange(8.0), init_device_mesh("cpu", (world,)), [Shard(0)])
+    try:
+        checkpoint.save_sharded({"G": {"model": {"w": w}}}, {"step": 10}, root / "run", 10, keep=3)
+    except checkpoint.CheckpointWriteError as e:
+        return str(e)
+    return None
+
+
+def test_a_sharded_checkpoint_on_disks_the_nodes_do_not_share_is_refused_on_every_rank(tmp_path):
+    from dist_helpers import run_ranks
+
+    errors = run_ranks(_save_on_node_local_disks, 2, str(tmp_path))
+    assert all(e and "not on a file system every node shares" in e for e in errors), errors
+    assert errors[1].startswith("rank 0 could not write its checkpoint: could not write checkpoint")
+    assert checkpoint.list_checkpoints(tmp_path / "run") == []  # nothing that would pass as intact
+    assert not (checkpoint.checkpoint_dir(tmp_path / "run") / ".step-00000010.dcp.tmp").exists()
+
+
 def _export(*args, cwd):
     from ganscale.cli import main
 

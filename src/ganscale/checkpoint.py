@@ -359,6 +359,13 @@ def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) 
         raise _write_failed(path, e) from e
     with rank0_writes("checkpoint"):  # collective on leaving: one broadcast
         if main:
+            missing = _missing_shard_files(staging)
+            if missing:  # the other ranks wrote theirs into a folder of the same name elsewhere: another node's
+                remove_written(staging)
+                raise CheckpointWriteError(
+                    f"could not write checkpoint {path}: {len(missing)} shard file(s) other ranks wrote are not in "
+                    f"{staging} ({missing[0]}): its run directory is not on a file system every node shares. Fix: "
+                    "pass a --run-dir on a shared file system, or set checkpoint.format=full (rank 0 writes it)")
             try:
                 _write_atomically(staging / META, lambda f: torch.save(meta, f))
                 shutil.rmtree(path, ignore_errors=True)  # one of the same step (an interrupted write) is replaced
@@ -394,17 +401,40 @@ def _shard_writer(folder: Path):
     return Writer(folder)
 
 
-def load_sharded(path: Path, shards: dict) -> None:
-    """Collective: fill this rank's `shards` (same structure as saved, any strategy and world size) from `path`."""
-    import torch.distributed.checkpoint as dcp
+def _missing_shard_files(staging: Path) -> list[str]:
+    """The files a just-written sharded checkpoint's metadata names that are not in `staging` (rank 0's view)."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    dcp.load(shards, checkpoint_id=path)
+    named = {info.relative_path for info in FileSystemReader(str(staging)).read_metadata().storage_data.values()}
+    return sorted(name for name in named if not (staging / name).is_file())
+
+
+def load_sharded(path: Path, shards: dict) -> None:
+    """Collective: fill this rank's `shards` (same structure as saved, any strategy and world size) from `path`.
+    A failure is a RuntimeError naming the first rank's cause: DCP's own CheckpointException is a
+    BaseException, which no `except Exception` catches."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(shards, checkpoint_id=path)
+    except CheckpointException as e:
+        raise RuntimeError(_first_failure(e)) from None
+
+
+def _first_failure(error: BaseException) -> str:
+    """'Type: message' of the first rank's error inside a CheckpointException (its own text lists ranks)."""
+    failures = getattr(error, "failures", None) or {}
+    first = next(iter(failures.values()), None)
+    cause = first[0] if isinstance(first, tuple) else first
+    return f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
 
 
 def _full_networks(path: Path) -> dict[str, dict]:
     """One process: G, D and G_ema as full tensors from a sharded checkpoint (whoever wrote which shard)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = FileSystemReader(str(path))
@@ -417,7 +447,10 @@ def _full_networks(path: Path) -> dict[str, dict]:
             nested[net][part][key[len(prefix):]] = torch.empty(info.size, dtype=info.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(nested, storage_reader=reader, no_dist=not dist.is_initialized())
+        try:
+            dcp.load(nested, storage_reader=reader, no_dist=not dist.is_initialized())
+        except CheckpointException as e:  # a BaseException: `load`'s handler would miss it
+            raise RuntimeError(_first_failure(e)) from None
     return {"G": nested["G"]["model"], "D": nested["D"]["model"], "G_ema": nested["G"]["ema"]}
 
 
