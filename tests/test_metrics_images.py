@@ -219,8 +219,10 @@ def _metrics_on_ranks(rank: int, world: int, n: int) -> dict:
     def generate(z):
         calls.append(len(z))
         return generator(z)
-    result = image_metrics(generate, 16, n, 7, extractor, reference)
-    return {"metrics": result, "reference": reference, "forwards": len(calls), "generated": sum(calls)}
+    marks = []
+    result = image_metrics(generate, 16, n, 7, extractor, reference, progress=lambda: marks.append(1))
+    return {"metrics": result, "reference": reference, "forwards": len(calls), "generated": sum(calls),
+            "progress": len(marks)}
 
 
 @pytest.mark.slow
@@ -230,6 +232,9 @@ def test_image_metrics_on_two_ranks_equal_one_rank():
     pair = run_ranks(_metrics_on_ranks, 2, n)
     assert pair[0]["metrics"] == pair[1]["metrics"]  # every rank computed the same numbers
     assert [r["generated"] for r in pair] == [151, 151] and pair[0]["forwards"] == pair[1]["forwards"]
+    # Long local work reports progress (the trainer's hang watchdog), as often on every rank and at any world
+    # size: after each batch, after KID and after each block of distances (several here).
+    assert pair[0]["progress"] == pair[1]["progress"] == single["progress"] > single["forwards"] + 1 + 7
     assert torch.allclose(pair[0]["reference"], single["reference"], rtol=1e-5, atol=1e-5)
     for key, value in single["metrics"].items():
         if isinstance(value, float):

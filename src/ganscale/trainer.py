@@ -130,7 +130,8 @@ class Trainer:
         self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
                                      start=self.step * cfg.loss.n_critic)
         self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
-        self.image_scorer = ImageScorer(cfg, self.dataset, device) if cfg.eval.every else None  # collective
+        self.image_scorer = ImageScorer(cfg, self.dataset, device, progress=lambda: self.watchdog.mark(
+            f"step {self.step}: image metrics (local batches and distances)")) if cfg.eval.every else None  # collective
         # Last: building the data stream (a DataLoader draws its workers' seed) and the scorer's networks draw from
         # the global RNG. Restored any earlier, those draws would shift G's dropout masks against the stopped run.
         if resume is not None:

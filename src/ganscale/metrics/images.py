@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
-from ganscale.metrics.distances import all_distances
+from ganscale.metrics.distances import _nothing, all_distances
 from ganscale.metrics.features import FeatureExtractor
 
 EVAL_BATCH = 500  # images per forward; bounds memory, not the result
@@ -32,65 +32,70 @@ def _world() -> tuple[int, int]:
 
 @torch.no_grad()
 def gathered_features(images_at: Callable[[int, int], torch.Tensor], n: int, extractor: FeatureExtractor,
-                      batch_size: int = EVAL_BATCH) -> torch.Tensor:
-    """Collective: (n, D) features of items 0..n-1 on every rank, each rank featurising its share.
+                      batch_size: int = EVAL_BATCH, progress: Callable[[], None] = _nothing) -> torch.Tensor:
+    """Collective: (n, D) features of items 0..n-1 on every rank (on the extractor's device), each rank
+    featurising its share; `progress` is called after each batch.
 
     `images_at(start, stop)` returns the images of positions start..stop-1; it is asked for positions up
     to ceil(n / world) * world (padding) and must answer them too (their features are dropped).
     """
     rank, world = _world()
     per = math.ceil(n / world)
-    share = [extractor(images_at(lo, min(lo + batch_size, (rank + 1) * per)))
-             for lo in range(rank * per, (rank + 1) * per, batch_size)]  # the same count on every rank
+    share = []
+    for lo in range(rank * per, (rank + 1) * per, batch_size):  # the same count on every rank
+        share.append(extractor(images_at(lo, min(lo + batch_size, (rank + 1) * per))))
+        progress()
     local = torch.cat(share).float().contiguous()
     if world > 1:
         every_share = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(every_share, local)  # every rank takes part, in rank order = sample order
         local = torch.cat(every_share)
-    return local[:n].cpu()
+    return local[:n]
 
 
 def dataset_features(dataset: Dataset, extractor: FeatureExtractor, limit: int | None = None,
-                     batch_size: int = EVAL_BATCH) -> torch.Tensor:
+                     batch_size: int = EVAL_BATCH, progress: Callable[[], None] = _nothing) -> torch.Tensor:
     """Collective: features of the first `limit` items (default all) of a data set of (image,) tuples."""
     n = len(dataset) if limit is None else min(limit, len(dataset))
 
     def images_at(start: int, stop: int) -> torch.Tensor:
         return torch.stack([dataset[min(i, n - 1)][0] for i in range(start, stop)])  # past n: padding
-    return gathered_features(images_at, n, extractor, batch_size)
+    return gathered_features(images_at, n, extractor, batch_size, progress)
 
 
 def reference_features(dataset: Dataset, extractor: FeatureExtractor, limit: int | None = REFERENCE_LIMIT,
-                       seed: int = 0) -> torch.Tensor:
+                       seed: int = 0, progress: Callable[[], None] = _nothing) -> torch.Tensor:
     """Collective: features of the training images, or of a seeded random `limit` of them (in data set order)."""
     if limit is not None and len(dataset) > limit:
         chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit]
         dataset = Subset(dataset, chosen.sort().values.tolist())
-    return dataset_features(dataset, extractor)
+    return dataset_features(dataset, extractor, progress=progress)
 
 
 def generated_features(generate: Callable[[torch.Tensor], torch.Tensor], z_dim: int, n: int, seed: int,
                        extractor: FeatureExtractor, device: torch.device | str | None = None,
-                       batch_size: int = EVAL_BATCH) -> torch.Tensor:
+                       batch_size: int = EVAL_BATCH, progress: Callable[[], None] = _nothing) -> torch.Tensor:
     """Collective: features of generate(z) for the n rows of the seeded noise stream randn(n, z_dim)."""
     _, world = _world()
     noise = torch.randn(n, z_dim, generator=torch.Generator().manual_seed(seed))
     padded = torch.cat([noise, noise.new_zeros(math.ceil(n / world) * world - n, z_dim)])
     device = torch.device(device) if device is not None else extractor.device
-    return gathered_features(lambda lo, hi: generate(padded[lo:hi].to(device)), n, extractor, batch_size)
+    return gathered_features(lambda lo, hi: generate(padded[lo:hi].to(device)), n, extractor, batch_size, progress)
 
 
 def image_metrics(generate: Callable[[torch.Tensor], torch.Tensor], z_dim: int, n: int, seed: int,
                   extractor: FeatureExtractor, reference_features: torch.Tensor,
-                  device: torch.device | str | None = None) -> dict[str, float | int | str]:
+                  device: torch.device | str | None = None,
+                  progress: Callable[[], None] = _nothing) -> dict[str, float | int | str]:
     """Collective: FD, KID, precision/recall, density/coverage of `generate` against the reference features.
 
     Call it on every rank with the same arguments; every rank returns the same dict: fd, kid, kid_std,
     precision, recall, density, coverage, samples, reference_samples, features (the extractor's name).
-    `generate` must be deterministic per sample (G_ema in eval mode).
+    `generate` must be deterministic per sample (G_ema in eval mode). `progress` is called after each batch
+    and each block of distances (long local work: the trainer marks its hang watchdog there).
     """
-    fake = generated_features(generate, z_dim, n, seed, extractor, device)
-    return {**all_distances(reference_features, fake, seed=seed), "samples": n,
+    fake = generated_features(generate, z_dim, n, seed, extractor, device, progress=progress)
+    return {**all_distances(reference_features, fake, seed=seed, progress=progress), "samples": n,
             "reference_samples": int(reference_features.shape[0]), "features": extractor.name}
 
 
@@ -101,18 +106,19 @@ class ImageScorer:
     """Image metrics during training (`eval.every`): the extractor and the reference features are made
     once, at start (a collective: every rank computes its share of the reference features)."""
 
-    def __init__(self, cfg, dataset: Dataset, device: torch.device):
+    def __init__(self, cfg, dataset: Dataset, device: torch.device, progress: Callable[[], None] = _nothing):
         from ganscale.metrics.features import build_extractor
 
         self.extractor = build_extractor(cfg.eval.extractor(cfg.data.kind), device, cfg.eval.inception_weights,
                                          inception_preprocess=cfg.eval.inception_preprocess)
-        self.reference = reference_features(dataset, self.extractor, seed=cfg.train.seed)
+        self.progress = progress
+        self.reference = reference_features(dataset, self.extractor, seed=cfg.train.seed, progress=progress)
         self.samples, self.z_dim, self.seed, self.device = cfg.eval.samples, cfg.model.z_dim, cfg.train.seed, device
 
     def score(self, generate: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """Collective: {fd_<features>, kid_<features>, precision, recall, density, coverage} of `generate`,
         on the same noise at every step (so successive values compare G_ema, not noise)."""
         result = image_metrics(generate, self.z_dim, self.samples, self.seed, self.extractor, self.reference,
-                               device=self.device)
+                               device=self.device, progress=self.progress)
         name = self.extractor.name
         return {(f"{key}_{name}" if key in ("fd", "kid") else key): float(result[key]) for key in SCORES}
