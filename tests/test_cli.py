@@ -333,6 +333,24 @@ def test_checkpoints_are_ordered_by_step_and_compared_by_step(tmp_path, monkeypa
         launch._refuse_two_histories(tmp_path / "run", folder / "step-99999999.pt")
 
 
+def test_each_rank_gets_its_own_gpu_or_a_named_error():
+    """More local ranks than visible GPUs failed in CUDA's set_device ('invalid device ordinal')."""
+    from ganscale.launch import check_gpus
+    from ganscale.runtime import gpu_of
+
+    assert [gpu_of(rank, 4) for rank in range(4)] == [0, 1, 2, 3]
+    assert gpu_of(5, 1) == 0  # a launcher that shows each task only its own GPU
+    with pytest.raises(config.ConfigError, match="local rank 4, but this node shows 4 GPU"):
+        gpu_of(4, 4)
+    cfg = config.load(None, [])  # train.device=auto
+    check_gpus(cfg, 4, 4)
+    check_gpus(cfg, 8, 0)  # no GPU: a CPU run
+    with pytest.raises(config.ConfigError) as refused:
+        check_gpus(cfg, 8, 4)
+    assert refused.value.key == "--nproc" and "--nproc 4 or fewer" in str(refused.value)
+    check_gpus(config.load(None, ["train.device=cpu"]), 8, 4)
+
+
 def test_a_data_error_found_by_the_workers_is_not_restarted(tmp_path):
     images = tmp_path / "images"
     images.mkdir()

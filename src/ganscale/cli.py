@@ -101,6 +101,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         world = environment_world_size() if worker else (nproc or 1)
         config_mod.check(cfg, world, torch.cuda.is_available())
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
+            launch.check_gpus(cfg, nproc, torch.cuda.device_count())
             run_dir, resume = launch.resolve_run(cfg, run_dir, resume)
     except ConfigError as e:
         _fail(e)

@@ -35,6 +35,15 @@ def under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
 
 
+def check_gpus(cfg: Config, nproc: int, visible: int) -> None:
+    """`--nproc` ranks on this machine need as many GPUs when the run is on CUDA (refused before they start)."""
+    on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and visible > 0)
+    if on_cuda and nproc > visible:
+        raise ConfigError("--nproc", f"{nproc} ranks on a machine that shows {visible} GPU(s): each rank needs its "
+                          "own", f"pass --nproc {visible} or fewer, show more GPUs (CUDA_VISIBLE_DEVICES), or set "
+                          "train.device=cpu")
+
+
 def rank_from_environment() -> int:
     return int(os.environ.get("RANK", "0"))
 

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ganscale.config import ConfigError
+
 
 FLIGHT_RECORDER_ENTRIES = 2000
 
@@ -40,6 +42,19 @@ def environment_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def gpu_of(local_rank: int, visible: int) -> int:
+    """This rank's GPU: its LOCAL_RANK among the GPUs the node shows; the only one when a launcher shows each
+    task just its own (Slurm's --gpus-per-task=1). More local ranks than GPUs is a ConfigError (it was CUDA's
+    'invalid device ordinal')."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise ConfigError("LOCAL_RANK", f"local rank {local_rank}, but this node shows {visible} GPU(s): each rank "
+                          "needs its own", f"start at most {visible} ranks per node, or show more GPUs "
+                          "(CUDA_VISIBLE_DEVICES)")
+    return local_rank
+
+
 def backend_for(backend: str, use_cuda: bool, cpu_collectives: bool = False) -> str:
     """The process group's backend: NCCL on GPUs, gloo on CPUs ('auto'). `cpu_collectives` (FSDP2's CPU offload,
     whose gradients live in host memory: their norm and fp16's inf check are all-reduced there) adds gloo for
@@ -53,8 +68,8 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
-        torch.cuda.set_device(local_rank)  # one GPU per rank; without it every rank lands on GPU 0
-        dev = torch.device("cuda", local_rank)
+        dev = torch.device("cuda", gpu_of(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(dev)  # one GPU per rank; without it every rank lands on GPU 0
     else:
         dev = torch.device("cpu")
     owns = not dist.is_initialized()
