@@ -383,3 +383,10 @@ def test_ordinary_run_names_are_accepted(tmp_path):
     path = tmp_path / "exp 1.yaml"  # a file's stem names the run: spaces are fine
     path.write_text("train: {steps: 3}\n")
     assert config.load(str(path)).name == "exp 1"
+
+
+def test_an_unquoted_off_is_the_compile_mode_off():
+    """YAML reads `off` as false; `--set train.compile=off` failed with "got False"."""
+    assert config.load(None, ["train.compile=off"]).train.compile == "off"
+    with pytest.raises(ConfigError, match="train.compile"):
+        config.load(None, ["train.compile=true"])

@@ -322,6 +322,48 @@ def test_a_hang_names_where_the_main_thread_is_not_only_its_last_mark(tmp_path):
     assert "File" in stacks
 
 
+def test_patience_lets_slow_first_steps_pass_and_the_trainer_grants_it_to_compiled_runs_only(tmp_path):
+    """torch.compile's first steps compile and record for minutes between two marks: not a hang."""
+    import ganscale
+    from ganscale.trainer import COMPILE_PATIENCE_S, COMPILE_STEPS
+
+    script = (
+        "import time\n"
+        "from ganscale.watchdog import Watchdog\n"
+        f"with Watchdog(0, 1, timeout_s=1, diagnostics_dir={str(tmp_path / 'diagnostics')!r}) as watchdog:\n"
+        "    watchdog.patience_s = 4\n"
+        "    watchdog.mark('step 0: D step 0')\n"
+        "    time.sleep(2.5)\n"
+        "    watchdog.mark('step 1: start')\n"
+    )
+    src = str(Path(ganscale.__file__).resolve().parent.parent)
+    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and "hang detected" not in result.stderr, result.stderr[-3000:]
+
+    from dist_helpers import train_in_process
+    from test_distributed import SMALL_DCGAN
+    from ganscale import config
+    from ganscale.trainer import Trainer
+
+    seen = []
+    original = Trainer.generator_step
+
+    def generator_step(self, *args):
+        seen.append(self.watchdog.patience_s)
+        return original(self, *args)
+    Trainer.generator_step = generator_step
+    try:
+        for mode in ("off", "default"):  # `off` unquoted: YAML's false, read as "off"
+            cfg = config.load(None, [f"{k}={v}" for k, v in {**SMALL_DCGAN, "train.steps": COMPILE_STEPS + 1,
+                                                              "train.compile": mode}.items()])
+            train_in_process(cfg, tmp_path / mode)
+    finally:
+        Trainer.generator_step = original
+    assert seen == [0.0] * (COMPILE_STEPS + 1) + [COMPILE_PATIENCE_S] * COMPILE_STEPS + [0.0]
+
+
 def test_main_thread_location_names_the_innermost_frame_and_ganscale_s_caller(tmp_path):
     import threading
 

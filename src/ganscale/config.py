@@ -190,6 +190,12 @@ class TrainConfig(Section):
     as PyTorch's DCGAN example and the pix2pix reference train) instead of fresh ones. Unset: on for
     pix2pix, off otherwise. Needs loss.n_critic=1, no gradient accumulation and no pipeline."""
 
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _off_is_off(cls, value: Any) -> Any:
+        """YAML reads an unquoted `off` as false: `--set train.compile=off` means "off"."""
+        return "off" if value is False else value
+
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # timeouts: a week at most (a timedelta overflows near 1e14 s)
 

@@ -38,6 +38,7 @@ class Watchdog:
         self.signals: socket.socket | None = None  # readable when a stop signal arrives (fault.StopSignals)
         self.diagnostics_dir = Path(diagnostics_dir)
         self.count, self.where, self.last_progress = 0, "start", time.monotonic()
+        self.patience_s = 0.0  # more time allowed between marks (the first steps of a compiled run)
         self.history: deque[tuple[float, int, str]] = deque(maxlen=64)
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self._stop = threading.Event()
@@ -79,8 +80,8 @@ class Watchdog:
             if self.stop_requested_at is not None and now - self.stop_requested_at > self.exit_timeout_s:
                 self._diagnose_and_exit(f"asked to stop {self.exit_timeout_s:.0f} s ago (fault.exit_timeout_s), "
                                         f"this rank has not finished its step")
-            elif now - self.last_progress > self.timeout_s:
-                self._diagnose_and_exit(f"no progress for {self.timeout_s:.0f} s")
+            elif now - self.last_progress > self.timeout_s + self.patience_s:
+                self._diagnose_and_exit(f"no progress for {self.timeout_s + self.patience_s:.0f} s")
 
     def _wait_for_signal(self, period: float) -> None:
         """Sleep for `period`, noting a stop signal the moment it arrives (even if the main thread is blocked)."""
