@@ -339,7 +339,9 @@ def test_each_rank_gets_its_own_gpu_or_a_named_error():
     from ganscale.runtime import gpu_of
 
     assert [gpu_of(rank, 4) for rank in range(4)] == [0, 1, 2, 3]
-    assert gpu_of(5, 1) == 0  # a launcher that shows each task only its own GPU
+    assert gpu_of(5, 1, narrowed=True) == 0  # a launcher that shows each task only its own GPU
+    with pytest.raises(config.ConfigError, match="local rank 1, but this node shows 1 GPU"):
+        gpu_of(1, 1)  # torchrun with 2 ranks on a one-GPU node: not both on GPU 0
     with pytest.raises(config.ConfigError, match="local rank 4, but this node shows 4 GPU"):
         gpu_of(4, 4)
     cfg = config.load(None, [])  # train.device=auto

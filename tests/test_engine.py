@@ -227,6 +227,32 @@ def test_on_cuda_one_step_in_eight_is_synchronised_for_the_breakdown(monkeypatch
     assert cpu.sample_every == 1
 
 
+def test_a_cuda_step_that_is_not_timed_and_writes_nothing_is_never_synchronised(tmp_path, monkeypatch):
+    """The trainer with a CUDA-kind StepTimes (torch.cuda.synchronize counted): only timed steps and steps with
+    outputs synchronise; the others leave the GPU's queue running."""
+    from ganscale.observe.timing import StepTimes
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+    from test_distributed import SMALL_DCGAN
+
+    syncs: list[int] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *device: syncs.append(1))
+    cfg = config.load(None, [f"{k}={v}" for k, v in {**SMALL_DCGAN, "train.steps": 12, "log.every": 12,
+                                                      "log.sample_every": 6, "checkpoint.every": 0}.items()])
+    runtime = start("cpu")
+    try:
+        trainer = Trainer(cfg, runtime, tmp_path)
+        trainer.times = StepTimes(torch.device("cuda"))
+        at_start = []
+        original = trainer.times.begin_step
+        trainer.times.begin_step = lambda: (at_start.append(len(syncs)), original())
+        trainer.fit()
+    finally:
+        runtime.close()
+    per_step = [after - before for before, after in zip(at_start, [*at_start[1:], len(syncs)])]
+    assert [i for i, n in enumerate(per_step) if n] == [0, 5, 8, 11]  # timed: 0, 8; samples after 6 and 12
+
+
 def test_one_process_skips_a_step_with_a_non_finite_loss_and_keeps_finite_weights(tmp_path, monkeypatch):
     """The one-rank path takes the skip decision without a collective: a NaN D loss at one step skips it."""
     calls = []

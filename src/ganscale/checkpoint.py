@@ -419,6 +419,9 @@ def load_sharded(path: Path, shards: dict) -> None:
     try:
         dcp.load(shards, checkpoint_id=path)
     except CheckpointException as e:
+        cause = os_error_behind(e)
+        if cause is not None:  # the disk's error (EIO, ESTALE): not a mismatch of the run's config
+            raise cause from None
         raise RuntimeError(_first_failure(e)) from None
 
 

@@ -42,11 +42,11 @@ def environment_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def gpu_of(local_rank: int, visible: int) -> int:
-    """This rank's GPU: its LOCAL_RANK among the GPUs the node shows; the only one when a launcher shows each
-    task just its own (Slurm's --gpus-per-task=1). More local ranks than GPUs is a ConfigError (it was CUDA's
-    'invalid device ordinal')."""
-    if visible == 1:
+def gpu_of(local_rank: int, visible: int, narrowed: bool = False) -> int:
+    """This rank's GPU: its LOCAL_RANK among the GPUs the node shows; the only one when the launcher shows each
+    task just its own (`narrowed`: Slurm's --gpus-per-task=1; torchrun never does). More local ranks than GPUs
+    is a ConfigError (it was CUDA's 'invalid device ordinal', or NCCL's 'Duplicate GPU detected')."""
+    if visible == 1 and narrowed:
         return 0
     if local_rank >= visible:
         raise ConfigError("LOCAL_RANK", f"local rank {local_rank}, but this node shows {visible} GPU(s): each rank "
@@ -68,7 +68,8 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
-        dev = torch.device("cuda", gpu_of(local_rank, torch.cuda.device_count()))
+        narrowed = "TORCHELASTIC_RUN_ID" not in os.environ  # another launcher may show each task its own GPU
+        dev = torch.device("cuda", gpu_of(local_rank, torch.cuda.device_count(), narrowed))
         torch.cuda.set_device(dev)  # one GPU per rank; without it every rank lands on GPU 0
     else:
         dev = torch.device("cpu")

@@ -243,13 +243,17 @@ class Trainer:
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
                     f"(last: {record or g_stats}); the last good checkpoint is kept. "
                     f"Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32")
-            with self.times.part("outputs"):
-                if (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final:
-                    quality = self.write_samples()
-                if self.image_scorer is not None and (self.step % cfg.eval.every == 0 or final):
-                    quality = {**quality, **self.score_images()}
-                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed:
-                    self.save_checkpoint()
+            sample = (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final
+            score = self.image_scorer is not None and (self.step % cfg.eval.every == 0 or final)
+            save = (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed
+            if sample or score or save:  # timed only then: on CUDA timing synchronises
+                with self.times.part("outputs"):
+                    if sample:
+                        quality = self.write_samples()
+                    if score:
+                        quality = {**quality, **self.score_images()}
+                    if save:
+                        self.save_checkpoint()
             if self.stop_agreed and not final:
                 with self.rank0_writes("summary"):  # collective on leaving: one broadcast
                     self.log.close(self._summary(start_step, started, record, quality, stopped="preempted"))

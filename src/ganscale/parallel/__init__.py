@@ -72,7 +72,7 @@ class Layout:
     def flat_mesh(self) -> DeviceMesh:
         """Every rank in one dimension, on the run's device type, for zero2 and fsdp. Without it FSDP2 picks
         the device type from the torch build (a CUDA build: a 'cuda' mesh, even for a CPU run)."""
-        return init_device_mesh(self.runtime.device.type, (self.runtime.world,))
+        return DeviceMesh.from_group(dist.group.WORLD, self.runtime.device.type)  # no new process group
 
     def offload(self) -> OffloadPolicy:
         return CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy()
