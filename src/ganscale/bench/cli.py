@@ -238,7 +238,8 @@ def scaling(ctx: click.Context, nproc: int, model: str, per_rank_batch: int, ste
               help="Comma-separated rows to run (default all): baseline, ddp, amp-bf16, amp-fp16, accumulation-4, "
                    "clip-2, zero1, zero2, fsdp, fsdp-offload, fast.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads per run, shared by its processes (default: all usable cores).")
+              help="CPU threads per run, shared by its processes on the CPU; on CUDA each process gets them all "
+                   "(default: all usable cores).")
 @OUT_DIR
 @click.pass_context
 def pix2pix_table(ctx: click.Context, data: str | None, images: int | None, epochs: int, device: str | None,
