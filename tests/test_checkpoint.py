@@ -126,7 +126,7 @@ def full_disk(monkeypatch):
     monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real(obj, _FullDisk(f, 1000), *a, **k))
 
 
-def test_train_with_a_full_disk_says_so_in_one_line_and_exits_1(tmp_path, monkeypatch):
+def test_train_with_a_full_disk_says_so_in_one_line_and_exits_7(tmp_path, monkeypatch):
     import io
 
     import torch.distributed as dist
@@ -144,7 +144,7 @@ def test_train_with_a_full_disk_says_so_in_one_line_and_exits_1(tmp_path, monkey
     finally:  # a rank's own failure leaves its group open until the process exits; this process goes on
         if dist.is_initialized():
             dist.destroy_process_group()
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 7, result.output
     assert "ganscale: could not write checkpoint" in result.output and "no space left" in result.output
     assert not list((tmp_path / "run" / "checkpoints").iterdir())  # no temporary file left
 
@@ -159,7 +159,7 @@ def test_a_failed_write_removes_its_temporary_file_and_says_why(tmp_path, reques
         message = str(raised.value)
         assert message.startswith(f"could not write checkpoint {folder / 'step-00000030.pt'}: no space left on device")
         assert "Fix: free space" in message and "\n" not in message
-        assert raised.value.errno == errno.ENOSPC and raised.value.exit_code == 1
+        assert raised.value.errno == errno.ENOSPC and raised.value.exit_code == 7
         assert isinstance(raised.value, OSError) and not isinstance(raised.value, ConfigError)  # not bad input
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing left, nothing lost
     assert checkpoint.newest_valid(tmp_path) == folder / "step-00000020.pt"

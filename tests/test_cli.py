@@ -82,11 +82,13 @@ def test_an_image_that_does_not_decode_exits_2_naming_it(tmp_path):
     assert "'data.path'" in result.stderr and "broken.png" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_1(tmp_path):
+def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_7(tmp_path):
     (tmp_path / "afile").write_text("")
     result = ganscale("train", *TINY_RUN, "--run-dir", "afile/run", cwd=tmp_path)
-    assert result.returncode == 1, explain(result)
+    assert result.returncode == 7, explain(result)
     assert "afile" in result.stderr and "Traceback" not in result.stderr
+    again = ganscale("train", *TINY_RUN, "--run-dir", "afile/run", "--max-restarts", "2", cwd=tmp_path)
+    assert again.returncode == 7 and "not restarting the workers: a file operation" in again.stderr, explain(again)
 
 
 def test_a_new_run_starts_over_a_failed_runs_files_but_not_over_other_files(tmp_path):

@@ -50,7 +50,7 @@ def test_a_sample_picture_rank_0_cannot_write_stops_both_ranks_with_its_message(
     (run / "samples" / "step-00000010.png").mkdir(parents=True)  # a folder where the picture goes
     results = train_two_ranks(run, "--set", "train.steps=20", "--set", "log.every=5",
                               "--set", "checkpoint.every=5", "--set", "log.sample_every=10")
-    assert [r.returncode for r in results] == [1, 1], explain(results)
+    assert [r.returncode for r in results] == [7, 7], explain(results)
     own, told = (one_line(r) for r in results)
     assert own.startswith("ganscale: Is a directory: ") and own.endswith(
         "Fix: check that path's permissions and free space, or choose another location (--run-dir, --out)")
@@ -67,7 +67,7 @@ def test_a_checkpoint_rank_0_cannot_write_stops_both_ranks_and_keeps_the_earlier
     (run / "checkpoints" / "step-00000020.json").mkdir(parents=True)  # a folder where step 20's marker goes
     results = train_two_ranks(run, "--set", "train.steps=20", "--set", "log.every=5", "--set", "checkpoint.every=10",
                               "--set", "log.sample_every=0", "--set", f"checkpoint.format={form}")
-    assert [r.returncode for r in results] == [1, 1], explain(results)
+    assert [r.returncode for r in results] == [7, 7], explain(results)
     own, told = (one_line(r) for r in results)
     assert own.startswith(f"ganscale: could not write checkpoint {run / 'checkpoints' / f'step-00000020.{suffix}'}")
     assert told == own.replace("ganscale: ", "ganscale: rank 0 could not write its checkpoint: ", 1)
@@ -82,7 +82,7 @@ def test_a_metrics_record_rank_0_cannot_write_stops_both_ranks_with_its_error(tm
     results = train_two_ranks(run, "--set", "train.steps=100000", "--set", "log.every=1",
                               "--set", "checkpoint.every=0", "--set", "log.sample_every=0",
                               rank0_file_limit=16 * 1024)
-    assert [r.returncode for r in results] == [1, 1], explain(results)
+    assert [r.returncode for r in results] == [7, 7], explain(results)
     own, told = (one_line(r) for r in results)
     assert own.startswith("ganscale: File too large: ") and "metrics.jsonl" in own
     assert told == own.replace("ganscale: ", "ganscale: rank 0 could not write its metrics: ", 1)
@@ -103,7 +103,7 @@ def test_a_config_rank_0_cannot_write_stops_both_ranks_before_training(tmp_path)
     run = tmp_path / "run"
     (run / "config.yaml").mkdir(parents=True)
     results = train_two_ranks(run, "--set", "train.steps=20")
-    assert [r.returncode for r in results] == [1, 1], explain(results)
+    assert [r.returncode for r in results] == [7, 7], explain(results)
     own, told = (one_line(r) for r in results)
     assert own.startswith("ganscale: Is a directory: ") and "config.yaml" in own
     assert told == own.replace("ganscale: ", "ganscale: rank 0 could not write its run directory: ", 1)
@@ -123,7 +123,7 @@ def test_the_other_ranks_error_is_shown_as_rank_0_s_with_the_same_exit_code():
         assert type(theirs) is type(error) and theirs.errno == error.errno
         own_line, own_code = _known_failure(error)
         their_line, their_code = _known_failure(theirs)
-        assert their_code == own_code == 1
+        assert their_code == own_code == 7
         assert their_line == own_line.replace("ganscale: ", f"ganscale: rank 0 could not write its {what}: ", 1)
     bug = error_of_rank0("write its samples", report_of(ValueError("bad shape\nmore detail")))
     assert isinstance(bug, Rank0WriteFailed) and str(bug) == "rank 0 could not write its samples: ValueError: bad shape"

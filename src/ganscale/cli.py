@@ -16,7 +16,8 @@ import click
 
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
-from ganscale.fault import EXIT_CONFIG, EXIT_PEER_FAILED, NonFiniteTraining, Preempted, is_peer_failure
+from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, NonFiniteTraining, Preempted,
+                           is_peer_failure)
 
 
 def _fail(error: Exception) -> None:
@@ -31,7 +32,7 @@ REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, 
 def _known_failure(error: BaseException) -> tuple[str, int] | None:
     """(one-line message, exit code) for failures a user can fix without a traceback: an image of the data set
     that does not decode (bad input, exit 2), a checkpoint write or another file operation the system refused
-    (permissions, a full or read-only disk: exit 1). None for anything else."""
+    (permissions, a full or read-only disk: exit 7). None for anything else."""
     from ganscale.checkpoint import CheckpointWriteError
     from ganscale.data.folder import UnreadableImage
 
@@ -42,7 +43,7 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
     if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:
         where = f": {error.filename}" if error.filename else ""
         return (f"ganscale: {error.strerror}{where}. Fix: check that path's permissions and free space, or choose "
-                "another location (--run-dir, --out)"), 1
+                "another location (--run-dir, --out)"), EXIT_FILE_REFUSED
     return None
 
 

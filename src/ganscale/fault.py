@@ -18,6 +18,7 @@ EXIT_PREEMPTED = 3    # SIGTERM/SIGINT: the current step finished, a checkpoint 
 EXIT_NON_FINITE = 4   # too many consecutive non-finite steps: stopped, the last good checkpoint is kept
 EXIT_HANG = 5         # a rank made no progress for fault.hang_timeout_s: diagnostics/ written, ranks named
 EXIT_PEER_FAILED = 6  # this rank stopped because another rank died first (its error is the one to read)
+EXIT_FILE_REFUSED = 7  # the system refused a file operation (permissions, a full or read-only disk): one line
 
 RESTARTS_ENV = "GANSCALE_RESTARTS"  # set by `train --max-restarts` for each start of the worker group
 
@@ -51,10 +52,10 @@ class NonFiniteTraining(Exception):
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (e.g. no space left on device). Not bad input: the run stops with
-    exit code 1 and this one-line message; what the failed write had written is removed, the checkpoints
+    exit code 7 (EXIT_FILE_REFUSED) and this one-line message; what the failed write had written is removed, the checkpoints
     written before are untouched."""
 
-    exit_code = 1
+    exit_code = EXIT_FILE_REFUSED
 
     def __init__(self, message: str, code: int | None = None):
         super().__init__(message)

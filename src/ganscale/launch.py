@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError
-from ganscale.fault import (EXIT_CONFIG, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED, EXIT_PREEMPTED,
-                           RESTARTS_ENV, error_of_rank0, report_of)
+from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED,
+                           EXIT_PREEMPTED, RESTARTS_ENV, error_of_rank0, report_of)
 
 RUNS_ROOT = Path("runs")
 # What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
@@ -170,9 +170,11 @@ def resume_after_restart(run_dir: str | Path, resume: str | None) -> str | None:
 
 
 # A worker's exit that a restart cannot mend: a config, data or checkpoint error (the same again), a stop
-# request (the job is being ended), diverged training (the same again from the same checkpoint).
+# request (the job is being ended), diverged training (the same again from the same checkpoint), a file
+# operation the system refused (the same write fails again, after redoing up to a checkpoint interval).
 NOT_RESTARTED = {EXIT_CONFIG: "a config, data or checkpoint error", EXIT_PREEMPTED: "a stop request",
-                 EXIT_NON_FINITE: "non-finite training"}
+                 EXIT_NON_FINITE: "non-finite training",
+                 EXIT_FILE_REFUSED: "a file operation the system refused (permissions, a full disk)"}
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,
@@ -240,7 +242,7 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
             item[1].exitcode < 0 or item[1].exitcode == EXIT_PEER_FAILED, item[1].timestamp, item[0]))
         print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
               f" (see its output above)", file=sys.stderr)
-        named = first.exitcode in (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE, EXIT_HANG)
+        named = first.exitcode in (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE, EXIT_HANG, EXIT_FILE_REFUSED)
         return (first.exitcode if named else 1), True
     return 0, False
 
