@@ -67,6 +67,16 @@ def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, step
             "summary": summary, "extra": extra() if callable(extra) else extra}
 
 
+def resume_point(overrides: dict, run_dir: str) -> Path:
+    """Collective: the checkpoint `--resume auto` continues `run_dir` from under `overrides`, decided on rank 0 and
+    taken by every rank, as the CLI does (launch.decide_run)."""
+    from ganscale import config
+    from ganscale.launch import decide_run
+
+    _, resume = decide_run(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), run_dir, "auto")
+    return resume
+
+
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """max |a - b| over all floating tensors, relative to the largest |a| of that tensor."""
     worst = 0.0

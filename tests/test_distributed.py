@@ -188,15 +188,14 @@ def test_wgan_gp_under_ddp_equals_single_process(tmp_path):
 def _resume_probe(rank, world, overrides, root):
     from pathlib import Path
 
-    from ganscale import checkpoint
-    from ganscale.launch import agree_on_run
+    from dist_helpers import resume_point
     from dist_helpers import train_and_collect as train
 
     root = Path(root)
     straight = train(rank, world, {**overrides, "train.steps": 20}, str(root / "straight"))
     train(rank, world, {**overrides, "train.steps": 10}, str(root / "stopped"))
     # Rank 0 wrote the checkpoint; every rank resumes from the path rank 0 sees, as the CLI does.
-    _, resume_from = agree_on_run(root / "stopped", checkpoint.latest(root / "stopped"))
+    resume_from = resume_point({**overrides, "train.steps": 20}, str(root / "stopped"))
     resumed = train(rank, world, {**overrides, "train.steps": 20}, str(root / "stopped"), resume=resume_from)
     return {"straight": straight, "resumed": resumed, "resumed_from": resume_from.name}
 

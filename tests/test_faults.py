@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import poison_d_loss_on_rank1, run_ranks, train_and_collect
+from dist_helpers import poison_d_loss_on_rank1, resume_point, run_ranks, train_and_collect
 from test_cli import clean_env
 from test_distributed import SMALL_MLP
 
@@ -33,9 +33,7 @@ def _sigterm_rank1_at_step(step: int):
 
 
 def _preempt_then_resume(rank, world, overrides, root):
-    from ganscale import checkpoint
     from ganscale.fault import Preempted
-    from ganscale.launch import agree_on_run
 
     root = Path(root)
     straight = train_and_collect(rank, world, overrides, str(root / "straight"))
@@ -44,7 +42,7 @@ def _preempt_then_resume(rank, world, overrides, root):
         stopped = None
     except Preempted as e:
         stopped = str(e)
-    _, latest = agree_on_run(root / "preempted", checkpoint.latest(root / "preempted"))
+    latest = resume_point(overrides, str(root / "preempted"))
     resumed = train_and_collect(rank, world, overrides, str(root / "preempted"), resume=latest)
     return {"stopped": stopped, "latest": latest.name, "straight": straight, "resumed": resumed}
 

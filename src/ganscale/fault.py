@@ -52,8 +52,8 @@ class NonFiniteTraining(Exception):
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (e.g. no space left on device). Not bad input: the run stops with
-    exit code 7 (EXIT_FILE_REFUSED) and this one-line message; what the failed write had written is removed, the checkpoints
-    written before are untouched."""
+    exit code 7 (EXIT_FILE_REFUSED) and this one-line message; what the failed write had written is removed,
+    the checkpoints written before are untouched."""
 
     exit_code = EXIT_FILE_REFUSED
 

@@ -125,13 +125,6 @@ def _resumable(run_dir: Path) -> Path:
                                     "checkpoints, or start a new --run-dir")
 
 
-def agree_on_run(run_dir: Path, resume: Path | None) -> tuple[Path, Path | None]:
-    """Collective: every rank takes rank 0's run directory and resume point (timestamps differ per node)."""
-    chosen = [str(run_dir), str(resume) if resume else None]
-    dist.broadcast_object_list(chosen, src=0)
-    return Path(chosen[0]), (Path(chosen[1]) if chosen[1] else None)
-
-
 def decide_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, Path | None]:
     """Collective: rank 0 decides the run directory and resume point (`resolve_run`, its refusals included);
     every rank takes that answer, or raises the same ConfigError or AlreadyTrained. A rank whose view of the
@@ -242,7 +235,7 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
             item[1].exitcode < 0 or item[1].exitcode == EXIT_PEER_FAILED, item[1].timestamp, item[0]))
         print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
               f" (see its output above)", file=sys.stderr)
-        named = first.exitcode in (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_NON_FINITE, EXIT_HANG, EXIT_FILE_REFUSED)
+        named = first.exitcode in NOT_RESTARTED or first.exitcode == EXIT_HANG
         return (first.exitcode if named else 1), True
     return 0, False
 

@@ -28,10 +28,10 @@ CUDA_SAMPLE_EVERY = 8     # on CUDA, one step in this many is timed (synchronise
 class StepTimes:
     """Seconds per part, summed since the last `take()`."""
 
-    def __init__(self, device: torch.device, enabled: bool = True, sample_every: int | None = None):
+    def __init__(self, device: torch.device, enabled: bool = True):
         self.enabled = enabled
         cuda = device.type == "cuda"
-        self.sample_every = sample_every or (CUDA_SAMPLE_EVERY if cuda else 1)
+        self.sample_every = CUDA_SAMPLE_EVERY if cuda else 1
         self._parts = {name: _Part(torch.cuda.synchronize if cuda else None) for name in PARTS}
         self._since_take, self._timed_steps, self._timing = 0, 0, enabled
 
