@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -380,3 +382,71 @@ def test_export_writes_its_output_with_the_usual_permissions(tmp_path):
         os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o644  # was 0600: safetensors' private temporary file, renamed
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def _open_for_resume(rank, world, overrides, sources):
+    """Build a Trainer resuming from sources[rank] (each rank's view of the checkpoint); (SHA-256s computed, error)."""
+    from pathlib import Path
+
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    hashed = []
+    own = checkpoint._sha256
+    checkpoint._sha256 = lambda path: hashed.append(path) or own(path)
+    cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    try:
+        trainer = Trainer(cfg, start("cpu"), Path(sources[rank]).parent.parent, Path(sources[rank]))
+        return len(hashed), None, trainer.step
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return len(hashed), e, None
+
+
+def test_a_resume_hashes_the_checkpoint_on_rank_0_only_and_a_rank_that_cannot_see_it_stops_every_rank(tmp_path):
+    """Rank 0 verifies the content; the others check they see every file at its size (a node-local run directory
+    on rank 1: its error on rank 1, the same ConfigError naming rank 1 on rank 0, and no rank left waiting)."""
+    from dist_helpers import run_ranks, train_in_process
+    from test_distributed import SMALL_DCGAN
+
+    from ganscale import config
+
+    settings = {**SMALL_DCGAN, "train.steps": 4, "checkpoint.every": 4}
+    train_in_process(config.load(None, [f"{k}={v}" for k, v in settings.items()]), tmp_path / "run")
+    (saved,) = checkpoint.list_checkpoints(tmp_path / "run")
+    more = {**settings, "train.steps": 6}
+
+    results = run_ranks(_open_for_resume, 2, more, [str(saved)] * 2)
+    assert [(count, error, step) for count, error, step in results] == [(1, None, 4), (0, None, 4)]
+
+    elsewhere = tmp_path / "node1" / "run" / "checkpoints" / saved.name  # rank 1's node never saw the file
+    elsewhere.parent.mkdir(parents=True)
+    (_, mine, _), (_, theirs, _) = run_ranks(_open_for_resume, 2, more, [str(saved), str(elsewhere)])
+    assert isinstance(theirs, ConfigError) and theirs.key == str(elsewhere) and "incomplete" in theirs.problem
+    assert isinstance(mine, ConfigError) and mine.key == theirs.key and mine.fix == theirs.fix
+    assert mine.problem == f"rank 1 could not read the checkpoint: {theirs.problem}"
+
+    with zipfile.ZipFile(saved) as archive:  # a changed byte inside a weight: only rank 0's check of the content
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+    with open(saved, "r+b") as f:
+        f.seek(record.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(name_length + extra_length + record.file_size // 2, os.SEEK_CUR)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    (_, mine, _), (_, theirs, _) = run_ranks(_open_for_resume, 2, more, [str(saved)] * 2)
+    assert isinstance(mine, ConfigError) and "corrupted" in mine.problem
+    assert isinstance(theirs, ConfigError) and theirs.problem == f"rank 0 could not read the checkpoint: {mine.problem}"
+
+
+def test_a_cpu_run_leaves_the_cuda_generator_alone(monkeypatch):
+    """Restoring a checkpoint's RNG states touches CUDA's only in a run on CUDA (else: a context on GPU 0)."""
+    touched = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: touched.append(state))
+    state = {**checkpoint.rng_state(), "cuda": torch.zeros(16, dtype=torch.uint8)}
+    checkpoint.set_rng_state(state, cuda=False)
+    assert touched == []
+    checkpoint.set_rng_state(state, cuda=True)
+    assert len(touched) == 1

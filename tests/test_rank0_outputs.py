@@ -113,18 +113,18 @@ def test_a_config_rank_0_cannot_write_stops_both_ranks_before_training(tmp_path)
 def test_the_other_ranks_error_is_shown_as_rank_0_s_with_the_same_exit_code():
     """What the CLI makes of rank 0's error and of the one the other ranks raise from its report."""
     from ganscale.cli import _known_failure
-    from ganscale.fault import Rank0WriteFailed, error_of_rank0, report_of
+    from ganscale.fault import RankFailed, error_of_rank, report_of
 
     refused = PermissionError(errno.EACCES, "Permission denied", "/runs/x/samples/step-00000010.png")
     full = checkpoint.CheckpointWriteError("could not write checkpoint /runs/x/step-1.pt: no space left on device. "
                                            "Fix: free space", errno.ENOSPC)
     for error, what in ((refused, "samples"), (full, "checkpoint")):
-        theirs = error_of_rank0(f"write its {what}", report_of(error))
+        theirs = error_of_rank(0, f"write its {what}", report_of(error))
         assert type(theirs) is type(error) and theirs.errno == error.errno
         own_line, own_code = _known_failure(error)
         their_line, their_code = _known_failure(theirs)
         assert their_code == own_code == 7
         assert their_line == own_line.replace("ganscale: ", f"ganscale: rank 0 could not write its {what}: ", 1)
-    bug = error_of_rank0("write its samples", report_of(ValueError("bad shape\nmore detail")))
-    assert isinstance(bug, Rank0WriteFailed) and str(bug) == "rank 0 could not write its samples: ValueError: bad shape"
+    bug = error_of_rank(0, "write its samples", report_of(ValueError("bad shape\nmore detail")))
+    assert isinstance(bug, RankFailed) and str(bug) == "rank 0 could not write its samples: ValueError: bad shape"
     assert _known_failure(bug) is None  # shown with its traceback and exit 1, as rank 0's own ValueError

@@ -115,8 +115,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def problem(path: Path) -> str | None:
-    """Why this checkpoint cannot be trusted, or None when it is complete and intact."""
+def problem(path: Path, content: bool = True) -> str | None:
+    """Why this checkpoint cannot be trusted, or None when it is complete and intact. `content=False` checks every
+    file is there at its size but reads none (a rank whose peer has checked the content: see `load`)."""
     marker = manifest_path(path)
     if not marker.is_file():
         return (f"incomplete: no completion marker {marker.name} beside it (the write was interrupted, or the file "
@@ -137,7 +138,7 @@ def problem(path: Path) -> str | None:
                 return f"incomplete: {name} is missing"
             if present[name].stat().st_size != want["bytes"]:
                 return f"truncated: {name} has {present[name].stat().st_size} bytes, {want['bytes']} expected"
-            if _sha256(present[name]) != want["sha256"]:
+            if content and _sha256(present[name]) != want["sha256"]:
                 return f"corrupted: the SHA-256 of {name} does not match its completion marker"
     except OSError as e:
         return f"unreadable ({os_reason(e)})"
@@ -191,11 +192,13 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, cuda: bool) -> None:
+    """Restore `rng_state()`; its CUDA generator only in a run on CUDA (`cuda`): in a CPU run on a GPU machine,
+    setting it would start a CUDA context on GPU 0 in every rank, for nothing."""
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
+    if cuda and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
 
 
@@ -457,11 +460,11 @@ def _full_networks(path: Path) -> dict[str, dict]:
     return {"G": nested["G"]["model"], "D": nested["D"]["model"], "G_ema": nested["G"]["ema"]}
 
 
-def load_meta(path: Path, require: tuple[str, ...] = META_KEYS, fix: str = RESUME_FIX) -> dict:
+def load_meta(path: Path, require: tuple[str, ...] = META_KEYS, fix: str = RESUME_FIX, verify: bool = True) -> dict:
     """A sharded checkpoint's step, data position, RNG states, scaler and config (checked like `load`;
     used by a resume, hence its fix text)."""
     path = Path(path)
-    _check_intact(path, fix)
+    _check_intact(path, fix, verify)
     try:
         state = torch.load(path / META, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
@@ -470,12 +473,14 @@ def load_meta(path: Path, require: tuple[str, ...] = META_KEYS, fix: str = RESUM
     return state
 
 
-def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX) -> dict:
+def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX, verify: bool = True) -> dict:
     """The state in a checkpoint (of a sharded one: meta.pt and the full networks, no optimizers), checked:
     intact against its completion marker, readable, and holding `require`. Otherwise a ConfigError naming
-    the file, whose fix is `fix` (the caller's options: a resume passes RESUME_FIX)."""
+    the file, whose fix is `fix` (the caller's options: a resume passes RESUME_FIX). `verify=False` skips
+    the SHA-256 of its content (files and sizes are still checked): for ranks whose rank 0 verifies it, so a
+    resume reads a checkpoint once per rank, not twice."""
     path = Path(path)
-    _check_intact(path, fix)
+    _check_intact(path, fix, verify)
     try:
         if is_sharded(path):  # everything but the optimizers, which only a training run's DCP load restores
             state = {**torch.load(path / META, map_location="cpu", weights_only=True), **_full_networks(path)}
@@ -487,8 +492,8 @@ def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX) 
     return state
 
 
-def _check_intact(path: Path, fix: str) -> None:
-    reason = problem(path)
+def _check_intact(path: Path, fix: str, content: bool = True) -> None:
+    reason = problem(path, content)
     if reason is not None:
         raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})", fix)
 

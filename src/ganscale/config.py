@@ -24,6 +24,9 @@ class ConfigError(ValueError):
         self.key, self.problem, self.fix = key, problem, fix
         super().__init__(f"config error at '{key}': {problem}. Fix: {fix}")
 
+    def __reduce__(self):  # picklable (sent between processes) although its arguments are not its message
+        return ConfigError, (self.key, self.problem, self.fix)
+
 
 MAX_STEPS = 10**9
 """Bound of every step count (train.steps, the *.every intervals): far beyond any training, and small enough

@@ -62,19 +62,19 @@ class CheckpointWriteError(OSError):
         self.errno = code
 
 
-class Rank0WriteFailed(Exception):
-    """Rank 0 could not write its outputs, for a reason other than a refused file operation (those keep their
-    OSError type on every rank); raised on the other ranks, naming rank 0's error."""
+class RankFailed(Exception):
+    """Another rank failed at what every rank agreed on (rank 0 writing its outputs, every rank reading a
+    checkpoint), for a reason other than a config error or a refused file operation (those keep their type on
+    every rank); raised on the other ranks, naming that rank's error."""
 
 
 @contextmanager
 def rank0_writes(what: str, mark: Callable[[str], None] = lambda where: None) -> Iterator[None]:
     """Around what rank 0 alone writes (config, log, samples, a checkpoint). Collective on leaving the block: one
     broadcast tells every rank whether rank 0's writes succeeded; if not, every rank raises, rank 0 its own error,
-    the others the same kind of error naming it (`error_of_rank0`), so the CLI shows them alike. A rank 0 that
+    the others the same kind of error naming it (`error_of_rank`), so the CLI shows them alike. A rank 0 that
     failed alone would leave its peers waiting in their next collective, until a timeout that hides the cause.
     `mark` is told before the collective (the hang watchdog). Nothing is sent in a one-rank group."""
-    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -89,8 +89,7 @@ def rank0_writes(what: str, mark: Callable[[str], None] = lambda where: None) ->
             raise
         failure = e
     mark(f"broadcast of whether rank 0 wrote its {what}")
-    nccl = dist.get_backend() == "nccl"
-    failed = torch.tensor([failure is not None], device=torch.cuda.current_device() if nccl else "cpu")
+    failed = _flag(failure is not None)
     dist.broadcast(failed, src=0)
     if not failed.item():
         return
@@ -98,28 +97,74 @@ def rank0_writes(what: str, mark: Callable[[str], None] = lambda where: None) ->
     dist.broadcast_object_list(told, src=0)
     if failure is not None:
         raise failure  # unchanged: the CLI shows it as before
-    raise error_of_rank0(f"write its {what}", told[0])
+    raise error_of_rank(0, f"write its {what}", told[0])
 
 
-def report_of(error: Exception) -> tuple:
-    """What rank 0 tells the other ranks of its failed write: enough to raise the same kind of error."""
+@contextmanager
+def every_rank_or_none(doing: str, mark: Callable[[str], None] = lambda where: None) -> Iterator[None]:
+    """Around what each rank does on its own and may fail at alone (read a checkpoint its node may not see).
+    Collective on leaving the block: one all-reduce of a flag; if any rank failed, every rank raises, each failed
+    rank its own error, the others the first failed rank's, named (`error_of_rank`). Nothing is sent in a one-rank
+    group. Not for blocks with collectives inside: a rank that fails before one leaves its peers waiting in it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    failure = None
+    try:
+        yield
+    except Exception as e:
+        failure = e
+    mark(f"all-reduce of whether every rank could {doing}")
+    failed = _flag(failure is not None)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if not failed.item():
+        return
+    reports: list = [None] * dist.get_world_size()  # only on failure: who failed, and at what
+    dist.all_gather_object(reports, report_of(failure) if failure is not None else None)
+    if failure is not None:
+        raise failure
+    first = next(rank for rank, report in enumerate(reports) if report is not None)
+    raise error_of_rank(first, doing, reports[first])
+
+
+def _flag(value: bool):
+    """A one-element tensor for a flag collective, on the device the default group's backend sends from."""
+    import torch
+    import torch.distributed as dist
+
+    nccl = dist.get_backend() == "nccl"
+    return torch.tensor([int(value)], device=torch.cuda.current_device() if nccl else "cpu")
+
+
+def report_of(error: Exception) -> dict:
+    """What a rank tells the others of its failure: enough for them to raise the same kind of error."""
+    from ganscale.config import ConfigError
+
+    if isinstance(error, ConfigError):
+        return {"kind": "config", "key": error.key, "problem": error.problem, "fix": error.fix}
     kind = ("checkpoint" if isinstance(error, CheckpointWriteError)
             else "file" if isinstance(error, OSError) and error.errno is not None else type(error).__name__)
-    code, reason, filename = (getattr(error, name, None) for name in ("errno", "strerror", "filename"))
     message = (str(error).strip().splitlines() or [""])[0][:2000]  # its first line, whole
-    return kind, code, reason, filename, message
+    return {"kind": kind, "message": message,
+            **{name: getattr(error, name, None) for name in ("errno", "strerror", "filename")}}
 
 
-def error_of_rank0(doing: str, report: tuple) -> Exception:
-    """The other ranks' error for what rank 0 failed at (`doing`: "write its samples"): its type and errno, so
-    the CLI shows it the same way (one line, same exit code), and a message naming rank 0 and its own."""
-    kind, code, reason, filename, message = report
-    told = f"rank 0 could not {doing}"
+def error_of_rank(rank: int, doing: str, report: dict) -> Exception:
+    """The other ranks' error for what rank `rank` failed at (`doing`: "write its samples"): its type (and errno,
+    or config key and fix), so the CLI shows it the same way (one line, same exit code), and a message naming
+    that rank and its own."""
+    from ganscale.config import ConfigError
+
+    told, kind = f"rank {rank} could not {doing}", report["kind"]
+    if kind == "config":
+        return ConfigError(report["key"], f"{told}: {report['problem']}", report["fix"])
     if kind == "checkpoint":
-        return CheckpointWriteError(f"{told}: {message}", code)
-    if kind == "file":
-        return OSError(code, f"{told}: {reason or message}", filename)  # the subclass of its errno, as rank 0's
-    return Rank0WriteFailed(f"{told}: {kind}: {message}")
+        return CheckpointWriteError(f"{told}: {report['message']}", report["errno"])
+    if kind == "file":  # the subclass of its errno, as the failed rank's
+        return OSError(report["errno"], f"{told}: {report['strerror'] or report['message']}", report["filename"])
+    return RankFailed(f"{told}: {kind}: {report['message']}")
 
 
 class StopSignals:

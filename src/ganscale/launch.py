@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED,
-                           EXIT_PREEMPTED, RESTARTS_ENV, error_of_rank0, report_of)
+                           EXIT_PREEMPTED, RESTARTS_ENV, error_of_rank, report_of)
 
 RUNS_ROOT = Path("runs")
 # What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
@@ -147,7 +147,7 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     if failure is not None:
         raise failure
     if kind == "failed":
-        raise error_of_rank0("decide the run directory", fields[0])
+        raise error_of_rank(0, "decide the run directory", fields[0])
     if kind == "refused":
         raise ConfigError(*fields)
     if kind == "done":

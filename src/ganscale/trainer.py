@@ -25,7 +25,8 @@ from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
-from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, injected_fault, rank0_writes, restart_count
+from ganscale.fault import (NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault,
+                            rank0_writes, restart_count)
 from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
@@ -538,10 +539,13 @@ class Trainer:
 
     def _load(self, path: Path) -> list:
         """Load the training state of checkpoint `path`; returns its per-rank RNG states, restored last."""
-        # Checked first (ConfigError naming the file: not intact, not a ganscale checkpoint, keys missing).
-        sharded = checkpoint.is_sharded(path)
-        state = checkpoint.load_meta(path) if sharded else checkpoint.load(path, require=checkpoint.RESUME_KEYS,
-                                                                            fix=checkpoint.RESUME_FIX)
+        # Checked first (ConfigError naming the file: not intact, not a ganscale checkpoint, keys missing). Rank 0
+        # verifies its content; the others, reading the same file, check only that they see all of it. A rank that
+        # cannot (a run directory on a disk its node does not share) stops every rank, naming itself.
+        sharded, verify = checkpoint.is_sharded(path), self.runtime.is_main
+        with every_rank_or_none("read the checkpoint", self.watchdog.mark):  # collective on leaving: one all-reduce
+            state = (checkpoint.load_meta(path, verify=verify) if sharded else
+                     checkpoint.load(path, require=checkpoint.RESUME_KEYS, fix=checkpoint.RESUME_FIX, verify=verify))
         try:
             if sharded:  # any strategy or world size: DCP reads the shards this rank needs
                 shards = self._sharded_state()
@@ -568,7 +572,7 @@ class Trainer:
 
     def _restore_rank_streams(self, saved: list) -> None:
         if len(saved) == self.runtime.world:
-            checkpoint.set_rng_state(saved[self.runtime.rank])
+            checkpoint.set_rng_state(saved[self.runtime.rank], cuda=self.runtime.device.type == "cuda")
         else:  # another world size: per-rank streams cannot carry over; reseed them deterministically
             seed_rank_streams(derive_seed(self.cfg.train.seed, self.step), self.runtime)
 
