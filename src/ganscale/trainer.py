@@ -74,9 +74,6 @@ class MicroStepMeans:
             None if total is None else total + share for total, share in zip(self.values, shares)]
 
 
-COMPILE_STEPS, COMPILE_PATIENCE_S = 3, 1800.0  # steps in which compilation and graph recording happen; their allowance
-
-
 class ReplicaDivergence(RuntimeError):
     """Parameters or buffers differ across ranks where they must be identical."""
 
@@ -192,10 +189,6 @@ class Trainer:
         while self.step < cfg.train.steps:
             step, skipped_before = self.step, self.skipped_steps
             self.watchdog.mark(f"step {step}: start")
-            # torch.compile compiles (max-autotune: tunes) and records CUDA graphs in the first steps, for minutes
-            # between two marks on every rank at once: that is not a hang.
-            compiling = cfg.train.compile != "off" and step < start_step + COMPILE_STEPS
-            self.watchdog.patience_s = COMPILE_PATIENCE_S if compiling else 0.0
             self.times.begin_step()
             factor = lr_factor(step, cfg.train.steps, cfg.optim.decay_start)  # a function of the step: resumes exactly
             for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):

@@ -8,6 +8,10 @@ record of ganscale's collectives) and PyTorch's flight recorder (every collectiv
 group, NCCL or gloo, with sizes and states; read it with `torchfrtrace`) to RUN_DIR/diagnostics/,
 reads every rank's published progress, names the ranks that are behind (they never arrived at the
 collective the others wait in), and exits with code 5. The elastic agent then stops the remaining workers.
+
+Compiling is not a hang: while torch compiles on a rank (its own compile callbacks say when: the first steps, a
+recompile, a lazy backward, CUDA-graph recording), that rank and any rank that waits for it are allowed
+COMPILE_PATIENCE_S more. Each rank publishes whether it is compiling with its progress.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import torch.distributed as dist
+from torch._dynamo.callback import CallbackArgs, callback_handler
 
 from ganscale.fault import EXIT_HANG, StopSignals
 
 KEY = "ganscale/progress/{rank}"
 STOP_SIGNALS = {int(sig) for sig in StopSignals.SIGNALS}
+COMPILE_PATIENCE_S = 1800.0  # compiling, max-autotune's tuning and CUDA-graph recording can take many minutes
 
 
 class Watchdog:
@@ -38,11 +46,14 @@ class Watchdog:
         self.signals: socket.socket | None = None  # readable when a stop signal arrives (fault.StopSignals)
         self.diagnostics_dir = Path(diagnostics_dir)
         self.count, self.where, self.last_progress = 0, "start", time.monotonic()
-        self.patience_s = 0.0  # more time allowed between marks (the first steps of a compiled run)
+        self.compiling = ""  # what torch compiles on this rank right now ("dynamo", "lazy_backward", ...), else ""
+        self.compile_patience_s = COMPILE_PATIENCE_S  # allowed on top of timeout_s while this rank or a peer compiles
+        self.compile_seen_at = float("-inf")  # when the thread, out of time, last saw this rank or a peer compiling
         self.history: deque[tuple[float, int, str]] = deque(maxlen=64)
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self._stop = threading.Event()
-        self._wake, self._waker = socket.socketpair()  # __exit__ wakes the thread through it
+        self._wake, self._waker = socket.socketpair()  # wakes the thread: to publish a compile at once, or to stop
+        self._waker.setblocking(False)  # the training loop must never wait on it
         self._thread = threading.Thread(target=self._run, name="ganscale-watchdog", daemon=True)
 
     def watching(self, signals: socket.socket | None) -> Watchdog:
@@ -51,10 +62,16 @@ class Watchdog:
         return self
 
     def __enter__(self) -> Watchdog:
+        # Registered whether or not the run compiles: they are called only when torch does compile, and then the
+        # allowance is due. Removed in __exit__, so no watchdog outlives its run in this process.
+        callback_handler.register_start_callback(self._compile_started)
+        callback_handler.register_end_callback(self._compile_ended)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        callback_handler.remove_start_callback(self._compile_started)
+        callback_handler.remove_end_callback(self._compile_ended)
         self._stop.set()
         self._waker.send(b"x")
         self._thread.join(timeout=5)
@@ -68,6 +85,23 @@ class Watchdog:
         self.last_progress = time.monotonic()
         self.history.append((time.time(), self.count, where))
 
+    def _compile_started(self, args: CallbackArgs) -> None:
+        """torch's callback: a compile began on this rank (in the main thread, or autograd's for a lazy backward)."""
+        self.compiling = args.callback_trigger.name.lower()  # dynamo, lazy_backward, cudagraph_recording
+        self._compile_progress(f"torch.compile: compiling ({self.compiling})")
+
+    def _compile_ended(self, args: CallbackArgs) -> None:
+        self._compile_progress(f"torch.compile: compiled ({self.compiling})")
+        self.compiling = ""
+
+    def _compile_progress(self, what: str) -> None:
+        # Progress, but not a mark: ranks compare mark counts to find who is behind, and they need not compile alike.
+        self.last_progress = time.monotonic()
+        self.history.append((time.time(), self.count, what))
+        with suppress(OSError):  # full or closed: the thread publishes within a period anyway
+            # Publish now: a peer waiting in a collective for this rank must see it before its own time is up.
+            self._waker.send(b"c")
+
     # ------------------------------------------------------------------ watchdog thread
     def _run(self) -> None:
         period = max(0.2, min(5.0, self.timeout_s / 4, self.exit_timeout_s / 4))
@@ -80,8 +114,21 @@ class Watchdog:
             if self.stop_requested_at is not None and now - self.stop_requested_at > self.exit_timeout_s:
                 self._diagnose_and_exit(f"asked to stop {self.exit_timeout_s:.0f} s ago (fault.exit_timeout_s), "
                                         f"this rank has not finished its step")
-            elif now - self.last_progress > self.timeout_s + self.patience_s:
-                self._diagnose_and_exit(f"no progress for {self.timeout_s + self.patience_s:.0f} s")
+            elif now - self.last_progress > self.timeout_s:
+                # Out of time, unless this rank compiles or a peer does (this rank waits for it in a collective):
+                # that is allowed compile_patience_s, and timeout_s more once it is over (for the peer to arrive).
+                if self.compiling or self._a_peer_compiles():
+                    self.compile_seen_at = now
+                    allowed = self.timeout_s + self.compile_patience_s
+                else:
+                    allowed = self.timeout_s + max(0.0, self.compile_seen_at - self.last_progress)
+                if now - self.last_progress > allowed:
+                    self._diagnose_and_exit(f"no progress for {allowed:.0f} s")
+
+    def _a_peer_compiles(self) -> bool:
+        """Whether another rank published that it is compiling; read from the store only once this rank's time is up,
+        up to the first such rank."""
+        return any(compiling for rank, _, compiling, _ in self._published() if rank != self.rank)
 
     def _wait_for_signal(self, period: float) -> None:
         """Sleep for `period`, noting a stop signal the moment it arrives (even if the main thread is blocked)."""
@@ -92,6 +139,8 @@ class Watchdog:
             if self.signals is not None and self.signals.fileno() >= 0:  # -1 once closed: training is over
                 selector.register(self.signals, selectors.EVENT_READ)
             readable = [key.fileobj for key, _ in selector.select(period)]
+        if self._wake in readable:
+            self._wake.recv(64)  # a compile began or ended (the caller publishes it), or __exit__
         if self.signals is not None and self.signals in readable:
             try:
                 arrived = self.signals.recv(64)  # one byte per signal: its number
@@ -105,21 +154,24 @@ class Watchdog:
         if self.store is None:
             return
         try:
-            self.store.set(KEY.format(rank=self.rank), f"{self.count}|{self.where}")
+            self.store.set(KEY.format(rank=self.rank), f"{self.count}|{self.compiling}|{self.where}")
         except Exception:  # noqa: BLE001 - the store may be gone while the job is torn down
             pass
 
-    def _others(self) -> dict[int, tuple[int, str]]:
-        progress: dict[int, tuple[int, str]] = {}
+    def _published(self) -> Iterator[tuple[int, int, str, str]]:
+        """(rank, mark count, what it compiles or "", where) of each rank that published, read one rank at a time."""
         for rank in range(self.world):
             key = KEY.format(rank=rank)
             try:
-                if self.store is not None and self.store.check([key]):
-                    count, where = self.store.get(key).decode().split("|", 1)
-                    progress[rank] = (int(count), where)
+                if self.store is None or not self.store.check([key]):
+                    continue
+                count, compiling, where = self.store.get(key).decode().split("|", 2)
             except Exception:  # noqa: BLE001
-                pass
-        return progress
+                continue
+            yield rank, int(count), compiling, where
+
+    def _others(self) -> dict[int, tuple[int, str]]:
+        return {rank: (count, _shown(where, compiling)) for rank, count, compiling, where in self._published()}
 
     def _diagnose_and_exit(self, why: str) -> None:
         # Where the main thread is now, not where it last marked: slow local work (an optimizer step after the mark
@@ -134,12 +186,12 @@ class Watchdog:
                 f.flush()  # faulthandler writes to the descriptor, after this line
             faulthandler.dump_traceback(file=f, all_threads=True)
         with open(self.diagnostics_dir / f"rank{self.rank}-collectives.txt", "w") as f:
-            f.write("time\tmark\twhere (ganscale's phases and collectives, oldest first)\n")
+            f.write("time\tmark\twhere (ganscale's phases and collectives, torch's compiles, oldest first)\n")
             for stamp, count, where in self.history:
                 f.write(f"{stamp:.3f}\t{count}\t{where}\n")
         _write_flight_recorder(self.diagnostics_dir / f"rank{self.rank}-flight-recorder.json")
         progress = self._others()
-        progress[self.rank] = (self.count, self.where)
+        progress[self.rank] = (self.count, _shown(self.where, self.compiling))
         ahead = max(count for count, _ in progress.values())
         behind = sorted(rank for rank in range(self.world) if progress.get(rank, (-1, ""))[0] < ahead)
         if self.rank in behind:
@@ -154,6 +206,11 @@ class Watchdog:
         print(f"ganscale: hang detected on rank {self.rank}: {why}. {verdict}. "
               f"Stacks and each rank's last collectives: {self.diagnostics_dir}/", file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
+
+
+def _shown(where: str, compiling: str) -> str:
+    """A rank's last mark, and the compile it is in since (if any)."""
+    return f"{where}, then torch.compile: compiling ({compiling})" if compiling else where
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
