@@ -137,9 +137,13 @@ def test_fp16_scaler_path_backs_off_and_keeps_training(tmp_path):
     try:
         trainer = Trainer(cfg, runtime, tmp_path)
         initial_scale = trainer.precision.loss_scale  # read before training, so not train_in_process
+        reads, get_scale = [], trainer.precision.scaler.get_scale  # on CUDA each read waits for the GPU
+        trainer.precision.scaler.get_scale = lambda: reads.append(trainer.step) or get_scale()
         summary = trainer.fit()
     finally:
         runtime.close()
+    # R1 steps only, in each of their 2 D steps; then the final checkpoint saves the scaler's state
+    assert reads == [step for step in range(0, 12, 2) for _ in range(2)] + [12]
     assert trainer.precision.scaler.is_enabled()
     assert trainer.precision.loss_scale < initial_scale  # overflowed at first, backed off
     assert summary["skipped_steps"] < 12

@@ -180,8 +180,9 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
 
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    restart = 0
     try:
-        for restart in range(max_restarts + 1):
+        while True:  # each pass ends in a return, or in a restart
             os.environ[RESTARTS_ENV] = str(restart)
             where = ["--run-dir", str(run_dir), *(["--resume", resume] if resume else [])]
             code, failed = _launch_once(nproc, [*worker_args, *where], run_dir)
@@ -194,13 +195,13 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
             resume = resume_after_restart(run_dir, resume)
             if resume != "auto":  # it died writing its first checkpoint: start over that write
                 checkpoint.remove_unfinished(run_dir)
-            print(f"ganscale: restarting the workers ({restart + 1} of --max-restarts {max_restarts}), resuming "
+            restart += 1
+            print(f"ganscale: restarting the workers ({restart} of --max-restarts {max_restarts}), resuming "
                   f"from {'the newest intact checkpoint' if resume == 'auto' else resume or 'the start'}",
                   file=sys.stderr)
     except SignalException as e:  # between two starts (the agent's handlers stay installed): no workers to ask
         print(f"ganscale: {e.sigval.name} received between restarts; continue with --resume auto", file=sys.stderr)
         return EXIT_PREEMPTED
-    return code
 
 
 def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int, bool]:
