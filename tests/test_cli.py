@@ -396,6 +396,24 @@ def test_rerun_without_resume_is_refused_then_resume_continues(trained_run, tmp_
     assert resumed_cfg["train"]["steps"] == 30
 
 
+def test_a_resume_without_a_recipe_continues_with_the_run_s_own_config(tmp_path):
+    """Not the default recipe: that dropped the run's recipe and --set values (a silently other training, or a
+    'does not fit' error); the newest config of the run is the base, and --set still applies on top."""
+    first = ganscale("train", "ring8", "--set", "model.g_width=24", "--set", "train.steps=2", "--set",
+                     "train.batch_size=8", "--set", "log.tensorboard=false", "--run-dir", "RUN", cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    more = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "train.steps=3", cwd=tmp_path)
+    assert more.returncode == 0, explain(more)
+    assert "resuming with the run's own config, RUN/config.yaml" in more.stdout
+    again = ganscale("train", "--resume", "RUN/checkpoints/step-00000003.pt", "--run-dir", "BRANCH",
+                     "--set", "train.steps=4", cwd=tmp_path)  # from a file: its run's newest config
+    assert again.returncode == 0, explain(again)
+    assert "RUN/config.resumed-00000002.yaml" in again.stdout
+    resumed = yaml.safe_load((tmp_path / "BRANCH" / "config.yaml").read_text())
+    assert (resumed["name"], resumed["data"]["kind"], resumed["model"]["g_width"]) == ("ring8", "ring8", 24)
+    assert (resumed["train"]["steps"], resumed["train"]["batch_size"]) == (4, 8)
+
+
 @pytest.mark.slow
 def test_export_writes_g_and_g_ema(trained_run, tmp_path):
     from safetensors import safe_open
@@ -418,6 +436,16 @@ def test_export_writes_g_and_g_ema(trained_run, tmp_path):
         for k in ema_keys:
             assert torch.equal(f.get_tensor(f"G_ema.{k}"), state["G_ema"][k])
     assert not list(tmp_path.glob(".*tmp"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, out", [("sample", "afile/grid.png"), ("export", "afile/g.safetensors")])
+def test_an_output_the_system_refuses_is_one_line_and_exit_7_for_every_command(trained_run, tmp_path, command, out):
+    (tmp_path / "afile").write_text("")  # a file where the output's folder goes
+    result = ganscale(command, str(trained_run), "--out", out, cwd=tmp_path)
+    assert result.returncode == 7, explain(result)
+    assert "Traceback" not in result.stderr and "afile" in result.stderr, explain(result)
+    assert (tmp_path / "afile").read_text() == ""
 
 
 # --------------------------------------------------------------------------------- ring8, 1 rank

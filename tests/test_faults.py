@@ -73,6 +73,7 @@ def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(t
     overrides = {**SMALL_MLP, "train.steps": 20, "checkpoint.every": 2, "fault.max_consecutive_skips": 3}
     messages = run_ranks(_persistent_nan, 2, overrides, str(tmp_path))
     assert all(m is not None and "3 consecutive steps" in m for m in messages)
+    assert all("the last good checkpoint, step-00000004.pt, is kept" in m for m in messages)
     # Steps 4, 5 and 6 were skipped; the run stops at 6 without writing a checkpoint there. The newest
     # checkpoint (step 4, taken inside the streak) holds only weights from good steps: skipped steps never update.
     from ganscale import checkpoint
@@ -86,6 +87,9 @@ def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(t
     messages = run_ranks(_persistent_nan, 2, overrides, str(tmp_path), latest)
     assert all(m is not None and "3 consecutive steps" in m for m in messages)
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
+    # With no checkpoint yet, the message does not promise one.
+    messages = run_ranks(_persistent_nan, 2, {**overrides, "checkpoint.every": 0}, str(tmp_path / "none"))
+    assert all("no checkpoint was written" in m and "kept" not in m for m in messages)
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):

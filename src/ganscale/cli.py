@@ -26,7 +26,7 @@ def _fail(error: Exception) -> None:
 
 
 REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
-                          errno.EIO, errno.ENOTDIR, errno.EISDIR}
+                          errno.EIO, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}  # EEXIST: a file where a folder goes
 
 
 def _known_failure(error: BaseException) -> tuple[str, int] | None:
@@ -97,6 +97,10 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     if max_restarts and not nproc and not worker:
         nproc = 1  # restarts need a launcher
     launching = bool(nproc) and not worker
+    if recipe is None and resume is not None and (own := launch.own_config(run_dir, resume)) is not None:
+        recipe = str(own)  # continue the run as it was configured, not with the default recipe; --set still applies
+        if launch.rank_from_environment() == 0:
+            click.echo(f"ganscale: resuming with the run's own config, {own} (give a RECIPE to use another)")
     try:
         cfg = config_mod.load(recipe, overrides)
         world = environment_world_size() if worker else (nproc or 1)
@@ -146,10 +150,12 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
 @main.command()
 def recipes() -> None:
     """List the shipped recipes."""
-    for name in config_mod.recipe_names():
+    names = config_mod.recipe_names()
+    width = max(map(len, names))
+    for name in names:
         cfg = config_mod.load(name)
         marker = " (default)" if name == config_mod.DEFAULT_RECIPE else ""
-        click.echo(f"{name:<12} {cfg.description}{marker}")
+        click.echo(f"{name:<{width}}  {cfg.description}{marker}")
 
 
 @main.command(name="make-facades")

@@ -34,7 +34,8 @@ def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Pa
     except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error for a failed write
         checkpoint.remove_written(tmp)
         cause = checkpoint.os_error_behind(e)
-        reason = checkpoint.os_reason(cause) if cause else str(e).splitlines()[0]
-        raise ConfigError("--out", f"could not write {out}: {reason}",
+        if cause is not None and cause.errno is not None:  # the system refused it: shown as every command shows it
+            raise OSError(cause.errno, os.strerror(cause.errno), str(out)) from None
+        raise ConfigError("--out", f"could not write {out}: {str(e).splitlines()[0]}",
                           "choose another --out, or make room on its disk") from None
     return out

@@ -21,6 +21,7 @@ from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_
                            EXIT_PREEMPTED, RESTARTS_ENV, error_of_rank, report_of)
 
 RUNS_ROOT = Path("runs")
+RESUMED_CONFIG = re.compile(r"^config\.resumed-(\d{8,})\.yaml$")  # a resume's config, where it differed
 # What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
 RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|config\.yaml|config\.resumed-\d{8,}\.yaml"
                        r"|metrics\.jsonl|summary\.json|eval\.json)$")
@@ -87,6 +88,23 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
         raise ConfigError("--run-dir", f"'{path}' holds files that are not a ganscale run's ({', '.join(foreign[:3])})",
                           "choose a new or empty --run-dir")
     return path, (_left_to_train(cfg, _resumable(path)) if newest is not None else None)
+
+
+def own_config(run_dir: str | None, resume: str | None) -> Path | None:
+    """The config a resume without a RECIPE continues with: that of the run it resumes (the run holding
+    `--resume PATH`, or `--run-dir` with `--resume auto`), its newest (config.resumed-<step>.yaml after a resume
+    that changed it). None when there is no such file (`--resume auto` without `--run-dir` looks for the default
+    recipe's runs)."""
+    if resume not in (None, "auto"):
+        source = Path(resume)
+        run = source if source.is_dir() and not checkpoint.is_sharded(source) else source.parent.parent
+    elif run_dir is not None:
+        run = Path(run_dir)
+    else:
+        return None
+    resumed = {int(m[1]): p for p in run.glob("config.resumed-*.yaml") if (m := RESUMED_CONFIG.match(p.name))}
+    newest = resumed[max(resumed)] if resumed else run / "config.yaml"
+    return newest if newest.is_file() else None
 
 
 def _refuse_two_histories(run_dir: Path, source: Path) -> None:

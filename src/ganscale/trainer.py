@@ -233,9 +233,11 @@ class Trainer:
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
                 with self.rank0_writes("summary"):  # collective on leaving: one broadcast
                     self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
+                newest = checkpoint.latest(self.run_dir)  # for the message only
+                kept = f"the last good checkpoint, {newest.name}, is kept" if newest else "no checkpoint was written"
                 raise NonFiniteTraining(
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
-                    f"(last: {record or g_stats}); the last good checkpoint is kept. "
+                    f"(last: {record or g_stats}); {kept}. "
                     f"Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32")
             sample = (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final
             score = self.image_scorer is not None and (self.step % cfg.eval.every == 0 or final)
