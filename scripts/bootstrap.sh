@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install ganscale into it. Sourced by scripts/train.sh and scripts/test.sh.
 #
-# On a machine without a GPU this installs the CPU build of torch 2.13.0 first, so pip never pulls
-# the CUDA packages. A GPU user installs the CUDA build of torch 2.13 into .venv before running this
-# (see README); an installed torch 2.13 is kept.
+# Installs torch 2.13.0 first, as pip's index offers it (PIP_INDEX_URL picks the CPU or a CUDA build;
+# see README), unless torch 2.13 is already in .venv: a build installed there beforehand is kept.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
