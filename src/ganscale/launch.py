@@ -95,16 +95,19 @@ def own_config(run_dir: str | None, resume: str | None) -> Path | None:
     `--resume PATH`, or `--run-dir` with `--resume auto`), its newest (config.resumed-<step>.yaml after a resume
     that changed it). None when there is no such file (`--resume auto` without `--run-dir` looks for the default
     recipe's runs)."""
-    if resume not in (None, "auto"):
-        source = Path(resume)
-        run = source if source.is_dir() and not checkpoint.is_sharded(source) else source.parent.parent
-    elif run_dir is not None:
-        run = Path(run_dir)
-    else:
+    try:
+        if resume not in (None, "auto"):
+            source = Path(resume)
+            run = source if source.is_dir() and not checkpoint.is_sharded(source) else source.parent.parent
+        elif run_dir is not None:
+            run = Path(run_dir)
+        else:
+            return None
+        resumed = {int(m[1]): p for p in run.glob("config.resumed-*.yaml") if (m := RESUMED_CONFIG.match(p.name))}
+        newest = resumed[max(resumed)] if resumed else run / "config.yaml"
+        return newest if newest.is_file() else None
+    except OSError:  # a path the system refuses (too long, unreadable): resolve_run names it, on rank 0
         return None
-    resumed = {int(m[1]): p for p in run.glob("config.resumed-*.yaml") if (m := RESUMED_CONFIG.match(p.name))}
-    newest = resumed[max(resumed)] if resumed else run / "config.yaml"
-    return newest if newest.is_file() else None
 
 
 def _refuse_two_histories(run_dir: Path, source: Path) -> None:
