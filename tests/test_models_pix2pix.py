@@ -11,7 +11,7 @@ from ganscale import objectives
 from ganscale.config import ConfigError
 from ganscale.data.paired import PairedImages
 from ganscale.data.synthetic import write_synthetic_facades
-from ganscale.models.pix2pix import DownBlock, PatchDiscriminator, UNetGenerator, UpBlock
+from ganscale.models.pix2pix import DownBlock, PatchDiscriminator, SampleDropout, UNetGenerator, UpBlock
 
 
 def count(module: nn.Module) -> int:
@@ -39,8 +39,8 @@ def test_reference_structure(unet256):
     """8 levels, widths 64..512, dropout only in the three inner 512-wide decoder blocks, Tanh out, no bias before BN."""
     assert [b.conv.out_channels for b in unet256.down] == [64, 128, 256, 512, 512, 512, 512, 512]
     assert [b.conv.out_channels for b in unet256.up] == [512, 512, 512, 512, 256, 128, 64, 3]
-    assert [isinstance(b.dropout, nn.Dropout) for b in unet256.up] == [False, True, True, True, False, False, False, False]
-    assert all(b.dropout.p == 0.5 for b in unet256.up if isinstance(b.dropout, nn.Dropout))
+    assert [isinstance(b.dropout, SampleDropout) for b in unet256.up] == [False, True, True, True, False, False, False, False]
+    assert all(b.dropout.p == 0.5 for b in unet256.up if isinstance(b.dropout, SampleDropout))
     assert isinstance(unet256.up[-1].norm, nn.Tanh)
     assert isinstance(unet256.down[0].act, nn.Identity) and isinstance(unet256.down[0].norm, nn.Identity)
     assert isinstance(unet256.down[-1].norm, nn.Identity)  # innermost: no norm
@@ -73,7 +73,7 @@ def test_instance_norm_variant_builds_and_runs():
 def test_small_resolutions_and_norms(norm):
     G = UNetGenerator(resolution=64, ngf=8, norm=norm)
     assert len(G.down) == len(G.up) == 6
-    assert sum(isinstance(b.dropout, nn.Dropout) for b in G.up) == 1  # one 8*ngf decoder block below the innermost
+    assert sum(isinstance(b.dropout, SampleDropout) for b in G.up) == 1  # one 8*ngf decoder block below the innermost
     out = G(torch.randn(2, 3, 64, 64))
     assert out.shape == (2, 3, 64, 64) and out.abs().max() <= 1
     assert PatchDiscriminator(ndf=8, norm=norm)(torch.randn(2, 6, 64, 64)).shape == (2, 1, 6, 6)

@@ -22,7 +22,7 @@ TINY_BIGGAN = {**QUIET, "model.kind": "biggan", "data.labels": "true", "model.z_
 
 
 def tiny_pix2pix(path) -> dict:
-    # 32x32 crops: a 5-level U-Net without dropout, so two ranks can reproduce one exactly.
+    # 32x32 crops: a 5-level U-Net without dropout (64x64 crops add one dropout block).
     return {**QUIET, "model.kind": "pix2pix", "data.kind": "paired", "data.path": str(path), "data.channels": 3,
             "data.resolution": 32, "data.load_size": 36, "data.direction": "BtoA", "model.g_width": 4,
             "model.d_width": 4, "model.norm": "instance", "loss.l1_weight": 100, "train.batch_size": 4,
@@ -150,17 +150,40 @@ def test_conditional_biggan_on_two_ranks_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generator, discriminator", [("ddp", "ddp"), ("fsdp", "zero2")])
-def test_pix2pix_on_two_ranks_equals_one_process(tmp_path, facades, generator, discriminator):
-    """Crops and flips are functions of the stream position, so the ranks' union is one process's batch.
-    G's output is kept with its graph from D's step to G's (a sharded G re-gathers for that backward)."""
-    overrides = tiny_pix2pix(facades)
+@pytest.mark.parametrize("generator, discriminator, size", [("ddp", "ddp", 32), ("fsdp", "zero2", 32), ("ddp", "ddp", 64)],
+                         ids=["ddp", "fsdp-zero2", "ddp-with-dropout"])
+def test_pix2pix_on_two_ranks_equals_one_process(tmp_path, facades, generator, discriminator, size):
+    """Crops and flips are functions of the stream position, so the ranks' union is one process's batch; so are
+    the dropout masks (64 px). G's output is kept with its graph from D's step to G's (a sharded G re-gathers
+    for that backward)."""
+    overrides = {**tiny_pix2pix(facades), "data.resolution": size, "data.load_size": size + size // 8}
     one = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "one"))[0]
     two = run_ranks(train_and_collect, 2, {**overrides, "parallel.generator": generator,
                                            "parallel.discriminator": discriminator}, str(tmp_path / "two"))
     gen = torch.Generator().manual_seed(1)
-    inputs = {"G": (torch.rand(2, 3, 32, 32, generator=gen) * 2 - 1,), "D": (torch.rand(2, 6, 32, 32, generator=gen) * 2 - 1,)}
+    seeds = torch.tensor([7, 11])  # G in train mode: its dropout masks from given seeds
+    inputs = {"G": (torch.rand(2, 3, size, size, generator=gen) * 2 - 1, seeds),
+              "D": (torch.rand(2, 6, size, size, generator=gen) * 2 - 1,)}
     assert_same_functions(overrides, one, two, inputs)
+
+
+def test_a_sample_s_dropout_mask_depends_on_its_seed_alone():
+    """pix2pix's dropout: the same mask for a sample alone or in any batch (on any rank, in any micro-step);
+    half the units dropped, the kept ones scaled by 2; another layer (salt) or seed, another mask."""
+    from ganscale.models.pix2pix import SampleDropout, sample_seeds
+
+    seeds = sample_seeds(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+    x = torch.ones(6, 64, 8, 8)
+    dropout = SampleDropout(0.5, salt=1).train()
+    out = dropout(x, seeds)
+    assert set(out.unique().tolist()) == {0.0, 2.0}
+    assert abs((out == 0).float().mean().item() - 0.5) < 0.02
+    for i in range(6):
+        assert torch.equal(dropout(x[i:i + 1], seeds[i:i + 1]), out[i:i + 1])
+    assert torch.equal(dropout(x[[3, 1]], seeds[[3, 1]]), out[[3, 1]])
+    assert not torch.equal(SampleDropout(0.5, salt=2).train()(x, seeds), out)
+    assert not torch.equal(out[0], out[1])
+    assert torch.equal(dropout.eval()(x, seeds), x)
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -290,6 +313,7 @@ def test_image_metrics_during_training_on_two_sharded_ranks_equal_one_process(tm
 
 def _forwards(cfg: config.Config, run_dir) -> tuple[int, list[list[torch.Tensor]], bool]:
     """Train `cfg` in this process; G's forward count and every D call's arguments (images, classes), in order."""
+    from ganscale.models.pix2pix import SampleDropout
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
@@ -299,7 +323,7 @@ def _forwards(cfg: config.Config, run_dir) -> tuple[int, list[list[torch.Tensor]
         g_calls, d_inputs = [], []
         trainer.G.module.register_forward_hook(lambda module, args, out: g_calls.append(1))
         trainer.D.module.register_forward_hook(lambda module, args, out: d_inputs.append([a.detach().clone() for a in args]))
-        dropout = any(isinstance(m, torch.nn.Dropout) for m in trainer.G.module.modules())
+        dropout = any(isinstance(m, SampleDropout) for m in trainer.G.module.modules())
         trainer.fit()
     finally:
         runtime.close()

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ganscale.config import Config
 from ganscale.data.stream import Sample
+from ganscale.models.pix2pix import sample_seeds
 
 
 class Unconditional:
@@ -83,7 +84,7 @@ class ClassConditional(Unconditional):
 
 class Paired(Unconditional):
     """pix2pix: G(input) -> output; D judges (input, output) concatenated on channels; G also minimises
-    `l1_weight` x L1(output, target). G's randomness is its dropout (per-rank RNG streams), not z."""
+    `l1_weight` x L1(output, target). G's randomness is its dropout, whose masks come from z's per-sample seeds."""
 
     grid_columns = 3  # input, output, target
     # As the reference trains: G translates the batch once; D's step judges the output detached, G's step
@@ -95,7 +96,7 @@ class Paired(Unconditional):
         self.preview_pairs = preview_pairs
 
     def generate(self, G: nn.Module, real: Sample, z: Tensor, labels: Tensor | None) -> Tensor:
-        return G(real[0])
+        return G(real[0], sample_seeds(z))  # dropout masks by global sample position: the same on any rank
 
     def real_images(self, real: Sample) -> Tensor:
         return real[1]

@@ -14,7 +14,9 @@ the innermost output feeds up[0] directly), so a stage boundary must carry the c
 activation plus every skip not yet consumed.
 
 Dropout (0.5, in the non-innermost decoder blocks of width 8 * ngf: three at 256) is pix2pix's
-only noise source; the reference keeps it on at test time as well.
+only noise source; the reference keeps it on at test time as well. Its masks are a function of each
+sample's seed (`SampleDropout`), which the trainer derives from the latents it draws per global sample
+position: a sample gets the same mask on any rank and in any micro-step, so N ranks train as one process.
 """
 
 from __future__ import annotations
@@ -22,12 +24,49 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ganscale.config import ConfigError
 from ganscale.models.layers import conv_bias, norm_layer, normal_init
 
 MAX_WIDTH_FACTOR = 8  # widths are ngf * min(2**level, 8): 64, 128, 256, 512, 512, ...
+BITS = 0xFFFFFFFF  # the hash below works on 32-bit values held in int64: no product overflows
+
+
+def sample_seeds(z: Tensor) -> Tensor:
+    """One 32-bit seed per sample (int64), the bits of its latent vector's first value: the trainer draws latents
+    per global sample position, step and phase, so a sample's seed is the same whichever rank draws it."""
+    return z[:, 0].float().contiguous().view(torch.int32).long() & BITS
+
+
+def _hashed_bits(seeds: Tensor, salt: int, shape: torch.Size) -> Tensor:
+    """Uniform 32-bit values of shape (len(seeds), *shape): each a hash of (its sample's seed, `salt`, its index),
+    so a sample's values do not depend on the batch around it. Integer tensor ops only: the same on every
+    device, and torch.compile and CUDA graphs take them."""
+    index = torch.arange(math.prod(shape), device=seeds.device, dtype=torch.int64).view(1, *shape)
+    x = (seeds.view(-1, *[1] * len(shape)) * 0x7FEB352D + salt * 0x2C1B3C6D + index) & BITS
+    for _ in range(2):  # a 32-bit integer hash (xor-shift, multiply) of good avalanche
+        x = ((x >> 16) ^ x) * 0x45D9F3B & BITS
+    return (x >> 16) ^ x
+
+
+class SampleDropout(nn.Module):
+    """Dropout whose mask for a sample is a function of that sample's seed and this layer's `salt`, not of the
+    process's RNG stream (which differs by rank and would make N ranks train differently from one process).
+    Without seeds (a direct call in train mode), plain dropout."""
+
+    def __init__(self, p: float, salt: int):
+        super().__init__()
+        self.p, self.salt = p, salt
+
+    def forward(self, x: Tensor, seeds: Tensor | None = None) -> Tensor:
+        if not self.training:
+            return x
+        if seeds is None:
+            return F.dropout(x, self.p, training=True)
+        keep = _hashed_bits(seeds, self.salt, x.shape[1:]) >= round(self.p * 2**32)
+        return x * keep.to(x.dtype) / (1 - self.p)
 
 
 class DownBlock(nn.Module):
@@ -46,16 +85,17 @@ class DownBlock(nn.Module):
 class UpBlock(nn.Module):
     """ReLU -> 4x4 stride-2 transposed conv -> norm (-> dropout); the outermost ends with Tanh instead of norm."""
 
-    def __init__(self, c_in: int, c_out: int, norm: str, outermost: bool = False, dropout: bool = False):
+    def __init__(self, c_in: int, c_out: int, norm: str, outermost: bool = False, dropout: int | None = None):
         super().__init__()
         self.act = nn.ReLU()
         # The image-producing conv has no norm after it, so it keeps its bias whatever the norm.
         self.conv = nn.ConvTranspose2d(c_in, c_out, 4, 2, 1, bias=outermost or conv_bias(norm))
         self.norm = nn.Tanh() if outermost else norm_layer(norm, c_out)
-        self.dropout = nn.Dropout(0.5) if dropout else nn.Identity()
+        self.dropout = SampleDropout(0.5, salt=dropout) if dropout is not None else None  # `dropout`: its salt
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.norm(self.conv(self.act(x))))
+    def forward(self, x: Tensor, seeds: Tensor | None = None) -> Tensor:
+        x = self.norm(self.conv(self.act(x)))
+        return self.dropout(x, seeds) if self.dropout is not None else x
 
 
 def _levels(resolution: int, key: str) -> int:
@@ -80,19 +120,21 @@ class UNetGenerator(nn.Module):
         up: list[UpBlock] = [UpBlock(widths[-1], widths[-2], norm)]  # innermost: its input has no skip
         for level in reversed(range(1, levels - 1)):  # decoder block producing level-1's width
             c_out = widths[level - 1]
-            up.append(UpBlock(2 * widths[level], c_out, norm, dropout=c_out == ngf * MAX_WIDTH_FACTOR))
+            dropout = len(up) if c_out == ngf * MAX_WIDTH_FACTOR else None  # salted with the block's index
+            up.append(UpBlock(2 * widths[level], c_out, norm, dropout=dropout))
         up.append(UpBlock(2 * widths[0], out_channels, norm, outermost=True))
         self.up = nn.ModuleList(up)
         normal_init(self)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, seeds: Tensor | None = None) -> Tensor:
+        """`seeds`: one per sample, for the dropout masks (`sample_seeds`); None: the process's RNG stream."""
         skips: list[Tensor] = []
         for block in self.down:
             x = block(x)
             skips.append(x)
-        x = self.up[0](skips.pop())
+        x = self.up[0](skips.pop(), seeds)
         for block in self.up[1:]:
-            x = block(torch.cat([skips.pop(), x], 1))  # [skip, decoded], the reference's order
+            x = block(torch.cat([skips.pop(), x], 1), seeds)  # [skip, decoded], the reference's order
         return x
 
 
