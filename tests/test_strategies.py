@@ -86,10 +86,10 @@ def test_clipping_and_accumulation_under_sharding_equal_one_process(tmp_path, ov
 
 @pytest.mark.parametrize("overrides", [
     {"parallel.generator": "zero2", "parallel.discriminator": "fsdp", "train.micro_batch": 2},
-    ], ids=["fsdp-accumulated"])
-def test_spectral_norm_under_accumulation_equals_one_process(tmp_path, overrides):
-    """D's spectral norm refines its estimate once per step whether the step is one micro-step or several under a
-    sharded D (ddp: test_distributed): vectors and weights as one process's."""
+    PIPELINE], ids=["fsdp-accumulated", "pipeline"])
+def test_spectral_norm_under_accumulation_and_pipeline_micro_batches_equals_one_process(tmp_path, overrides):
+    """D's spectral norm refines its estimate once per step whether the step is one micro-step, several under a
+    sharded D (ddp: test_distributed), or a pipeline's micro-batches: vectors and weights as one process's."""
     spectral = {**SMALL_MLP, "model.d_spectral_norm": "true"}
     one = run_ranks(train_and_collect, 1, spectral, str(tmp_path / "one"))[0]
     two = run_ranks(train_and_collect, 2, {**spectral, **overrides}, str(tmp_path / "two"))

@@ -37,3 +37,17 @@ def power_iteration_paused(norms: list[nn.Module]) -> Iterator[None]:
         for m, mode in zip(norms, modes):
             m.train(mode)
 
+
+@contextlib.contextmanager
+def power_iteration_in_first_forward(module: nn.Module) -> Iterator[None]:
+    """Inside: `module`'s parametrizations refine their estimate in its first forward only. For forwards
+    the caller does not run itself (a pipeline schedule's micro-batches): a forward hook pauses them."""
+    norms = spectral_norms(module)
+    with contextlib.ExitStack() as stack:
+        def pause(*_) -> None:
+            hook.remove()  # once: what is restored on leaving is the mode before the first forward
+            stack.enter_context(power_iteration_paused(norms))
+
+        hook = module.register_forward_hook(pause)
+        stack.callback(hook.remove)  # for a block that ran no forward of `module`
+        yield
