@@ -52,6 +52,21 @@ def test_accumulation_equals_one_big_step(tmp_path):
     _assert_same_training(whole, two_ranks[1])
 
 
+def test_accumulation_equals_one_big_step_with_spectral_norm(tmp_path):
+    """Proof 2 with spectral norm in D, whose power iteration torch runs in every training-mode forward: it runs
+    in each step's first micro-step only, so its vectors and the weights do not depend on the micro-step count."""
+    spectral = {**SMALL_MLP, "model.d_spectral_norm": "true"}
+    whole = _train(1, {**spectral, "train.micro_batch": 16}, tmp_path / "whole")[0]
+    assert any(key.endswith("._u") for key in whole["D"])  # compared below with the weights
+    accumulated = _train(1, {**spectral, "train.micro_batch": 4}, tmp_path / "acc1")[0]
+    assert accumulated["summary"]["accumulation_steps"] == 4
+    _assert_same_training(whole, accumulated)
+    two_ranks = _train(2, {**spectral, "train.micro_batch": 4}, tmp_path / "acc2")
+    assert two_ranks[0]["summary"]["accumulation_steps"] == 2
+    for rank in two_ranks:
+        _assert_same_training(whole, rank)
+
+
 def _count_all_reduces(trainer):
     """Counts the gradient buckets each DDP instance all-reduces (around ganscale's own comm hook)."""
     counts = {"G": 0, "D": 0}

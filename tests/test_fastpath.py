@@ -57,8 +57,11 @@ def test_channels_last_and_fused_adam_train_like_the_default(tmp_path):
 
 
 def test_compiled_ddp_with_accumulation_equals_one_eager_process(tmp_path):
-    """torch.compile over DDP: gradients still reduced in backward, no_sync still honoured per micro-step."""
-    plain = {**SMALL_DCGAN, "train.steps": 3, "model.g_batchnorm": "false"}  # BatchNorm would see micro-batches
+    """torch.compile over DDP: gradients still reduced in backward, no_sync still honoured per micro-step, and
+    D's spectral norm still paused after the first micro-step (its parametrizations' mode is guarded on: the
+    paused D is a graph of its own)."""
+    plain = {**SMALL_DCGAN, "train.steps": 3, "model.g_batchnorm": "false",  # BatchNorm would see micro-batches
+             "model.d_spectral_norm": "true"}
     accumulate = {**plain, "train.micro_batch": 4}  # 2 ranks x 2 micro-steps of 4 = one process's batch of 16
     eager = run_ranks(train_and_collect, 1, plain, str(tmp_path / "eager"))[0]
     ranks = run_ranks(train_and_collect, 2, {**accumulate, **COMPILED}, str(tmp_path / "compiled"))

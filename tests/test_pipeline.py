@@ -4,10 +4,13 @@ The reference is one process on the same global batch and noise, in as many micr
 replica has micro-batches. Most cases use networks WITHOUT BatchNorm (mlp and dcgan with batchnorm off),
 where micro-steps change nothing but rounding. BatchNorm normalises each micro-batch on its own, so the
 one case with BatchNorm in G (mlp-bn, one pipeline replica) shows the pipeline equals one process at the
-same micro-batch; spectral norm in D (dcgan) does one power iteration per micro-batch forward, likewise.
+same micro-batch. Spectral norm in D (dcgan) refines its estimate in the first micro-batch of each pass only,
+as the trainer does in a step's first micro-step: once per step, whatever the micro-batches.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from dist_helpers import max_relative_difference, run_ranks
 from ganscale import objectives
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
+from ganscale.models.spectral import power_iteration_paused, spectral_norms
 from ganscale.parallel import Wrapped
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.parallel.pipeline import PipelinedGAN, balanced_ranges, pipeline_mesh, split
@@ -55,9 +59,14 @@ def _precision(kind: str):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind.endswith("bf16"))
 
 
+def _power_iteration(micro: int, net: nn.Module):
+    """Spectral norm's power iteration in a step's first micro-step only (as Wrapped.power_iteration)."""
+    return contextlib.nullcontext() if micro == 0 else power_iteration_paused(spectral_norms(net))
+
+
 def _reference(kind: str, accumulation: int) -> dict:
     """One process, the whole batch in `accumulation` micro-steps (the trainer's D step then G step, each with
-    its Adam step). Micro-steps matter only for spectral norm here: one power iteration per D forward."""
+    its Adam step); spectral norm refines its estimate in each step's first micro-step, as the trainer's does."""
     G, D = _networks(kind)
     real, z_d, z_g = _batch(kind)
     with torch.no_grad():
@@ -65,10 +74,10 @@ def _reference(kind: str, accumulation: int) -> dict:
     G.load_state_dict(_networks(kind)[0].state_dict())  # forget the running statistics of that forward
     opt_g, opt_d = torch.optim.Adam(G.parameters(), **ADAM), torch.optim.Adam(D.parameters(), **ADAM)
     losses = torch.zeros(2)
-    for real_m, z_m in zip(real.chunk(accumulation), z_d.chunk(accumulation)):
-        with torch.no_grad(), _precision(kind):
+    for micro, (real_m, z_m) in enumerate(zip(real.chunk(accumulation), z_d.chunk(accumulation))):
+        with torch.no_grad(), _precision(kind), _power_iteration(micro, G):
             fake = G(z_m)
-        with _precision(kind):
+        with _precision(kind), _power_iteration(micro, D):
             real_logits, fake_logits = D(torch.cat([real_m, fake.float()])).split(real_m.shape[0])
         loss_d = objectives.d_loss(LOSS, real_logits, fake_logits) / accumulation
         loss_d.backward()
@@ -77,8 +86,8 @@ def _reference(kind: str, accumulation: int) -> dict:
     opt_d.step()
     opt_d.zero_grad(set_to_none=True)
     D.requires_grad_(False)
-    for z_m in z_g.chunk(accumulation):
-        with _precision(kind):
+    for micro, z_m in enumerate(z_g.chunk(accumulation)):
+        with _precision(kind), _power_iteration(micro, G), _power_iteration(micro, D):
             logits = D(G(z_m))
         loss_g = objectives.g_loss(LOSS, logits) / accumulation
         loss_g.backward()
@@ -227,7 +236,7 @@ def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> Non
 def test_two_stages_equal_one_process_and_checkpoints_are_portable():
     """2 ranks = one pipeline of 2 stages: GPipe and 1F1B (mlp), and 1F1B on DCGAN (convolutions, the latent
     reshape before G's first part, the flatten after D's last, spectral norm in D: one power iteration per
-    micro-batch, as one process with as many micro-steps). With BatchNorm in G (mlp-bn) the pipeline equals
+    pass, as one process with as many micro-steps). With BatchNorm in G (mlp-bn) the pipeline equals
     one process whose micro-batch is the pipeline's: statistics and running averages are per micro-batch.
     Under bf16 autocast (dcgan-bf16) activations cross stages in float32 and still equal one process."""
     cases = [("mlp", 2, "gpipe", 4), ("mlp", 2, "1f1b", 4), ("dcgan", 2, "1f1b", 2), ("mlp-bn", 2, "gpipe", 2),

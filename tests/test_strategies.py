@@ -84,6 +84,20 @@ def test_clipping_and_accumulation_under_sharding_equal_one_process(tmp_path, ov
             assert max_relative_difference(one[net], rank[net]) <= TOLERANCE, net
 
 
+@pytest.mark.parametrize("overrides", [
+    {"parallel.generator": "zero2", "parallel.discriminator": "fsdp", "train.micro_batch": 2},
+    PIPELINE], ids=["fsdp-accumulated", "pipeline"])
+def test_spectral_norm_under_accumulation_and_pipeline_micro_batches_equals_one_process(tmp_path, overrides):
+    """D's spectral norm refines its estimate once per step whether the step is one micro-step, several under a
+    sharded D (ddp: test_distributed), or a pipeline's micro-batches: vectors and weights as one process's."""
+    spectral = {**SMALL_MLP, "model.d_spectral_norm": "true"}
+    one = run_ranks(train_and_collect, 1, spectral, str(tmp_path / "one"))[0]
+    two = run_ranks(train_and_collect, 2, {**spectral, **overrides}, str(tmp_path / "two"))
+    for rank in two:
+        for net in ("G", "D", "G_ema"):
+            assert max_relative_difference(one[net], rank[net]) <= TOLERANCE, net
+
+
 def test_bf16_under_fsdp_trains_as_one_process_within_bf16_rounding(tmp_path):
     bf16 = {**MLP_ADAM, "train.precision": "bf16"}
     one = run_ranks(train_and_collect, 1, bf16, str(tmp_path / "one"))[0]

@@ -203,6 +203,40 @@ def test_make_facades_writes_a_set_the_pix2pix_recipe_trains_on(tmp_path):
     assert bad.exit_code == 2 and "--size" in bad.output
 
 
+def _count_power_iterations(trainer):
+    """Counts, per spectral-norm parametrization of G and D, the power-method calls (one per training-mode forward
+    in torch, unless the trainer pauses it)."""
+    counts = {}
+    for net, wrapped in (("G", trainer.G), ("D", trainer.D)):
+        for index, norm in enumerate(wrapped.spectral_norms):
+            key = f"{net}.{index}"
+            counts[key] = 0
+
+            def counting(*args, key=key, original=norm._power_method):
+                counts[key] += 1
+                return original(*args)
+            norm._power_method = counting
+    return lambda: dict(counts)
+
+
+def _train_counting_power_iterations(rank, world, overrides, run_dir):
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=_count_power_iterations)
+
+
+def test_spectral_norm_in_g_and_d_refines_once_per_network_step_whatever_the_accumulation(tmp_path):
+    """BigGAN normalises G's and D's weights: each D step refines both networks' estimates once (G's forward makes
+    its samples), the G step once (the frozen D's forward too), in one micro-step or in four."""
+    steps, critics = 2, 2
+    overrides = {**TINY_BIGGAN, "train.steps": steps, "loss.n_critic": critics}
+    whole = run_ranks(_train_counting_power_iterations, 1, overrides, str(tmp_path / "whole"))[0]
+    accumulated = run_ranks(_train_counting_power_iterations, 1, {**overrides, "train.micro_batch": 2},
+                            str(tmp_path / "accumulated"))[0]
+    assert accumulated["summary"]["accumulation_steps"] == 4
+    counts = whole["extra"]
+    assert {key[0] for key in counts} == {"G", "D"} and set(counts.values()) == {steps * (critics + 1)}
+    assert accumulated["extra"] == counts
+
+
 def test_sample_draws_one_class_on_request_and_refuses_unknown_classes(tmp_path):
     from click.testing import CliRunner
 

@@ -231,7 +231,8 @@ class ParallelConfig(Section):
     pipeline group (balanced by parameter count); the world size is a multiple of it."""
     microbatches: int = Field(4, ge=1)
     """pipeline only: micro-batches a pipeline replica's batch is split into. They replace
-    train.micro_batch: BatchNorm statistics and spectral-norm power iterations are per micro-batch."""
+    train.micro_batch: BatchNorm statistics are per micro-batch (spectral norm's power iteration runs
+    once per step, in the first, as with accumulation)."""
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """pipeline only: gpipe (all forwards, then all backwards) or 1f1b (one forward, one backward in the
     steady state: fewer activations held). The G step, two stages per rank, uses their looped forms."""

@@ -308,6 +308,8 @@ class Trainer:
     def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int,
                                    with_r1: bool) -> list[Tensor | None]:
         """Forward and backward of every micro-batch; D's gradients are reduced in the last one's backward.
+        Spectral norm (in G or D) refines its estimate in the first micro-step only: once per step, as a step
+        of the whole batch in one micro-step does, whatever the accumulation (models/spectral.py).
         Returns the adversarial loss and the penalty (None on a step without one), means over micro-batches."""
         z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
         alpha_all = self._global_uniform(step, phase) if self.cfg.loss.kind == "wgan-gp" else None
@@ -315,7 +317,8 @@ class Trainer:
         means = MicroStepMeans(accumulation)
         for micro, real in enumerate(reals):
             z, labels = self._take(z_all, micro), self._take(labels_all, micro)
-            with self.D.gradient_sync(micro == accumulation - 1):  # no_sync covers forward and backward
+            with (self.D.gradient_sync(micro == accumulation - 1),  # no_sync covers forward and backward
+                  self.G.power_iteration(micro == 0), self.D.power_iteration(micro == 0)):
                 with torch.set_grad_enabled(self.reuse_fake), self.precision.autocast():
                     fake = self.task.generate(self.G, real, z, labels)
                 self._fake_for_g = (fake, labels) if self.reuse_fake else None
@@ -377,6 +380,8 @@ class Trainer:
 
     def _generator_micro_steps(self, reals: list[Sample], step: int) -> list[Tensor | None]:
         """Forward through G and the frozen D, backward into G; G's gradients are reduced in the last backward.
+        Spectral norm refines its estimate in the first micro-step only, as in D's step (the frozen D's too:
+        a step of the whole batch refines it in its one forward).
         Returns G's loss and its reconstruction part (None for tasks without one), means over micro-batches."""
         reused, self._fake_for_g = self._fake_for_g, None  # D's step's samples (with graph) and classes, if kept
         if reused is None:
@@ -387,7 +392,8 @@ class Trainer:
             # D is frozen here: its forward skips DDP (Wrapped.__call__), but a compiled D still runs through
             # it, and must not arm a gradient reduction it would fire during the next D step's first no_sync
             # micro-step (an extra all-reduce per iteration).
-            with self.G.gradient_sync(micro == accumulation - 1), self.D.gradient_sync(False):
+            with (self.G.gradient_sync(micro == accumulation - 1), self.D.gradient_sync(False),
+                  self.G.power_iteration(micro == 0), self.D.power_iteration(micro == 0)):
                 with self.precision.autocast():
                     if reused is not None:
                         fake, labels = reused

@@ -1,8 +1,9 @@
 """Parallel strategies: functions that take a single-device network and return it wrapped.
 
 The training loop sees only `Wrapped`: call it, switch gradient sync off for all but the last
-micro-step, freeze or unfreeze it, take its gradient norm, build its optimizer, and move full
-(unsharded) model and optimizer state in and out for checkpoints. It never asks which strategy it has.
+micro-step (and spectral norm's power iteration for all but the first), freeze or unfreeze it, take its
+gradient norm, build its optimizer, and move full (unsharded) model and optimizer state in and out for
+checkpoints. It never asks which strategy it has.
 
 Strategies (per network, `parallel.generator` / `parallel.discriminator`):
   ddp    full replica per rank, gradients all-reduced (DistributedDataParallel).
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ganscale.config import FULLY_SHARDED, ParallelConfig
+from ganscale.models.spectral import power_iteration_paused, spectral_norms
 from ganscale.parallel.syncbn import average_batchnorm_stats, convert_batchnorm
 from ganscale.runtime import Runtime
 
@@ -115,6 +117,18 @@ class Wrapped:
         if enabled or not isinstance(self.net, DistributedDataParallel):
             return contextlib.nullcontext()
         return self.net.no_sync()
+
+    def power_iteration(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-step: spectral norm refines its estimate only where enabled, in a step's first
+        micro-step, so that a step refines it once whatever the accumulation (models/spectral.py)."""
+        if enabled or not self.spectral_norms:
+            return contextlib.nullcontext()
+        return power_iteration_paused(self.spectral_norms)
+
+    @cached_property
+    def spectral_norms(self) -> list[nn.Module]:
+        """The network's spectral-norm parametrizations, listed once."""
+        return spectral_norms(self.module)
 
     @cached_property
     def parameters(self) -> list[nn.Parameter]:

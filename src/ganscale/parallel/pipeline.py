@@ -24,6 +24,9 @@ What is exact and what is not (the promise: same training as one process, or say
   `parallel.sync_bn` is refused (config.check).
 - No double backward goes through a pipeline: R1 and the gradient penalty are refused for a
   pipelined D (config.check).
+- Spectral norm refines its estimate (power iteration) in a part's first micro-batch of a pass only: once
+  per step, as the trainer's first micro-step does (models/spectral.py). The schedule runs the forwards,
+  so a forward hook pauses it after the first.
 - Stage shapes are given to the stages up front (static mode): torch's dynamic shape inference would
   run every stage once on uninitialised tensors, which corrupts BatchNorm statistics and spectral-norm
   vectors.
@@ -52,6 +55,7 @@ from ganscale import objectives
 from ganscale.config import ConfigError, ParallelConfig
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
+from ganscale.models.spectral import power_iteration_in_first_forward
 from ganscale.parallel import Wrapped
 from ganscale.runtime import Runtime
 
@@ -316,7 +320,9 @@ class PipelinedGAN:
         try:
             args = (z.to(self.device),) if self.is_first else ()
             target = torch.zeros(z.shape[0], device=self.device) if self.is_last else None  # unused by the G loss
-            schedule.step(*args, target=target, return_outputs=False)  # p2p between neighbouring stages
+            # Spectral norm refines its estimate in each part's first micro-batch only (see the module docstring).
+            with power_iteration_in_first_forward(self.parts["G"]), power_iteration_in_first_forward(self.parts["D"]):
+                schedule.step(*args, target=target, return_outputs=False)  # p2p between neighbouring stages
         finally:
             self.parts["D"].requires_grad_(True)
         loss = self._mean_loss()
@@ -331,7 +337,8 @@ class PipelinedGAN:
         Returns the rank's mean loss on every rank of the pipeline group.
         """
         batch, sample_shape = real.shape[0], real.shape[1:]
-        fake = self.generate(z, broadcast=False)  # on the last stage only
+        with power_iteration_in_first_forward(self.parts["G"]):  # in the first micro-batch only, as below
+            fake = self.generate(z, broadcast=False)  # on the last stage only
         if self.is_last:
             dist.send(fake.contiguous(), dst=self._global(0), group=self.pp)  # the fakes go to D's first stage
         if self.is_first:
@@ -348,7 +355,8 @@ class PipelinedGAN:
             pairs = torch.cat([real.to(self.device).float().unflatten(0, (self.microbatches, micro)),
                                fake.unflatten(0, (self.microbatches, micro))], 1)
             args = (pairs.flatten(0, 1),)
-        schedule.step(*args, target=is_real if self.is_last else None, return_outputs=False)  # p2p between stages
+        with power_iteration_in_first_forward(self.parts["D"]):  # in the first micro-batch only
+            schedule.step(*args, target=is_real if self.is_last else None, return_outputs=False)  # p2p between stages
         loss = self._mean_loss()
         self._average_over_replicas("D")
         return loss

@@ -7,7 +7,10 @@
   `reduce-overhead` and `max-autotune` also record CUDA graphs on a GPU, replaying a batch-1 step without
   launch overhead.
   The strategy keeps working underneath: a compiled DDP module still reduces gradients in backward and
-  still honours `no_sync`, since `Wrapped.gradient_sync` acts on the DDP module itself.
+  still honours `no_sync`, since `Wrapped.gradient_sync` acts on the DDP module itself. Likewise
+  `Wrapped.power_iteration` pauses spectral norm after a step's first micro-step by putting its
+  parametrizations in eval mode: Dynamo guards on that mode, so with accumulation a network with spectral
+  norm gets a second graph (per form of its forward) for its later micro-steps, compiled once, not per step.
 - Fused Adam is the optimizer's own option (`optim.fused`), set where the trainer builds its optimizers.
 
 What compilation cannot do is refused by config.check: double backward (R1, gradient penalty), FSDP2's
