@@ -139,10 +139,12 @@ def test_export_of_a_dir_without_checkpoints_exits_2(tmp_path):
 # ------------------------------------------------------------------------ default recipe, 2 ranks
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
-    """The default recipe for 20 steps on 2 processes; tests read it, never change it."""
+    """The default recipe for 20 steps on 2 processes; tests read it, never change it. What the command printed
+    on stderr is kept beside it, in stderr.txt."""
     cwd = tmp_path_factory.mktemp("cli")
     result = ganscale("train", "--nproc", "2", *SHORT_RUN, "--run-dir", "RUN", cwd=cwd)
     assert result.returncode == 0, explain(result)
+    (cwd / "stderr.txt").write_text(result.stderr)
     return cwd / "RUN"
 
 
@@ -178,6 +180,17 @@ def test_run_directory_contents(trained_run):
     assert summary["global_batch"] == saved.train.batch_size
     assert summary["micro_batch"] * 2 * summary["accumulation_steps"] == saved.train.batch_size
     assert summary["final"]["step"] == 20
+
+
+@pytest.mark.slow
+def test_per_rank_batchnorm_is_warned_once_by_rank_0(trained_run):
+    """The default recipe's G has BatchNorm and parallel.sync_bn is off: 2 ranks train differently from one
+    process, which the user is told once (not by every rank), with the fix."""
+    stderr = (trained_run.parent / "stderr.txt").read_text()
+    warnings = [line for line in stderr.splitlines() if line.startswith("ganscale: warning:")]
+    assert len(warnings) == 1, stderr
+    assert "BatchNorm statistics in G are per rank" in warnings[0] and "2-rank run trains differently" in warnings[0]
+    assert warnings[0].endswith("Fix: --set parallel.sync_bn=true")
 
 
 @pytest.mark.slow

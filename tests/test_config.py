@@ -159,6 +159,17 @@ def test_batchnorm_with_one_sample_per_rank_is_rejected_unless_sync_bn():
     config.check(config.load(None, ["train.batch_size=2", "parallel.sync_bn=true"]), 2, False)
 
 
+@pytest.mark.parametrize("recipe, network", [("pix2pix", "UNetGenerator"), ("digits-biggan", "BigGANGenerator")])
+def test_pipeline_of_a_model_it_cannot_split_is_refused_for_that_first(tmp_path, recipe, network):
+    """Not for BatchNorm with one sample per micro-batch, whose fix (model.g_batchnorm) does nothing here."""
+    pipeline = ["parallel.generator=pipeline", "parallel.discriminator=pipeline", "train.batch_size=4"]
+    cfg = config.load(recipe, [*pipeline, f"data.path={tmp_path}"] if recipe == "pix2pix" else pipeline)
+    with pytest.raises(ConfigError) as info:
+        config.check(cfg, 2, False)
+    assert info.value.key == "parallel.generator"
+    assert f"{network} is not a sequence of layers the pipeline can split" in str(info.value)
+
+
 def test_r1_through_cross_rank_batchnorm_in_d_is_refused(tmp_path):
     penalty = "loss.r1_gamma=1"  # (wgan-gp is refused for pix2pix anyway)
     pix2pix = ["data.kind=paired", f"data.path={tmp_path}", "model.kind=pix2pix", "data.resolution=64",

@@ -40,6 +40,19 @@ def test_sync_bn_two_ranks_equal_one_rank_with_double_batch(tmp_path):
     assert max_relative_difference(one["G"], local_bn["G"]) > 100 * TOLERANCE
 
 
+def test_a_set_micro_batch_without_sync_bn_trains_the_weights_as_one_process(tmp_path):
+    """What the per-rank BatchNorm warning says of a set train.micro_batch: each micro-batch holds the same samples
+    on 1 and 2 ranks, so the weights train alike; the running statistics (each rank's own, averaged) do not."""
+    overrides = {**SMALL_DCGAN, "train.micro_batch": 4}
+    one = _train(1, overrides, tmp_path / "one")[0]
+    two = _train(2, overrides, tmp_path / "two")[0]
+    for net in ("G", "D", "G_ema"):
+        weights = [{k: v for k, v in state[net].items() if "running" not in k} for state in (one, two)]
+        assert max_relative_difference(*weights) <= TOLERANCE, net
+    running = [{k: v for k, v in state["G_ema"].items() if "running" in k} for state in (one, two)]
+    assert running[0] and max_relative_difference(*running) > 100 * TOLERANCE
+
+
 def test_accumulation_equals_one_big_step(tmp_path):
     """Proof 2: micro-steps of b add up to one step of the whole batch, on 1 and on 2 ranks."""
     whole = _train(1, {**SMALL_MLP, "train.micro_batch": 16}, tmp_path / "whole")[0]

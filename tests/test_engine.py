@@ -121,6 +121,41 @@ def test_cross_rank_batchnorm_is_plain_batchnorm_in_one_process():
     assert converted.state_dict().keys() == reference.state_dict().keys()
 
 
+PIPELINE = ["parallel.generator=pipeline", "parallel.discriminator=pipeline"]
+PIX2PIX_R1 = ["train.batch_size=4", "loss.r1_gamma=1"]  # BatchNorm in G and D (model.norm=batch)
+
+
+@pytest.mark.parametrize("recipe, overrides, world, says", [
+    ("digits", [], 2, ["BatchNorm statistics in G are per rank (each rank normalises its own 32 samples; "
+                       "parallel.sync_bn is off), so this 2-rank run trains differently from one process. "
+                       "Fix: --set parallel.sync_bn=true"]),
+    ("digits-biggan", [], 4, ["in G are per rank", "own 16 samples", "4-rank run"]),   # conditional BatchNorm
+    ("pix2pix", PIX2PIX_R1, 2, ["in G and D are per rank", "with loss.r1_gamma=0"]),  # sync_bn alone is refused
+    # A set micro-batch is normalised as on one process; only the running statistics (G_ema's) differ, and
+    # cross-rank statistics would normalise 2 x 8 samples together: no sync_bn to offer.
+    ("digits", ["train.micro_batch=8"], 2, ["running statistics in G", "G_ema's samples and scores differ"]),
+    ("digits", [], 1, None),
+    ("digits", ["parallel.sync_bn=true"], 2, None),
+    ("digits", ["model.g_batchnorm=false"], 2, None),                       # DCGAN's D has no BatchNorm
+    ("pix2pix", [*PIX2PIX_R1, "model.norm=instance"], 2, None),
+    ("digits", ["train.micro_batch=8", "model.g_batchnorm=false"], 2, None),
+    ("digits", PIPELINE, 2, None)])                  # normalises each pipeline micro-batch by design; refuses sync_bn
+def test_per_rank_batchnorm_is_named_with_its_fix_where_it_applies(recipe, overrides, world, says):
+    """Found in the built networks (any model kind); the trainer prints it on rank 0 (test_cli)."""
+    from ganscale.models import build_networks
+    from ganscale.trainer import per_rank_batchnorm
+
+    cfg = config.load(recipe, overrides)
+    with torch.device("meta"):
+        generator, discriminator = build_networks(cfg)
+    warning = per_rank_batchnorm(cfg, world, generator, discriminator)
+    if says is None:
+        assert warning is None
+    else:
+        assert all(part in warning for part in says), warning
+        assert ("parallel.sync_bn=true" in warning) == ("train.micro_batch=8" not in overrides)
+
+
 def test_fp16_scaler_path_backs_off_and_keeps_training(tmp_path):
     """The fp16 path (GradScaler, scaled R1, one update per iteration) on CPU autocast.
 

@@ -69,6 +69,16 @@ def test_one_self_attention_at_the_chosen_level():
     assert G0.attention is None and D0.attention is None
 
 
+def test_attention_gamma_is_a_vector_and_weights_with_the_old_0d_one_still_load():
+    """FSDP2 cannot shard a 0-d parameter; weights saved while gamma was one (e.g. exported) load as (1,)."""
+    G, D = pair(16)
+    for net in (G, D):
+        assert net.attention.gamma.shape == (1,)
+        old = {**net.state_dict(), "attention.gamma": torch.tensor(0.25)}
+        net.load_state_dict(old)
+        assert net.attention.gamma.shape == (1,) and net.attention.gamma.item() == 0.25
+
+
 def test_output_depends_on_the_class_label():
     G, D = pair(16)
     G.eval()  # running statistics: rows cannot influence each other through the batch

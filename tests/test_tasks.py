@@ -134,19 +134,72 @@ def assert_same_functions(overrides: dict, reference: dict, others: list[dict], 
             assert max_relative_difference({net: expected[net]}, {net: got[net]}) <= 1e-4, net
 
 
-@pytest.mark.slow
-def test_conditional_biggan_on_two_ranks_equals_one_process(tmp_path):
-    """G has (conditional) BatchNorm: with cross-rank statistics, 2 x 4 == 1 x 8, labels included."""
-    one = run_ranks(train_and_collect, 1, TINY_BIGGAN, str(tmp_path / "one"))[0]
-    two = run_ranks(train_and_collect, 2, {**TINY_BIGGAN, "parallel.sync_bn": "true"}, str(tmp_path / "two"))
+def biggan_inputs() -> dict:
+    """Fixed latents, classes and images on which TINY_BIGGAN networks are compared."""
     gen = torch.Generator().manual_seed(1)
     classes = torch.arange(32) % 10
-    inputs = {"G": (torch.randn(32, 8, generator=gen), classes), "D": (torch.rand(32, 1, 8, 8, generator=gen) * 2 - 1, classes)}
+    return {"G": (torch.randn(32, 8, generator=gen), classes),
+            "D": (torch.rand(32, 1, 8, 8, generator=gen) * 2 - 1, classes)}
+
+
+@pytest.fixture(scope="module")
+def biggan_one_process(tmp_path_factory):
+    """TINY_BIGGAN trained on one process: the reference of every N-rank BigGAN run here."""
+    return run_ranks(train_and_collect, 1, TINY_BIGGAN, str(tmp_path_factory.mktemp("biggan-one")))[0]
+
+
+@pytest.mark.slow
+def test_conditional_biggan_on_two_ranks_equals_one_process(tmp_path, biggan_one_process):
+    """G has (conditional) BatchNorm: with cross-rank statistics, 2 x 4 == 1 x 8, labels included."""
+    one, inputs = biggan_one_process, biggan_inputs()
+    two = run_ranks(train_and_collect, 2, {**TINY_BIGGAN, "parallel.sync_bn": "true"}, str(tmp_path / "two"))
     assert_same_functions(TINY_BIGGAN, one, two, inputs)
     # Sensitivity: without cross-rank statistics the two trainings are measurably different.
     local = run_ranks(train_and_collect, 2, TINY_BIGGAN, str(tmp_path / "local"))[0]
     with pytest.raises(AssertionError):
         assert_same_functions(TINY_BIGGAN, one, [local], inputs)
+
+
+SHARDED_BIGGAN = {**TINY_BIGGAN, "parallel.sync_bn": "true", "parallel.generator": "fsdp",
+                  "parallel.discriminator": "zero2"}
+
+
+@pytest.mark.slow
+def test_sharded_biggan_on_two_ranks_equals_one_process(tmp_path, biggan_one_process):
+    """FSDP2 refuses 0-d parameters: self-attention's gamma is (1,), so BigGAN shards like any network."""
+    one = biggan_one_process
+    two = run_ranks(train_and_collect, 2, SHARDED_BIGGAN, str(tmp_path / "two"))
+    assert_same_functions(TINY_BIGGAN, one, two, biggan_inputs())
+    for net in ("G", "D"):  # the attention's weight itself trained as on one process
+        assert one[net]["attention.gamma"].abs().item() > 0
+        torch.testing.assert_close(two[0][net]["attention.gamma"], one[net]["attention.gamma"], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_biggan_checkpoint_with_the_old_0d_gamma_resumes_sharded(tmp_path, monkeypatch, biggan_one_process,
+                                                                   checkpoint_format):
+    """Checkpoints written while gamma was 0-d hold it, and Adam's moments of it, 0-d: a resume reads them as
+    (1,), into FSDP2 shards (G) and replicas (D) alike, and goes on as the uninterrupted run."""
+    from torch import nn
+
+    from ganscale import checkpoint
+    from ganscale.models.layers import SelfAttention
+
+    made = SelfAttention.__init__
+
+    def as_before(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.gamma = nn.Parameter(torch.zeros(()))
+    monkeypatch.setattr(SelfAttention, "__init__", as_before)
+    train_in_process(build({**TINY_BIGGAN, "train.steps": 2, "checkpoint.every": 2,
+                            "checkpoint.format": checkpoint_format}), tmp_path / "old")
+    monkeypatch.undo()
+    written = checkpoint.latest(tmp_path / "old")
+    assert checkpoint.load(written)["G"]["attention.gamma"].shape == (1,)  # as export and sample read it
+    resumed = {**SHARDED_BIGGAN, "parallel.discriminator": "ddp"}
+    two = run_ranks(train_and_collect, 2, resumed, str(tmp_path / "resumed"), None, written)
+    assert_same_functions(TINY_BIGGAN, biggan_one_process, two, biggan_inputs())
 
 
 @pytest.mark.slow
@@ -415,7 +468,4 @@ def test_reuse_fake_conditional_on_two_ranks_equals_one_process(tmp_path):
     overrides = {**TINY_BIGGAN, "train.reuse_fake": "true", "parallel.sync_bn": "true"}
     one = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "one"))[0]
     two = run_ranks(train_and_collect, 2, overrides, str(tmp_path / "two"))
-    gen = torch.Generator().manual_seed(1)
-    classes = torch.arange(32) % 10
-    inputs = {"G": (torch.randn(32, 8, generator=gen), classes), "D": (torch.rand(32, 1, 8, 8, generator=gen) * 2 - 1, classes)}
-    assert_same_functions(overrides, one, two, inputs)
+    assert_same_functions(overrides, one, two, biggan_inputs())

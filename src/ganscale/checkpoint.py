@@ -419,6 +419,7 @@ def load_sharded(path: Path, shards: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    swapped = _swap_in_scalars(path, shards)
     try:
         dcp.load(shards, checkpoint_id=path)
     except CheckpointException as e:
@@ -426,6 +427,7 @@ def load_sharded(path: Path, shards: dict) -> None:
         if cause is not None:  # the disk's error (EIO, ESTALE): not a mismatch of the run's config
             raise cause from None
         raise RuntimeError(_first_failure(e)) from None
+    _swap_back_as_vectors(swapped)
 
 
 def _first_failure(error: BaseException) -> str:
@@ -489,6 +491,7 @@ def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX, 
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})", fix) from None
     _check_contents(path, state, require, fix)
+    _gamma_as_vector(state)
     return state
 
 
@@ -518,3 +521,58 @@ def _check_contents(path: Path, state, require: tuple[str, ...], fix: str) -> No
             refuse(f"'step' is a {type(value).__name__}, not an int")
         if key == "config" and not isinstance(value, str):
             refuse(f"'config' is a {type(value).__name__}, not YAML text")
+
+
+# ------------------------------------------------------------------------------ earlier checkpoints
+# BigGAN's SelfAttention.gamma was a 0-d parameter until it became (1,), since FSDP2 cannot shard a 0-d one.
+# Checkpoints written before hold it, and Adam's moments of it, 0-d: they are read as (1,), the same number.
+
+def _gamma_as_vector(state: dict) -> None:
+    """A full checkpoint's (or sharded one's full networks') 0-d gamma and Adam moments, reshaped in place.
+    Anything else passes unchanged: a malformed entry is for `_check_contents` to name, not for this to trip on."""
+    def old_gamma(name, value) -> bool:
+        return (isinstance(name, str) and name.rsplit(".", 1)[-1] == "gamma" and isinstance(value, torch.Tensor)
+                and value.dim() == 0)
+
+    for net in NETWORKS:
+        weights = state.get(net)
+        for name, value in (weights.items() if isinstance(weights, dict) else ()):
+            if old_gamma(name, value):
+                weights[name] = value.reshape(1)
+    for optimizer in ("opt_g", "opt_d"):
+        saved = state.get(optimizer)
+        per_parameter = saved.get("state") if isinstance(saved, dict) else None
+        for name, moments in (per_parameter.items() if isinstance(per_parameter, dict) else ()):
+            if isinstance(moments, dict):  # Adam's step counter is 0-d for every parameter: left as it is
+                per_parameter[name] = {key: value.reshape(1) if key != "step" and old_gamma(name, value) else value
+                                       for key, value in moments.items()}
+
+
+def _swap_in_scalars(path: Path, shards: dict) -> list[tuple[dict, str, torch.Tensor]]:
+    """Entries of `shards` that the sharded checkpoint holds 0-d where this run holds (1,): replaced by 0-d
+    tensors for DCP to fill (it refuses to read across shapes). Returns (where, key, the run's tensor) of each."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    swapped = []
+
+    def walk(tree: dict, prefix: str) -> None:  # DCP names a nested entry by its keys joined with "."
+        for key, value in list(tree.items()):
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif (isinstance(value, torch.Tensor) and value.shape == (1,)
+                  and getattr(saved.get(f"{prefix}{key}"), "size", None) == torch.Size([])):
+                tree[key] = torch.zeros((), dtype=value.dtype)
+                swapped.append((tree, key, value))
+    walk(shards, "")
+    return swapped
+
+
+def _swap_back_as_vectors(swapped: list[tuple[dict, str, torch.Tensor]]) -> None:
+    """The values read into `_swap_in_scalars`' 0-d tensors, as (1,) tensors placed like the run's."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for tree, key, like in swapped:
+        value = tree[key].reshape(1).to(like.device)
+        tree[key] = (distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)  # every rank
+                     if isinstance(like, DTensor) else value)                                         # read it all

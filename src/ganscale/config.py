@@ -597,6 +597,16 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
                           f"pipeline for one network only ({p.generator}, {p.discriminator}): "
                           "the G step runs G's stages and then D's in one pipeline",
                           "set parallel.generator=pipeline and parallel.discriminator=pipeline, or neither")
+    # Next, the networks themselves: for a model the pipeline cannot split (biggan, pix2pix), every other
+    # setting below is moot, and a fix that one of them suggests (model.g_batchnorm) would not apply to it.
+    import torch  # here: checking the stages against the layers builds both networks, without memory
+
+    from ganscale.models import build_networks
+    from ganscale.parallel.pipeline import split
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        generator, discriminator = build_networks(cfg)
+    split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
+    split(discriminator, p.pipeline_stages, "D")
     if world_size % p.pipeline_stages:
         raise ConfigError("parallel.pipeline_stages",
                           f"{p.pipeline_stages} stages do not divide the world size {world_size}",
@@ -630,14 +640,6 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.microbatches", "BatchNorm in G with one sample per pipeline micro-batch has no "
                           "batch statistics",
                           "lower parallel.microbatches, raise train.batch_size, or model.g_batchnorm=false")
-    import torch  # here: checking the stages against the layers builds both networks, without memory
-
-    from ganscale.models import build_networks
-    from ganscale.parallel.pipeline import split
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        generator, discriminator = build_networks(cfg)
-    split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
-    split(discriminator, p.pipeline_stages, "D")
 
 
 def _check_penalty_through_sync_bn(cfg: Config) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import resource
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from ganscale import checkpoint, objectives
 from ganscale.config import Config, ConfigError, reuse_fake_conflict, to_yaml
@@ -56,6 +57,39 @@ def lr_factor(step: int, total_steps: int, decay_start: float) -> float:
     return 1.0 - max(0, step + 1 - constant) / (total_steps - constant + 1)
 
 
+def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discriminator: nn.Module) -> str | None:
+    """The warning for BatchNorm whose statistics stay per rank (more than one rank, parallel.sync_bn off), or None.
+
+    Allowed and documented (README, "Cross-rank BatchNorm"), but such a run is not the one the same config gives
+    on one process, and the user must be told. Not for the pipeline: its BatchNorm normalises each pipeline
+    micro-batch by design (README) and it refuses parallel.sync_bn.
+    """
+    if world == 1 or cfg.parallel.sync_bn or cfg.parallel.pipelined:
+        return None
+    with_batchnorm = [name for name, net in (("G", generator), ("D", discriminator))
+                      if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())]
+    if cfg.train.micro_batch is not None:
+        # A set micro-batch normalises the same samples together on any number of ranks (Slicing), so the weights
+        # train as on one process; the running statistics, each rank updating its own with its share of the
+        # micro-batches, do not, and G_ema draws every sample with them. Cross-rank statistics would normalise
+        # world x micro_batch samples together instead: there is no fix to offer.
+        if "G" not in with_batchnorm:  # D's running statistics are never used
+            return None
+        return (f"BatchNorm running statistics in G are updated per rank and averaged (parallel.sync_bn is off), "
+                f"so G_ema's samples and scores differ from one process's; the weights train as on one process "
+                f"(train.micro_batch={cfg.train.micro_batch} normalises the same samples together on any number "
+                f"of ranks)")
+    if not with_batchnorm:
+        return None
+    fix = "--set parallel.sync_bn=true"
+    if "D" in with_batchnorm and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):  # config.check refuses it
+        fix += (" with loss.r1_gamma=0 and a loss.kind other than wgan-gp (their double backward cannot pass a "
+                "cross-rank BatchNorm in D)")
+    return (f"BatchNorm statistics in {' and '.join(with_batchnorm)} are per rank (each rank normalises its own "
+            f"{cfg.micro_batch(world)} samples; parallel.sync_bn is off), so this {world}-rank run trains "
+            f"differently from one process. Fix: {fix}")
+
+
 class MicroStepMeans:
     """Means over one step's micro-batches of its loss terms, detached for reporting; a term a step
     does not have (no penalty, no reconstruction) is None in every micro-batch and stays None."""
@@ -91,6 +125,9 @@ class Trainer:
 
         # Same seed on every rank: identical init; in the memory layout the fast path asks for.
         generator, discriminator = (in_layout(net, cfg.train.channels_last) for net in build_networks(cfg))
+        warning = per_rank_batchnorm(cfg, world, generator, discriminator)
+        if warning and runtime.is_main:
+            print(f"ganscale: warning: {warning}", file=sys.stderr, flush=True)
         ema = make_ema(generator)  # copied before sharding: a sharded module cannot be deep-copied
         if cfg.parallel.pipelined:  # the one capability branch: G and D split into stages of one pipeline
             self.G, self.D = pipeline_networks(generator, discriminator, runtime, cfg.parallel, cfg.loss.kind)

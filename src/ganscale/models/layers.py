@@ -90,6 +90,9 @@ class SelfAttention(nn.Module):
     Queries at every position attend to keys and values max-pooled 2x2 (a quarter of the
     positions, a quarter of the cost). The residual weight `gamma` starts at 0, so the block is
     the identity at initialisation and the network learns how much non-local evidence to use.
+    It has shape (1,), not (): FSDP2 cannot shard a 0-d parameter. Weights saved while it was 0-d
+    still load: checkpoint.py reads old checkpoints as (1,), and `_gamma_of_old_checkpoints` does
+    for a state dict given to `load_state_dict` directly (weights exported by an older version).
     """
 
     def __init__(self, channels: int, spectral: bool = True):
@@ -100,7 +103,8 @@ class SelfAttention(nn.Module):
         self.key = wrap(nn.Conv2d(channels, key_dim, 1, bias=False))
         self.value = wrap(nn.Conv2d(channels, value_dim, 1, bias=False))
         self.out = wrap(nn.Conv2d(value_dim, channels, 1, bias=False))
-        self.gamma = nn.Parameter(torch.zeros(()))
+        self.gamma = nn.Parameter(torch.zeros(1))  # broadcasts over (n, c, h, w) exactly as a 0-d one did
+        self.register_load_state_dict_pre_hook(_gamma_of_old_checkpoints)
 
     def forward(self, x: Tensor) -> Tensor:
         n, _, h, w = x.shape
@@ -111,3 +115,10 @@ class SelfAttention(nn.Module):
         attention = torch.softmax(query.transpose(1, 2) @ key, dim=-1)  # (n, hw, hw/4)
         attended = (value @ attention.transpose(1, 2)).view(n, -1, h, w)
         return x + self.gamma * self.out(attended)
+
+
+def _gamma_of_old_checkpoints(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """SelfAttention's load pre-hook: a 0-d `gamma` (checkpoints before it became (1,)) is read as (1,)."""
+    gamma = state_dict.get(prefix + "gamma")
+    if isinstance(gamma, Tensor) and gamma.dim() == 0:
+        state_dict[prefix + "gamma"] = gamma.reshape(1)
