@@ -136,6 +136,11 @@ PIX2PIX_R1 = ["train.batch_size=4", "loss.r1_gamma=1"]  # BatchNorm in G and D (
     ("digits", ["train.micro_batch=8"], 2, ["running statistics in G", "G_ema's samples and scores differ"]),
     ("digits", [], 1, None),
     ("digits", ["parallel.sync_bn=true"], 2, None),
+    # Cross-rank statistics over 2 x 8 samples, where one process normalises 8.
+    ("digits", ["parallel.sync_bn=true", "train.micro_batch=8"], 2,
+     ["BatchNorm in G normalises 2 x 8 samples together across ranks (parallel.sync_bn), where one process with "
+      "this config normalises 8: this run trains differently from one process. Fix: set train.micro_batch=4"]),
+    ("digits", ["parallel.sync_bn=true", "train.micro_batch=8", "model.g_batchnorm=false"], 2, None),
     ("digits", ["model.g_batchnorm=false"], 2, None),                       # DCGAN's D has no BatchNorm
     ("pix2pix", [*PIX2PIX_R1, "model.norm=instance"], 2, None),
     ("digits", ["train.micro_batch=8", "model.g_batchnorm=false"], 2, None),
@@ -153,7 +158,7 @@ def test_per_rank_batchnorm_is_named_with_its_fix_where_it_applies(recipe, overr
         assert warning is None
     else:
         assert all(part in warning for part in says), warning
-        assert ("parallel.sync_bn=true" in warning) == ("train.micro_batch=8" not in overrides)
+        assert ("--set parallel.sync_bn=true" in warning) == ("train.micro_batch=8" not in overrides)
 
 
 def test_fp16_scaler_path_backs_off_and_keeps_training(tmp_path):

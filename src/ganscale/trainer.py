@@ -64,10 +64,21 @@ def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discrimina
     on one process, and the user must be told. Not for the pipeline: its BatchNorm normalises each pipeline
     micro-batch by design (README) and it refuses parallel.sync_bn.
     """
-    if world == 1 or cfg.parallel.sync_bn or cfg.parallel.pipelined:
+    if world == 1 or cfg.parallel.pipelined:
         return None
     with_batchnorm = [name for name, net in (("G", generator), ("D", discriminator))
                       if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())]
+    if cfg.parallel.sync_bn:
+        # Cross-rank statistics pool world x micro_batch samples; one process with the same config normalises
+        # micro_batch. Unset, the micro-batch is batch / world per rank: pooled, one process's whole batch.
+        micro = cfg.train.micro_batch
+        if micro is None or not with_batchnorm:
+            return None
+        fix = (f"set train.micro_batch={micro // world} to normalise the {micro} samples one process does, or leave "
+               "it unset" if micro % world == 0 else "leave train.micro_batch unset")
+        return (f"BatchNorm in {' and '.join(with_batchnorm)} normalises {world} x {micro} samples together across "
+                f"ranks (parallel.sync_bn), where one process with this config normalises {micro}: this run trains "
+                f"differently from one process. Fix: {fix}")
     if cfg.train.micro_batch is not None:
         # A set micro-batch normalises the same samples together on any number of ranks (Slicing), so the weights
         # train as on one process; the running statistics, each rank updating its own with its share of the
