@@ -92,6 +92,25 @@ def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(t
     assert all("no checkpoint was written" in m and "kept" not in m for m in messages)
 
 
+def test_sigterm_to_the_whole_process_group_with_data_workers_still_checkpoints(tmp_path):
+    """A job scheduler signals every process of the job, DataLoader workers included: they leave the stop to the
+    trainer (killed, they made its next batch raise before it could checkpoint, and the run was lost)."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "ganscale", "train", "--run-dir", str(run), "--set", "data.workers=2",
+               "--set", "train.steps=100000", "--set", "checkpoint.every=0", "--set", "log.every=10",
+               "--set", "log.sample_every=0", "--set", "log.tensorboard=false"]
+    trainer = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and trainer.poll() is None, "training never started"
+        time.sleep(0.2)
+    os.killpg(trainer.pid, signal.SIGTERM)  # the trainer and its two data workers
+    _, stderr = trainer.communicate(timeout=90)
+    assert trainer.returncode == 3 and "Traceback" not in stderr, stderr[-3000:]
+    assert len(list((run / "checkpoints").glob("step-*.pt"))) == 1
+
+
 def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
     run = tmp_path / "run"
     base = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),

@@ -7,6 +7,7 @@ starting at (m * world + r) * micro_batch. Resuming needs only the batch index.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -93,6 +94,15 @@ class _RankSampler(Sampler[list[int]]):
 Sample = tuple[torch.Tensor, ...]  # one micro-batch: (images,), (images, labels) or (input, target)
 
 
+def _leave_stops_to_trainer(worker_id: int) -> None:
+    """In each DataLoader worker: ignore SIGTERM and SIGINT. A job scheduler signals the whole process group;
+    a worker killed by it made the trainer's next batch raise ("DataLoader worker ... is killed by signal")
+    before the agreed stop could checkpoint, and the run was lost. The trainer stops its workers itself, and a
+    worker whose trainer died exits on its own (DataLoader's watchdog of the parent)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class GlobalBatches:
     """Iterator over global batches; each item is this rank's list of micro-batches on `device`,
     each micro-batch a tuple of tensors (the data set's fields)."""
@@ -106,7 +116,8 @@ class GlobalBatches:
             self._micro = (tuple(t[idx] for t in dataset.tensors) for idx in sampler.index_tensors())
         else:
             loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+                                worker_init_fn=_leave_stops_to_trainer, pin_memory=device.type == "cuda",
+                                persistent_workers=workers > 0)
             self._micro = (tuple(batch) for batch in loader)
 
     def __iter__(self) -> GlobalBatches:
