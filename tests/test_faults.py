@@ -111,6 +111,27 @@ def test_sigterm_to_the_whole_process_group_with_data_workers_still_checkpoints(
     assert len(list((run / "checkpoints").glob("step-*.pt"))) == 1
 
 
+def test_sigterm_to_the_launcher_whose_workers_write_no_checkpoint_is_not_exit_3(tmp_path):
+    """Exit 3 promises a checkpoint to resume from; here the stop's checkpoint cannot be written (a file named
+    checkpoints where its folder goes), so the launcher says so and exits 1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("")
+    command = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
+               "--set", "log.every=10", "--set", "checkpoint.every=0", "--set", "train.steps=100000",
+               "--set", "log.tensorboard=false"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and launcher.poll() is None, "training never started"
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=90)
+    assert launcher.returncode == 1, stderr[-3000:]
+    assert "the workers stopped without writing a checkpoint" in stderr, stderr[-3000:]
+
+
 def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
     run = tmp_path / "run"
     base = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),

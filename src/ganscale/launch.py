@@ -247,6 +247,11 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
                   f"fault.exit_timeout_s; stacks and collectives are in {run_dir}/diagnostics/; the previous "
                   "checkpoint is kept", file=sys.stderr)
             return EXIT_HANG, False
+        if not any(p.stat().st_mtime >= started for p in checkpoint.list_checkpoints(run_dir)):
+            # Exit 3 promises a checkpoint: workers that died of the signal, or before training, wrote none.
+            print(f"ganscale: {e.sigval.name} received, and the workers stopped without writing a checkpoint (their "
+                  "output is above); the previous checkpoint, if any, is kept", file=sys.stderr)
+            return 1, False
         print(f"ganscale: {e.sigval.name} received; workers were asked to checkpoint. Continue with --resume auto",
               file=sys.stderr)
         return EXIT_PREEMPTED, False
