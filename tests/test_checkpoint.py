@@ -461,3 +461,49 @@ def test_a_full_checkpoint_is_mapped_into_memory_not_copied(tmp_path):
     with open("/proc/self/maps") as maps:
         assert str(path) in maps.read()
     assert torch.equal(loaded["G"]["w"], state["G"]["w"])
+
+
+def test_a_resume_trains_with_the_optimizer_settings_it_is_given_not_the_checkpoint_s(tmp_path):
+    """A resumed run's --set optim.* (recorded in its config.resumed file) is what its Adam uses."""
+    from dist_helpers import train_in_process
+    from test_distributed import SMALL_DCGAN
+
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    settings = {**SMALL_DCGAN, "train.steps": 2, "checkpoint.every": 2}
+    train_in_process(config.load(None, [f"{k}={v}" for k, v in settings.items()]), tmp_path)
+    changed = {**settings, "train.steps": 4, "optim.d.lr": 0.01, "optim.g.betas": "[0.0, 0.9]",
+               "optim.d.weight_decay": 0.001}
+    runtime = start("cpu")
+    try:
+        trainer = Trainer(config.load(None, [f"{k}={v}" for k, v in changed.items()]), runtime, tmp_path,
+                          checkpoint.latest(tmp_path))
+    finally:
+        runtime.close()
+    assert trainer.step == 2  # resumed, with the optimizer state of the checkpoint and the settings given now
+    (d_group,), (g_group,) = trainer.opt_d.param_groups, trainer.opt_g.param_groups
+    assert (d_group["initial_lr"], d_group["weight_decay"], tuple(g_group["betas"])) == (0.01, 0.001, (0.0, 0.9))
+    assert trainer.opt_d.state  # Adam's moments came back
+
+
+def test_a_checkpoint_that_does_not_fit_names_the_first_tensor_that_differs(tmp_path):
+    from dist_helpers import train_in_process
+    from test_distributed import SMALL_DCGAN
+
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    settings = {**SMALL_DCGAN, "train.steps": 2, "checkpoint.every": 2}
+    train_in_process(config.load(None, [f"{k}={v}" for k, v in settings.items()]), tmp_path)
+    wider = config.load(None, [f"{k}={v}" for k, v in {**settings, "train.steps": 4, "model.g_width": 32}.items()])
+    runtime = start("cpu")
+    try:
+        with pytest.raises(ConfigError) as refused:
+            Trainer(wider, runtime, tmp_path, checkpoint.latest(tmp_path))
+    finally:
+        runtime.close()
+    assert "does not fit this run's model/optimizer config" in refused.value.problem
+    assert "size mismatch for " in refused.value.problem  # torch's first line alone named no tensor

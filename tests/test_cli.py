@@ -218,7 +218,9 @@ def test_resuming_a_finished_run_or_an_older_checkpoint_into_it_leaves_it_as_it_
         (["--set", "train.steps=15", "--run-dir", "RUN", "--resume", "auto"], "'train.steps'"),
         (["--set", "train.steps=30", "--resume", "RUN/checkpoints/step-00000010.pt"], "'--resume'"),
         (["--set", "train.steps=30", "--run-dir", "RUN", "--resume", "OTHER/checkpoints/step-00000020.pt"],
-         "'--run-dir'")]
+         "'--run-dir'"),
+        (["--set", "train.steps=30", "--resume", "RUN/checkpoints/step-00000020.json"], "completion marker, not"),
+        (["--set", "train.steps=15", "--resume", "RUN/checkpoints"], "'train.steps': RUN/checkpoints/step-00000020")]
     for args, key in refused:
         result = ganscale("train", "--set", "log.every=5", "--set", "checkpoint.every=10", *args, cwd=tmp_path)
         assert result.returncode == 2 and key in result.stderr, explain(result)

@@ -56,6 +56,11 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
         if not source.exists():
             raise ConfigError("--resume", f"no checkpoint at '{resume}'",
                               "pass a checkpoint file, a run directory holding checkpoints/, or 'auto'")
+        if source.is_file() and source.suffix == ".json":
+            raise ConfigError("--resume", f"{source} is a checkpoint's completion marker, not the checkpoint",
+                              "pass the checkpoint beside it (the .pt file or .dcp folder of the same name)")
+        if source.is_dir() and source.name == "checkpoints" and checkpoint.checkpoint_dir(source.parent) == source:
+            source = source.parent  # a run's checkpoints/ folder: that run
         is_run = source.is_dir() and not checkpoint.is_sharded(source)  # a step-N.dcp folder is one checkpoint
         found = _resumable(source) if is_run else source
         if not is_run and checkpoint.problem(source):
@@ -99,6 +104,7 @@ def own_config(run_dir: str | None, resume: str | None) -> Path | None:
         if resume not in (None, "auto"):
             source = Path(resume)
             run = source if source.is_dir() and not checkpoint.is_sharded(source) else source.parent.parent
+            run = run.parent if run.name == "checkpoints" else run  # a run's checkpoints/ folder: that run
         elif run_dir is not None:
             run = Path(run_dir)
         else:

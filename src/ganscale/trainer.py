@@ -153,8 +153,7 @@ class Trainer:
         self.opt_g = self._adam(self.G, cfg.optim.g, fused=cfg.optim.fused)
         self.opt_d = self._adam(self.D, cfg.optim.d, fused=cfg.optim.fused)
         self.precision = Precision(cfg.train.precision, device)
-        for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
-            group.setdefault("initial_lr", group["lr"])  # the schedule scales this; restored with the optimizer
+        self._configure_optimizers()
 
         self.step, self.skipped_steps, self.consecutive_skips = 0, 0, 0
         self.stop_signal: str | None = None  # set by a signal on this rank
@@ -586,6 +585,14 @@ class Trainer:
         """This rank's shards of G (with G_ema), D and their optimizers, for torch.distributed.checkpoint."""
         return {"G": self.G.sharded_state(self.opt_g, self.G_ema), "D": self.D.sharded_state(self.opt_d)}
 
+    def _configure_optimizers(self) -> None:
+        """The config's Adam settings on every parameter group (`initial_lr` is what the schedule scales). Also
+        after a resume: the optimizer state brings back the checkpoint's groups, whose lr, betas and weight decay
+        would silently override what a resumed run's --set changed (and its config.resumed file records)."""
+        for optimizer, settings in ((self.opt_g, self.cfg.optim.g), (self.opt_d, self.cfg.optim.d)):
+            for group in optimizer.param_groups:
+                group.update(initial_lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
+
     def _load(self, path: Path) -> list:
         """Load the training state of checkpoint `path`; returns its per-rank RNG states, restored last."""
         # Checked first (ConfigError naming the file: not intact, not a ganscale checkpoint, keys missing). Rank 0
@@ -607,8 +614,9 @@ class Trainer:
                 self.G.load_model_state(state["G_ema"], self.G_ema)
                 self.G.load_optimizer_state(self.opt_g, state["opt_g"])
                 self.D.load_optimizer_state(self.opt_d, state["opt_d"])
+            self._configure_optimizers()  # the config's lr, betas and weight decay, not the checkpoint's
         except (RuntimeError, ValueError, KeyError) as e:
-            first = str(e).strip().splitlines()[0][:300]  # torch lists every mismatched tensor after it
+            first = " ".join(str(e).strip().splitlines()[:2]).replace("\t", "")[:300]  # torch's headline and first tensor
             raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({first})",
                               "resume with the config the checkpoint was written with (its config.yaml)") from None
         self.precision.load_state_dict(state["scaler"])
