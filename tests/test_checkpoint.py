@@ -453,16 +453,6 @@ def test_a_cpu_run_leaves_the_cuda_generator_alone(monkeypatch):
     assert len(touched) == 1
 
 
-def test_a_full_checkpoint_is_mapped_into_memory_not_copied(tmp_path):
-    """Each rank of a node loads the whole checkpoint: mapped, they share its pages (one copy, not one per rank)."""
-    state = {"step": 3, "config": "x: 1\n", **{key: {"w": torch.randn(64, 64)} for key in checkpoint.NETWORKS}}
-    path = checkpoint.save(state, tmp_path, 3, keep=1)
-    loaded = checkpoint.load(path)
-    with open("/proc/self/maps") as maps:
-        assert str(path) in maps.read()
-    assert torch.equal(loaded["G"]["w"], state["G"]["w"])
-
-
 def test_a_resume_trains_with_the_optimizer_settings_it_is_given_not_the_checkpoint_s(tmp_path):
     """A resumed run's --set optim.* (recorded in its config.resumed file) is what its Adam uses."""
     from dist_helpers import train_in_process

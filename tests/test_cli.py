@@ -427,6 +427,20 @@ def test_a_resume_without_a_recipe_continues_with_the_run_s_own_config(tmp_path)
     resumed = yaml.safe_load((tmp_path / "BRANCH" / "config.yaml").read_text())
     assert (resumed["name"], resumed["data"]["kind"], resumed["model"]["g_width"]) == ("ring8", "ring8", 24)
     assert (resumed["train"]["steps"], resumed["train"]["batch_size"]) == (4, 8)
+    # A branch from before a changed config takes the config of its own step, not the run's newest.
+    changed = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "train.steps=5", "--set",
+                       "optim.g.lr=0.01", cwd=tmp_path)
+    assert changed.returncode == 0 and (tmp_path / "RUN" / "config.resumed-00000003.yaml").is_file(), explain(changed)
+    early = ganscale("train", "--resume", "RUN/checkpoints/step-00000002.pt", "--run-dir", "EARLY", "--set",
+                     "train.steps=4", cwd=tmp_path)
+    assert early.returncode == 0 and "RUN/config.resumed-00000002.yaml" in early.stdout, explain(early)
+    original_lr = yaml.safe_load((tmp_path / "RUN" / "config.yaml").read_text())["optim"]["g"]["lr"]
+    assert yaml.safe_load((tmp_path / "EARLY" / "config.yaml").read_text())["optim"]["g"]["lr"] == original_lr != 0.01
+    # Going back to a config the run had before is recorded too, and is what the next resume continues with.
+    back = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "train.steps=6", "--set",
+                    "optim.g.lr=0.0002", cwd=tmp_path)
+    assert back.returncode == 0 and "RUN/config.resumed-00000003.yaml" in back.stdout, explain(back)
+    assert yaml.safe_load((tmp_path / "RUN" / "config.resumed-00000005.yaml").read_text())["optim"]["g"]["lr"] == 0.0002
 
 
 @pytest.mark.slow

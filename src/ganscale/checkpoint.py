@@ -486,8 +486,8 @@ def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX, 
     try:
         if is_sharded(path):  # everything but the optimizers, which only a training run's DCP load restores
             state = {**torch.load(path / META, map_location="cpu", weights_only=True), **_full_networks(path)}
-        else:  # mapped, not read: the ranks of a node share the file's pages instead of a copy each
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:  # read, not mapped: a CPU run's optimizer state would alias the file's pages for the whole run
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})", fix) from None
     _check_contents(path, state, require, fix)

@@ -7,7 +7,7 @@ process starts or anything is written.
 
 from __future__ import annotations
 
-import errno
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -16,17 +16,20 @@ import click
 
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
-from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, NonFiniteTraining, Preempted,
-                           is_peer_failure)
+from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
+                            NonFiniteTraining, Preempted, is_peer_failure)
 
 
 def _fail(error: Exception) -> None:
     click.echo(f"ganscale: {error}", err=True)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # a worker: leave at once, as on any error (the process
+        sys.stderr.flush()                             # group's teardown could wait on peers that left)
+        os._exit(EXIT_CONFIG)
     sys.exit(EXIT_CONFIG)
 
 
-REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
-                          errno.EIO, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}  # EEXIST: a file where a folder goes
 
 
 def _known_failure(error: BaseException) -> tuple[str, int] | None:
@@ -97,7 +100,9 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     if max_restarts and not nproc and not worker:
         nproc = 1  # restarts need a launcher
     launching = bool(nproc) and not worker
-    if recipe is None and resume is not None and (own := launch.own_config(run_dir, resume)) is not None:
+    # Not in a torchrun worker: each node would decide alone, from what its own disk shows (the CLI's parent
+    # decides for its --nproc workers, and passes the recipe on).
+    if recipe is None and resume is not None and not worker and (own := launch.own_config(run_dir, resume)):
         recipe = str(own)  # continue the run as it was configured, not with the default recipe; --set still applies
         if launch.rank_from_environment() == 0:
             click.echo(f"ganscale: resuming with the run's own config, {own} (give a RECIPE to use another)")

@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from ganscale import checkpoint
 from ganscale.config import ConfigError
+from ganscale.fault import REFUSED_FILE_OPERATION
 
 EXPORTED = ("G", "G_ema", "step", "config")  # what an export reads of a checkpoint
 
@@ -34,8 +35,9 @@ def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Pa
     except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error for a failed write
         checkpoint.remove_written(tmp)
         cause = checkpoint.os_error_behind(e)
-        if cause is not None and cause.errno is not None:  # the system refused it: shown as every command shows it
-            raise OSError(cause.errno, os.strerror(cause.errno), str(out)) from None
-        raise ConfigError("--out", f"could not write {out}: {str(e).splitlines()[0]}",
+        if cause is not None and cause.errno in REFUSED_FILE_OPERATION:  # shown as every command shows it: exit 7
+            raise OSError(cause.errno, os.strerror(cause.errno), cause.filename or str(out)) from None
+        reason = checkpoint.os_reason(cause) if cause is not None else str(e).splitlines()[0]
+        raise ConfigError("--out", f"could not write {out}: {reason}",
                           "choose another --out, or make room on its disk") from None
     return out

@@ -6,6 +6,7 @@ collective, so no rank is left waiting in a collective the others have abandoned
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -19,6 +20,10 @@ EXIT_NON_FINITE = 4   # too many consecutive non-finite steps: stopped, the last
 EXIT_HANG = 5         # a rank made no progress for fault.hang_timeout_s: diagnostics/ written, ranks named
 EXIT_PEER_FAILED = 6  # this rank stopped because another rank died first (its error is the one to read)
 EXIT_FILE_REFUSED = 7  # the system refused a file operation (permissions, a full or read-only disk): one line
+
+# File operations the system refused: one line and exit 7 in every command (EEXIST: a file where a folder goes).
+REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
+                          errno.EIO, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
 
 RESTARTS_ENV = "GANSCALE_RESTARTS"  # set by `train --max-restarts` for each start of the worker group
 

@@ -96,24 +96,39 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
 
 
 def own_config(run_dir: str | None, resume: str | None) -> Path | None:
-    """The config a resume without a RECIPE continues with: that of the run it resumes (the run holding
-    `--resume PATH`, or `--run-dir` with `--resume auto`), its newest (config.resumed-<step>.yaml after a resume
-    that changed it). None when there is no such file (`--resume auto` without `--run-dir` looks for the default
+    """The config a resume without a RECIPE continues with: the one the run it resumes (the run holding
+    `--resume PATH`, or `--run-dir` with `--resume auto`) was training with at the checkpoint's step
+    (`config_at`). None when there is no such file (`--resume auto` without `--run-dir` looks for the default
     recipe's runs)."""
     try:
         if resume not in (None, "auto"):
             source = Path(resume)
             run = source if source.is_dir() and not checkpoint.is_sharded(source) else source.parent.parent
-            run = run.parent if run.name == "checkpoints" else run  # a run's checkpoints/ folder: that run
+            if run.name == "checkpoints":  # a run's checkpoints/ folder: that run
+                run, source = run.parent, run.parent
+            step = checkpoint.step_of(source) if source != run else _newest_step(run)
         elif run_dir is not None:
             run = Path(run_dir)
+            step = _newest_step(run)
         else:
             return None
-        resumed = {int(m[1]): p for p in run.glob("config.resumed-*.yaml") if (m := RESUMED_CONFIG.match(p.name))}
-        newest = resumed[max(resumed)] if resumed else run / "config.yaml"
-        return newest if newest.is_file() else None
+        return config_at(run, step) if step is not None else None
     except OSError:  # a path the system refuses (too long, unreadable): resolve_run names it, on rank 0
         return None
+
+
+def _newest_step(run: Path) -> int | None:
+    newest = checkpoint.latest(run)
+    return checkpoint.step_of(newest) if newest is not None else None
+
+
+def config_at(run: Path, step: int) -> Path | None:
+    """The config file a run was training with at `step`: its newest config.resumed-<K>.yaml with K <= step (a
+    resume that changed the config writes one), else config.yaml; None when it has neither."""
+    resumed = {int(m[1]): p for p in run.glob("config.resumed-*.yaml") if (m := RESUMED_CONFIG.match(p.name))}
+    earlier = [k for k in resumed if k <= step]
+    found = resumed[max(earlier)] if earlier else run / "config.yaml"
+    return found if found.is_file() else None
 
 
 def _refuse_two_histories(run_dir: Path, source: Path) -> None:

@@ -28,6 +28,7 @@ from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
 from ganscale.fault import (NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault,
                             rank0_writes, restart_count)
+from ganscale.launch import config_at
 from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
@@ -188,10 +189,11 @@ class Trainer:
             if runtime.is_main:  # only now: a bad data set or checkpoint leaves nothing behind
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 resolved = to_yaml(cfg)
-                config_file = self.run_dir / "config.yaml"
-                if self.step > 0 and config_file.exists() and config_file.read_text() != resolved:
-                    config_file = self.run_dir / f"config.resumed-{self.step:08d}.yaml"  # never overwrite the original
-                config_file.write_text(resolved)
+                before = config_at(self.run_dir, self.step) if self.step > 0 else None  # what trained until now
+                if before is None:  # a new run (or a branch into a new folder)
+                    (self.run_dir / "config.yaml").write_text(resolved)
+                elif before.read_text() != resolved:  # changed on resume: beside the original, never over it
+                    (self.run_dir / f"config.resumed-{self.step:08d}.yaml").write_text(resolved)
             self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
 
     @staticmethod
