@@ -92,6 +92,17 @@ def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(t
     assert all("no checkpoint was written" in m and "kept" not in m for m in messages)
 
 
+def start_training(command: list[str], run: Path, **popen) -> subprocess.Popen:
+    """Start `command` (a `ganscale train` into `run`) in run's parent; return once it has logged a step."""
+    process = subprocess.Popen(command, cwd=run.parent, env=clean_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, **popen)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and process.poll() is None, "training never started"
+        time.sleep(0.2)
+    return process
+
+
 def test_sigterm_to_the_whole_process_group_with_data_workers_still_checkpoints(tmp_path):
     """A job scheduler signals every process of the job, DataLoader workers included: they leave the stop to the
     trainer (killed, they made its next batch raise before it could checkpoint, and the run was lost)."""
@@ -99,12 +110,7 @@ def test_sigterm_to_the_whole_process_group_with_data_workers_still_checkpoints(
     command = [sys.executable, "-m", "ganscale", "train", "--run-dir", str(run), "--set", "data.workers=2",
                "--set", "train.steps=100000", "--set", "checkpoint.every=0", "--set", "log.every=10",
                "--set", "log.sample_every=0", "--set", "log.tensorboard=false"]
-    trainer = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
-        assert time.time() < deadline and trainer.poll() is None, "training never started"
-        time.sleep(0.2)
+    trainer = start_training(command, run, start_new_session=True)
     os.killpg(trainer.pid, signal.SIGTERM)  # the trainer and its two data workers
     _, stderr = trainer.communicate(timeout=90)
     assert trainer.returncode == 3 and "Traceback" not in stderr, stderr[-3000:]
@@ -120,12 +126,7 @@ def test_sigterm_to_the_launcher_whose_workers_write_no_checkpoint_is_not_exit_3
     command = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
                "--set", "log.every=10", "--set", "checkpoint.every=0", "--set", "train.steps=100000",
                "--set", "log.tensorboard=false"]
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
-        assert time.time() < deadline and launcher.poll() is None, "training never started"
-        time.sleep(0.2)
+    launcher = start_training(command, run)
     launcher.send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=90)
     assert launcher.returncode == 1, stderr[-3000:]
@@ -138,12 +139,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
             "--set", "log.every=10", "--set", "checkpoint.every=100000", "--set", "model.g_width=32",
             "--set", "model.d_width=32", "--set", "log.tensorboard=false"]
     command = [*base, "--set", "train.steps=100000"]
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
-        assert time.time() < deadline and launcher.poll() is None, "training never started"
-        time.sleep(0.2)
+    launcher = start_training(command, run)
     launcher.send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=90)
     assert launcher.returncode == 3, stderr[-3000:]
