@@ -92,6 +92,14 @@ def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(t
     assert all("no checkpoint was written" in m and "kept" not in m for m in messages)
 
 
+def script_env() -> dict:
+    """clean_env() with this checkout's ganscale importable, for `python -c` scripts."""
+    import ganscale
+
+    src = str(Path(ganscale.__file__).resolve().parent.parent)
+    return {**clean_env(), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+
+
 def start_training(command: list[str], run: Path, **popen) -> subprocess.Popen:
     """Start `command` (a `ganscale train` into `run`) in run's parent; return once it has logged a step."""
     process = subprocess.Popen(command, cwd=run.parent, env=clean_env(), stdout=subprocess.PIPE,
@@ -329,8 +337,6 @@ def test_the_watchdog_works_when_its_descriptors_are_numbered_above_1024(tmp_pat
 def test_a_hang_names_where_the_main_thread_is_not_only_its_last_mark(tmp_path):
     """Slow local work after a mark (an optimizer step after "DDP all-reduce in backward") must not be reported
     as a hang in the marked collective alone: the verdict also says where the main thread actually is."""
-    import ganscale
-
     # Mark once from the main thread, then spin past the timeout in a uniquely named function.
     script = (
         "import time\n"
@@ -343,8 +349,7 @@ def test_a_hang_names_where_the_main_thread_is_not_only_its_last_mark(tmp_path):
         "    watchdog.mark('step 1: DDP all-reduce in backward')\n"
         "    spin_in_slow_local_work_q7z()\n"
     )
-    src = str(Path(ganscale.__file__).resolve().parent.parent)
-    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    env = script_env()
     started = time.time()
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=60)
@@ -363,7 +368,6 @@ def test_a_hang_names_where_the_main_thread_is_not_only_its_last_mark(tmp_path):
 def test_a_slow_compile_is_not_a_hang_but_as_long_a_sleep_is(tmp_path):
     """torch.compile can take minutes between two marks (compiling, tuning, recording CUDA graphs), in the first
     steps or at any recompile: torch's compile callbacks tell the watchdog, which allows that time."""
-    import ganscale
     from ganscale.fault import EXIT_HANG
 
     def watched(work: str) -> str:  # a backend slower than the watchdog's timeout, and `work` between two marks
@@ -381,8 +385,7 @@ def test_a_slow_compile_is_not_a_hang_but_as_long_a_sleep_is(tmp_path):
             "    watchdog.mark('step 1: start')\n"
             "print([where for _, _, where in watchdog.history])\n"
         )
-    src = str(Path(ganscale.__file__).resolve().parent.parent)
-    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    env = script_env()
     compiling, sleeping = (subprocess.Popen([sys.executable, "-c", watched(work)], cwd=tmp_path, env=env, text=True,
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                            for work in ("torch.compile(lambda x: x * 2, backend=slow_backend)(torch.ones(2))",
