@@ -68,14 +68,21 @@ def test_bad_config_exits_2_and_writes_nothing(tmp_path, override, key, hint):
 TINY_RUN = ["--set", "train.steps=2", "--set", "train.batch_size=6", "--set", "log.sample_every=0"]
 
 
-def test_an_image_that_does_not_decode_exits_2_naming_it(tmp_path):
+@pytest.mark.parametrize("problem", ["not an image", "a decompression bomb"])
+def test_an_image_that_does_not_decode_exits_2_naming_it(tmp_path, problem):
     from PIL import Image
+
+    from image_helpers import write_decompression_bomb_png
 
     images = tmp_path / "images"
     images.mkdir()
     for i in range(5):
         Image.new("RGB", (12, 12), (40 * i, 0, 0)).save(images / f"{i}.png")
-    (images / "broken.png").write_text("not an image")  # found by name; fails only when training reads it
+    # Found by name; fails only when training reads it.
+    if problem == "not an image":
+        (images / "broken.png").write_text("not an image")
+    else:
+        write_decompression_bomb_png(images / "broken.png")
     result = ganscale("train", *TINY_RUN, "--set", "data.kind=folder", "--set", f"data.path={images}",
                       "--set", "data.resolution=8", "--run-dir", "X", cwd=tmp_path)
     assert result.returncode == 2, explain(result)

@@ -292,6 +292,14 @@ def test_unreadable_image_is_named(tmp_path):
         PairedImages(tmp_path)
 
 
+def test_a_decompression_bomb_is_named(tmp_path):
+    from image_helpers import write_decompression_bomb_png
+
+    write_decompression_bomb_png(tmp_path / "bomb.png")
+    with pytest.raises(ConfigError, match=r"bomb\.png.*exceeds limit"):
+        PairedImages(tmp_path)
+
+
 def test_bad_options_are_config_errors(facades):
     with pytest.raises(ConfigError, match="data.crop_size"):
         PairedImages(facades, load_size=256, crop_size=286)

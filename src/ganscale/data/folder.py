@@ -12,6 +12,9 @@ from torch.utils.data import Dataset
 from ganscale.config import ConfigError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
+# What PIL raises for a file it will not decode: a broken file, or one whose header claims more pixels than PIL's
+# decompression-bomb limit (a 20000x20000 PNG), which is not an OSError.
+UNDECODABLE = (OSError, Image.DecompressionBombError)
 
 
 class UnreadableImage(OSError):
@@ -46,7 +49,7 @@ class ImageFolder(Dataset):
                 image = image.crop((left, top, left + side, top + side))
                 image = image.resize((self.resolution, self.resolution), Image.Resampling.BICUBIC)
                 array = np.asarray(image, dtype=np.float32)
-        except OSError as e:
+        except UNDECODABLE as e:
             raise UnreadableImage(f"cannot read image {path}: {e}") from None
         pixels = torch.from_numpy(array).reshape(self.resolution, self.resolution, -1).permute(2, 0, 1)
         return (pixels / 127.5 - 1.0,)

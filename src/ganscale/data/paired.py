@@ -32,7 +32,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ganscale.config import ConfigError
-from ganscale.data.folder import IMAGE_SUFFIXES, UnreadableImage
+from ganscale.data.folder import IMAGE_SUFFIXES, UNDECODABLE, UnreadableImage
 from ganscale.seeds import derive_seed
 
 DIRECTIONS = ("AtoB", "BtoA")
@@ -85,7 +85,7 @@ class PairedImages(Dataset):
         try:
             with Image.open(path) as image:  # reads the header only
                 width, height = image.size
-        except OSError as e:
+        except UNDECODABLE as e:
             raise ConfigError("data.path", f"cannot read image {path}: {e}", "remove or replace the file") from None
         if abs(width / (2 * height) - 1) > ASPECT_TOLERANCE:
             raise ConfigError("data.path", f"{path} is {width}x{height}, but a paired image holds A and B side by "
@@ -114,7 +114,7 @@ class PairedImages(Dataset):
         try:
             with Image.open(path) as image:
                 image = image.convert(self.mode)
-        except OSError as e:
+        except UNDECODABLE as e:
             raise UnreadableImage(f"cannot read image {path}: {e}") from None
         half = image.width // 2  # an odd width leaves the extra column to B, as the reference does
         return image.crop((0, 0, half, image.height)), image.crop((half, 0, image.width, image.height))

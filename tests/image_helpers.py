@@ -1,0 +1,20 @@
+"""Image files that tests need to be hostile."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+from PIL import Image
+
+
+def write_decompression_bomb_png(path: Path, side: int = 20000) -> None:
+    """A small PNG whose header claims side x side pixels (20000 x 20000 is over PIL's decompression-bomb limit):
+    an 8x8 image with its IHDR's size (and CRC) rewritten, so nothing large is ever written or decoded."""
+    Image.new("RGB", (8, 8)).save(path)
+    data = bytearray(path.read_bytes())
+    ihdr = data.index(b"IHDR")  # 4-byte type, 13-byte body, then its CRC over type and body
+    data[ihdr + 4:ihdr + 12] = struct.pack(">II", side, side)
+    data[ihdr + 17:ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr:ihdr + 17])))
+    path.write_bytes(bytes(data))
