@@ -230,6 +230,32 @@ def test_non_mapping_yaml_is_a_config_error(tmp_path):
     assert "mapping" in info.value.problem
 
 
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n"])
+def test_an_empty_yaml_file_is_refused(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert info.value.key == str(path) and "no settings" in info.value.problem
+
+
+@pytest.mark.parametrize("text", ["train:\n  steps: 5\n  steps: 7\n", "train: {steps: 5}\ntrain: {steps: 7}\n"])
+def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_it(tmp_path, text):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        config.load(str(path))
+    assert info.value.key == str(path)
+    assert "the key 'train' is given twice" in info.value.problem or "the key 'steps' is given twice" in info.value.problem
+    assert ", column " in info.value.problem  # where
+
+
+def test_a_key_given_twice_in_an_override_value_is_refused():
+    with pytest.raises(ConfigError) as info:
+        config.load("digits", ["optim.betas={a: 1, a: 2}"])
+    assert "given twice" in info.value.problem
+
+
 def test_invalid_yaml_is_a_config_error(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("train: {steps: [1, 2\n")

@@ -352,11 +352,29 @@ def _recipe_text(name: str) -> str:
     return resources.files("ganscale.recipes").joinpath(f"{name}.yaml").read_text()
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key '{key}' is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
+
+
 def load_raw(source: str | None) -> dict[str, Any]:
     """A recipe name or a YAML file path -> plain dict (not yet validated)."""
     source = source or DEFAULT_RECIPE
     if source in recipe_names():
-        return yaml.safe_load(_recipe_text(source)) or {}
+        return _parse_yaml(_recipe_text(source)) or {}
     path = Path(source)
     if not path.is_file():
         raise ConfigError("recipe", f"'{source}' is neither a shipped recipe nor a YAML file",
@@ -369,9 +387,12 @@ def load_raw(source: str | None) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(str(path), f"cannot be read ({e.strerror})", "check the path and its permissions") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = _parse_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(str(path), f"not valid YAML ({_yaml_problem(e)})", "correct the file's YAML syntax") from None
+    if raw is None:  # empty, or comments only: training the defaults would hide a wrong or unsaved file
+        raise ConfigError(str(path), "the file holds no settings (it is empty or all comments)",
+                          "write the sections to change, e.g. 'train: {steps: 500}', or pass a shipped recipe name")
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "the top level is not a mapping",
                           "write sections such as 'train:' at the top level")
@@ -399,7 +420,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
             raise ConfigError(key, f"'{part}' is a value, not a section", f"drop the part after '{part}'")
         node = child
     try:
-        node[leaf] = yaml.safe_load(value) if value.strip() else None
+        node[leaf] = _parse_yaml(value) if value.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(key.strip(), f"the value {value!r} is not valid YAML ({_yaml_problem(e)})",
                           f"write the value as YAML: a number, true/false, a list such as [0.5, 0.99], or a "
