@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from ganscale import doctor
@@ -195,6 +196,20 @@ def test_backend_for_the_hardware():
     assert gloo_gpu.status == WARN and "slow" in gloo_gpu.detail and "nccl" in gloo_gpu.fix
     assert doctor.backend_checks("auto", "nccl", True, True, True)[0].status == PASS
     assert doctor.backend_checks("auto", "nccl", True, False, True)[0].status == FAIL  # build without NCCL
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs torch's CPU build")
+def test_doctor_device_cuda_on_a_cpu_build_says_so(tmp_path):
+    result = run_doctor("--device", "cuda", cwd=tmp_path)
+    assert result.returncode == 1, explain(result)
+    status, detail = checks(result.stdout)["backend"]
+    assert status == FAIL and "this torch is a CPU build" in detail and "Windows" not in result.stdout
+
+
+def test_nccl_on_a_cpu_build_of_torch_names_the_build_and_the_cuda_one():
+    cpu_build = doctor.backend_checks("auto", "nccl", True, False, True, cuda_build=False)[0]
+    assert cpu_build.status == FAIL and "CPU build" in cpu_build.detail
+    assert "Windows" not in cpu_build.cause and "install the CUDA build of torch" in cpu_build.fix
 
 
 def by_name(found: list[Check]) -> dict[str, Check]:

@@ -247,13 +247,17 @@ def device_checks(nproc: int, device: str, on_cuda: bool, cuda_available: bool, 
 
 
 def backend_checks(requested: str, backend: str, on_cuda: bool, nccl_available: bool,
-                   gloo_available: bool) -> list[Check]:
+                   gloo_available: bool, cuda_build: bool = True) -> list[Check]:
     where = "cuda" if on_cuda else "cpu"
     how = f"{backend} on {where}" + (" (auto)" if requested == "auto" else "")
     if backend == "nccl" and not on_cuda:
         return [Check(FAIL, "backend", f"{how}: NCCL needs CUDA devices; use gloo or --backend auto",
                       "NCCL only moves CUDA tensors; this run has no GPU (CPU device, or no GPU visible)",
                       "use --backend gloo or --backend auto (set parallel.backend=gloo or auto for training)")]
+    if backend == "nccl" and not cuda_build:  # CPU builds carry no NCCL: the build is the cause, not the platform
+        return [Check(FAIL, "backend", f"{how}: this torch is a CPU build, without CUDA or NCCL",
+                      "torch's CPU build (a '+cpu' version, torch.version.cuda is None) cannot run on GPUs",
+                      "install the CUDA build of torch for your driver (README: GPU machines), or use --device cpu")]
     if backend == "nccl" and not nccl_available:
         return [Check(FAIL, "backend", f"{how}: this torch build has no NCCL",
                       "torch was built without NCCL (e.g. Windows or macOS builds)",
@@ -749,7 +753,7 @@ def run(nproc: int | None = None, backend: str = "auto", device: str = "auto",
     emit(version_checks(chosen, on_cuda, cuda_available, cuda_warning))
     emit(device_checks(nproc, device, on_cuda, cuda_available, torch.version.cuda, gpus, environ, cores, cuda_warning))
     emit(backend_checks(backend, chosen, on_cuda, dist.is_available() and dist.is_nccl_available(),
-                        dist.is_available() and dist.is_gloo_available()))
+                        dist.is_available() and dist.is_gloo_available(), torch.version.cuda is not None))
     emit(environment_checks(environ, nproc, cores, chosen))
     failed = [c.name for c in checks if c.status == FAIL]
     if failed:
