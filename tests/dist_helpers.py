@@ -49,13 +49,14 @@ def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
 
 
 def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, steps_hook: Callable | None = None,
-                      resume: Path | None = None) -> dict:
-    """Train a config (dict of dotted overrides on the default recipe) and return the final weights."""
+                      resume: Path | None = None, recipe: str | None = None) -> dict:
+    """Train a config (dict of dotted overrides on a recipe, default: the default one) and return the final
+    weights."""
     from ganscale import config
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
-    cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    cfg = config.load(recipe, [f"{k}={v}" for k, v in overrides.items()])
     config.check(cfg, world, False)
     trainer = Trainer(cfg, start("cpu"), Path(run_dir), resume)
     extra = steps_hook(trainer) if steps_hook else None
@@ -88,6 +89,34 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return worst
 
 
+def network_outputs(overrides: dict, states: dict, inputs: dict, recipe: str | None = None) -> dict[str, torch.Tensor]:
+    """What G, G_ema (batch statistics) and D (eval) compute on fixed inputs, from collected states."""
+    from ganscale import config
+    from ganscale.models import build_networks
+
+    generator, discriminator = build_networks(config.load(recipe, [f"{k}={v}" for k, v in overrides.items()]))
+    out = {}
+    with torch.no_grad():
+        for net in ("G", "G_ema"):
+            generator.load_state_dict(states[net])
+            out[net] = generator.train()(*inputs["G"])
+        discriminator.load_state_dict(states["D"])
+        out["D"] = discriminator.eval()(*inputs["D"])
+    return out
+
+
+def assert_same_functions(overrides: dict, reference: dict, others: list[dict], inputs: dict,
+                          recipe: str | None = None) -> None:
+    """N ranks == 1 process, compared by what the networks compute: biases of convolutions that feed a
+    normalisation get gradients that are zero up to rounding, which Adam scales up to lr-sized steps, so
+    their values depend on the summation order while the functions do not."""
+    expected = network_outputs(overrides, reference, inputs, recipe)
+    for other in others:
+        got = network_outputs(overrides, other, inputs, recipe)
+        for net in expected:
+            assert max_relative_difference({net: expected[net]}, {net: got[net]}) <= 1e-4, net
+
+
 def poison_d_loss_on_rank1(bad_step: Callable[[int], bool]) -> Callable:
     """A steps_hook: on rank 1 only, D's loss becomes NaN at the steps where bad_step(step) is true."""
     def hook(trainer):
@@ -114,3 +143,24 @@ def train_in_process(cfg, run_dir):
     finally:
         runtime.close()
     return trainer
+
+
+def record_steps(trainer) -> Callable[[], list[dict]]:
+    """A steps_hook: per optimizer step, in order, the network ('G' or 'D'), its gradients as the optimizer gets
+    them (averaged over ranks, full tensors: DDP-style strategies only) and the step's losses as logged."""
+    steps: list[dict] = []
+    optimizers = {id(trainer.opt_g): "G", id(trainer.opt_d): "D"}
+    step, finish = trainer.precision.step, trainer._finish_step
+
+    def recording_step(optimizer):
+        grads = [p.grad.detach().flatten().clone() for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        steps.append({"net": optimizers[id(optimizer)], "grad": torch.cat(grads)})
+        step(optimizer)
+
+    def recording_finish(net, optimizer, terms):
+        means = finish(net, optimizer, terms)
+        steps[-1]["loss"] = means[0]  # the adversarial (plus reconstruction) loss, global mean
+        return means
+    trainer.precision.step, trainer._finish_step = recording_step, recording_finish
+    return lambda: steps

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from dist_helpers import max_relative_difference, run_ranks, train_and_collect, train_in_process
+from dist_helpers import (assert_same_functions, max_relative_difference, run_ranks, train_and_collect,
+                          train_in_process)
 from ganscale import config
 from ganscale.config import ConfigError
 from ganscale.data.synthetic import write_synthetic_facades
@@ -106,32 +107,6 @@ def test_pix2pix_trains_on_synthetic_pairs_and_logs_l1(tmp_path, facades):
     assert all(0 < r["l1_g"] < 100 * 2 for r in records)  # L1 of [-1, 1] images, weighted by 100
     assert all(r["loss_g"] > r["l1_g"] for r in records)   # G's loss = adversarial + L1
     assert (tmp_path / "samples" / "step-00000004.png").exists()
-
-
-def network_outputs(overrides: dict, states: dict, inputs: dict) -> dict[str, torch.Tensor]:
-    """What G, G_ema (batch statistics) and D (eval) compute on fixed inputs, from collected states."""
-    from ganscale.models import build_networks
-
-    generator, discriminator = build_networks(build(overrides))
-    out = {}
-    with torch.no_grad():
-        for net in ("G", "G_ema"):
-            generator.load_state_dict(states[net])
-            out[net] = generator.train()(*inputs["G"])
-        discriminator.load_state_dict(states["D"])
-        out["D"] = discriminator.eval()(*inputs["D"])
-    return out
-
-
-def assert_same_functions(overrides: dict, reference: dict, others: list[dict], inputs: dict) -> None:
-    """N ranks == 1 process, compared by what the networks compute: biases of convolutions that feed a
-    normalisation get gradients that are zero up to rounding, which Adam scales up to lr-sized steps, so
-    their values depend on the summation order while the functions do not."""
-    expected = network_outputs(overrides, reference, inputs)
-    for other in others:
-        got = network_outputs(overrides, other, inputs)
-        for net in expected:
-            assert max_relative_difference({net: expected[net]}, {net: got[net]}) <= 1e-4, net
 
 
 def biggan_inputs() -> dict:
