@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_helpers import max_relative_difference, poison_d_loss_on_rank1, run_ranks, train_and_collect
+from dist_helpers import (max_relative_difference, poison_d_loss_on_rank1, poison_g_forward_on_rank1, run_ranks,
+                          train_and_collect)
 
 pytestmark = pytest.mark.slow
 
@@ -266,6 +267,38 @@ def test_non_finite_loss_on_one_rank_makes_every_rank_skip(tmp_path):
     import json
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
+
+
+def _non_finite_inside_g(rank, world, overrides, run_dir):
+    """G's step of step 2 overflows inside G on rank 1; returns every state as it was when that step began."""
+    def hook(trainer):
+        poison_g_forward_on_rank1(2)(trainer)
+        before = {}
+        take_step = trainer.generator_step
+
+        def recording(step, reals):
+            if step == 2:
+                before.update({net: {k: v.clone() for k, v in module.state_dict().items()} for net, module in
+                               (("G", trainer.G.module), ("D", trainer.D.module), ("G_ema", trainer.G_ema))})
+            return take_step(step, reals)
+        trainer.generator_step = recording
+        return lambda: before
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
+
+
+def test_a_skipped_step_leaves_buffers_and_g_ema_as_they_were(tmp_path):
+    """Skipped, G's step leaves no trace: BatchNorm running statistics (cross-rank: NaN on both ranks), spectral
+    norm's u/v (D's, refined by the frozen D's forward) and G_ema are the values from before the step."""
+    overrides = {**SMALL_DCGAN, "train.steps": 3, "model.d_spectral_norm": "true", "parallel.sync_bn": "true"}
+    ranks = run_ranks(_non_finite_inside_g, 2, overrides, str(tmp_path))
+    assert [r["summary"]["skipped_steps"] for r in ranks] == [1, 1]
+    for result in ranks:
+        before = result["extra"]
+        assert any("running_var" in k for k in before["G"]) and any(k.endswith("_u") for k in before["D"])
+        for net in ("G", "D", "G_ema"):
+            for key, value in result[net].items():
+                assert torch.isfinite(value.float()).all(), f"{net}.{key} not finite"
+                assert torch.equal(value, before[net][key]), f"{net}.{key} changed in a skipped step"
 
 
 def _batchnorm_probe(rank, world, x_full, w_full):

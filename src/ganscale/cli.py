@@ -41,7 +41,7 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
 
     if isinstance(error, UnreadableImage):
         return f"ganscale: {ConfigError('data.path', error.problem(), 'remove or replace the file')}", EXIT_CONFIG
-    if isinstance(error, CheckpointWriteError):  # its own message names the checkpoint, the cause and the fix
+    if isinstance(error, (CheckpointWriteError, NonFiniteTraining)):  # its own message names the file and the fix
         return f"ganscale: {error}", error.exit_code
     if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:
         where = f": {error.filename}" if error.filename else ""

@@ -169,6 +169,8 @@ def error_of_rank(rank: int, doing: str, report: dict) -> Exception:
         return CheckpointWriteError(f"{told}: {report['message']}", report["errno"])
     if kind == "file":  # the subclass of its errno, as the failed rank's
         return OSError(report["errno"], f"{told}: {report['strerror'] or report['message']}", report["filename"])
+    if kind == NonFiniteTraining.__name__:  # the same exit code on every rank
+        return NonFiniteTraining(f"{told}: {report['message']}")
     return RankFailed(f"{told}: {kind}: {report['message']}")
 
 

@@ -26,6 +26,7 @@ from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
+from ganscale.finite import BufferSnapshot, refuse_non_finite
 from ganscale.fault import (NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault,
                             rank0_writes, restart_count)
 from ganscale.launch import config_at
@@ -150,6 +151,7 @@ class Trainer:
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
         calm_gloo_polling()  # every process group exists now (meshes, pipeline stages): see runtime.py
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
+        self.buffers = BufferSnapshot(self.G.module, self.D.module)  # what a skipped step puts back
         self.update_ema = EmaUpdate(self.G_ema, self.G.module)
         self.opt_g = self._adam(self.G, cfg.optim.g, fused=cfg.optim.fused)
         self.opt_d = self._adam(self.D, cfg.optim.d, fused=cfg.optim.fused)
@@ -254,6 +256,7 @@ class Trainer:
                     d_stats = self.discriminator_step(reals, step, critic)
                 if critic < cfg.loss.n_critic - 1:
                     self.precision.update()
+            skipped_before_g = self.skipped_steps
             with self.traffic.measure("g_step"):
                 g_stats = self.generator_step(step, reals)  # paired data: G translates the last D batch's inputs
             self.precision.update()  # once per iteration, after both networks stepped
@@ -261,8 +264,9 @@ class Trainer:
             self.step = step + 1
             beta = ema_beta(self.global_batch, self.step * self.global_batch, cfg.train.ema_half_life_images,
                             cfg.train.ema_rampup)
-            with self.times.part("optimizer"):
-                self.update_ema(beta)
+            if self.skipped_steps == skipped_before_g:  # a skipped G step leaves G_ema as it was too
+                with self.times.part("optimizer"):
+                    self.update_ema(beta)
             self.log.advance()
             if self.step == start_step + 1:  # optimizer state exists after the first step
                 self.memory = self._memory_report()
@@ -282,12 +286,9 @@ class Trainer:
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
                 with self.rank0_writes("summary"):  # collective on leaving: one broadcast
                     self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
-                newest = checkpoint.latest(self.run_dir)  # for the message only
-                kept = f"the last good checkpoint, {newest.name}, is kept" if newest else "no checkpoint was written"
                 raise NonFiniteTraining(
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
-                    f"(last: {record or g_stats}); {kept}. "
-                    f"Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32")
+                    f"(last: {record or g_stats}); {self._non_finite_fix()}")
             sample = (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final
             score = self.image_scorer is not None and (self.step % cfg.eval.every == 0 or final)
             save = (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed
@@ -309,6 +310,11 @@ class Trainer:
         with self.rank0_writes("summary"):  # collective on leaving: one broadcast
             self.log.close(summary)
         return summary
+
+    def _non_finite_fix(self) -> str:
+        newest = checkpoint.latest(self.run_dir)  # for the message only
+        kept = f"the last good checkpoint, {newest.name}, is kept" if newest else "no checkpoint was written"
+        return f"{kept}. Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32"
 
     def _memory_report(self) -> list[dict]:
         """Collective: every rank's bytes held per network; printed once by rank 0."""
@@ -344,6 +350,7 @@ class Trainer:
         self.D.begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
         phase = PHASE_D + critic
         with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
+        self.buffers.take()
         with self.times.part("d_forward_backward"):
             if self.pipeline is not None:
                 real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
@@ -416,6 +423,7 @@ class Trainer:
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
         if self._fake_for_g is None:  # else G's output and saved activations from D's step are still needed
             self.G.begin_iteration()
+        self.buffers.take()
         with self.times.part("g_forward_backward"):
             if self.pipeline is not None:
                 z = self.slicing.take(self._global_latents(step, PHASE_G), 0)
@@ -500,8 +508,9 @@ class Trainer:
         skip = not all(math.isfinite(v) for v in (*sums, norm_sum))
         self.stop_agreed = self.stop_agreed or stops > 0
         with self.times.part("optimizer"):
-            if skip:
+            if skip:  # every rank alike: the parameters stay, and the buffers its forwards moved go back
                 self.skipped_steps += 1
+                self.buffers.restore()
             else:
                 self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
@@ -515,16 +524,24 @@ class Trainer:
         return rank0_writes(what, lambda where: self.watchdog.mark(f"step {self.step}: {where}"))
 
     def synchronise_buffers(self) -> None:
-        """Collective: make per-rank BatchNorm statistics one (before sampling, evaluating, saving)."""
+        """Collective: make per-rank BatchNorm statistics one."""
         self.watchdog.mark(f"step {self.step}: all-reduce of BatchNorm statistics")
         self.G.synchronise_batchnorm(self.G.module, self.D.module, self.G_ema)
+
+    def ready_for_outputs(self) -> None:
+        """Collective, before sampling, evaluating or saving: BatchNorm statistics made one, and every rank stops
+        (NonFiniteTraining, the tensor named) if any holds a non-finite parameter or buffer of G, D or G_ema."""
+        self.synchronise_buffers()
+        with every_rank_or_none("keep G, D and G_ema finite", self.watchdog.mark):  # collective: one all-reduce
+            refuse_non_finite({"G": self.G.held(), "D": self.D.held(), "G_ema": self.G.held(self.G_ema)},
+                              f"at step {self.step}", f"nothing of this step was saved; {self._non_finite_fix()}")
 
     def write_samples(self) -> dict[str, float]:
         """Every rank draws from G_ema (a collective when G_ema is sharded); rank 0 writes the picture.
 
         For the 2D mixtures it also scores 2,500 samples with the VEEGAN/PacGAN measures and returns them.
         """
-        self.synchronise_buffers()
+        self.ready_for_outputs()
         mixture = self.cfg.data.kind in MIXTURE_MODES
         z = self._global_latents(0, PHASE_SAMPLES, PROTOCOL_SAMPLES) if mixture else self.sample_z
         with torch.no_grad():
@@ -544,7 +561,7 @@ class Trainer:
 
     def score_images(self) -> dict[str, float]:
         """Collective: image metrics of G_ema, every rank generating its share; rank 0 logs them."""
-        self.synchronise_buffers()
+        self.ready_for_outputs()
         self.watchdog.mark(f"step {self.step}: image metrics (features all-gathered)")
         scores = self.image_scorer.score(lambda z: self.task.from_noise(self.G_ema, z).float())
         with self.rank0_writes("image metrics"):  # collective on leaving: one broadcast
@@ -563,7 +580,7 @@ class Trainer:
         if self.saved_step == self.step:
             return None
         self.saved_step = self.step
-        self.synchronise_buffers()
+        self.ready_for_outputs()
         if self.cfg.checkpoint.check_replicas:
             check_replicas({"G": self.G.replicated(), "D": self.D.replicated(), "G_ema": self.G.replicated(self.G_ema)},
                            group=self.G.replica_group)

@@ -160,10 +160,14 @@ class Wrapped:
         """Place another network of the same shape (G_ema) the way this one is placed."""
         return module.to(next(self.module.parameters()).device)
 
-    def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
-        """Tensors that must be identical on every rank (for the replica check)."""
+    def held(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        """Every parameter and buffer this rank holds of the network (or of one placed like it): shards, when sharded."""
         module = module or self.module
         return [*module.named_parameters(), *module.named_buffers()]
+
+    def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        """Tensors that must be identical on every rank (for the replica check)."""
+        return self.held(module)
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         return optimizer_class(self.module.parameters(), **kwargs)
