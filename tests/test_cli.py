@@ -531,3 +531,18 @@ def test_resume_auto_passes_over_a_corrupted_newest_checkpoint(tmp_path, trained
     assert result.returncode == 0, explain(result)
     assert f"skipping checkpoint {newest}" in result.stderr and "truncated" in result.stderr
     assert [r["step"] for r in metrics(run)] == [5, 10, 15, 20, 25]  # redone from step 10
+
+
+def test_replicas_that_differ_end_in_one_line_and_their_own_exit_code(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ganscale import launch
+    from ganscale.cli import main
+    from ganscale.fault import EXIT_REPLICAS_DIFFER, ReplicaDivergence
+
+    def diverged(cfg, run_dir, resume):
+        raise ReplicaDivergence("replicas differ: G.net.0.weight on ranks 0, 1 (it must be bitwise identical)")
+    monkeypatch.setattr(launch, "run_worker", diverged)
+    result = CliRunner().invoke(main, ["train", *TINY_RUN, "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == EXIT_REPLICAS_DIFFER == 8, result.output
+    assert result.output == "ganscale: replicas differ: G.net.0.weight on ranks 0, 1 (it must be bitwise identical)\n"

@@ -160,7 +160,7 @@ def _divergence_probe(rank, world):
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2)
     check_replicas({"net": list(module.named_parameters())})  # identical: passes
-    if rank == 1:
+    if rank == world - 1:
         with torch.no_grad():
             module.bias[0] += 1e-7
     try:
@@ -170,9 +170,37 @@ def _divergence_probe(rank, world):
     return None
 
 
-def test_replica_check_names_the_diverging_tensor():
-    messages = run_ranks(_divergence_probe, 2)
-    assert messages[0] == messages[1] == "net.bias differs between rank 0 and rank 1"
+def test_replica_check_names_the_diverging_tensor_and_ranks():
+    messages = run_ranks(_divergence_probe, 3)
+    assert len(set(messages)) == 1 and messages[0].startswith("replicas differ: net.bias on ranks 0, 2 ("), messages
+
+
+def _diverged_before_checkpoint(rank, world, overrides, run_dir):
+    """Rank 1's D weight moves by one ulp after step 1; returns (message, exit code) of what stopped the rank."""
+    from ganscale.fault import ReplicaDivergence
+
+    def hook(trainer):
+        update_ema = trainer.update_ema
+
+        def nudging(beta):
+            update_ema(beta)
+            if trainer.runtime.rank == 1 and trainer.step == 2:
+                weight = trainer.D.module.net[0].weight
+                weight.data.view(-1)[0] = torch.nextafter(weight.data.view(-1)[0], torch.tensor(1.0))
+        trainer.update_ema = nudging
+    try:
+        train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
+    except ReplicaDivergence as e:
+        return str(e), e.exit_code
+    return None
+
+
+def test_replicas_that_differ_stop_every_rank_before_the_checkpoint(tmp_path):
+    overrides = {**SMALL_DCGAN, "train.steps": 4, "checkpoint.every": 2}
+    ranks = run_ranks(_diverged_before_checkpoint, 2, overrides, str(tmp_path))
+    assert ranks[0] == ranks[1] and ranks[0][1] == 8, ranks
+    assert ranks[0][0].startswith("replicas differ: D.net.0.weight on ranks 0, 1 ("), ranks[0][0]
+    assert not (tmp_path / "checkpoints" / "step-00000002.pt").exists()
 
 
 def _noise_and_init(rank, world):

@@ -17,7 +17,7 @@ import click
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, is_peer_failure)
+                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure)
 
 
 def _fail(error: Exception) -> None:
@@ -129,7 +129,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         if launch.rank_from_environment() == 0:
             click.echo(f"ganscale: {e}")
         return
-    except (Preempted, NonFiniteTraining) as e:
+    except (Preempted, NonFiniteTraining, ReplicaDivergence) as e:  # every rank alike: one line, its own code
         click.echo(f"ganscale: {e}", err=True)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - any error of this rank's own

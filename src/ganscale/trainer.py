@@ -27,8 +27,8 @@ from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
 from ganscale.finite import BufferSnapshot, refuse_non_finite
-from ganscale.fault import (NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault,
-                            rank0_writes, restart_count)
+from ganscale.fault import (NonFiniteTraining, Preempted, ReplicaDivergence, StopSignals, every_rank_or_none,
+                            injected_fault, rank0_writes, restart_count)
 from ganscale.launch import config_at
 from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
@@ -119,10 +119,6 @@ class MicroStepMeans:
         shares = [None if t is None else self.share(t.detach()) for t in terms]
         self.values = shares if not self.values else [
             None if total is None else total + share for total, share in zip(self.values, shares)]
-
-
-class ReplicaDivergence(RuntimeError):
-    """Parameters or buffers differ across ranks where they must be identical."""
 
 
 class Trainer:
@@ -663,7 +659,7 @@ def fingerprint(tensor: Tensor) -> Tensor:
 
 def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]], group: dist.ProcessGroup | None = None) -> None:
     """Collective over `group` (default: all ranks): the named tensors are bitwise identical across its
-    ranks, or name the first that is not."""
+    ranks, or every rank raises ReplicaDivergence naming the first that is not and the ranks that hold it apart."""
     if dist.get_world_size(group) == 1:
         return
     names, prints = [], []
@@ -677,7 +673,13 @@ def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]], group: dist.Pro
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(gathered))
-    for rank, other in zip(ranks, gathered):
-        differs = (other != gathered[0]).any(1).nonzero()
-        if len(differs):
-            raise ReplicaDivergence(f"{names[int(differs[0])]} differs between rank {ranks[0]} and rank {rank}")
+    everyone = torch.stack(gathered)
+    differs = (everyone != everyone[0]).any(2)  # [rank, tensor]: unlike the group's first rank
+    first = differs.any(0).nonzero()
+    if len(first):
+        tensor = int(first[0])
+        apart = [ranks[0], *(ranks[r] for r in differs[:, tensor].nonzero().flatten().tolist())]
+        raise ReplicaDivergence(
+            f"replicas differ: {names[tensor]} on ranks {', '.join(map(str, apart))} (it must be bitwise identical); "
+            "nothing was saved from this step. Continue from the last checkpoint with --resume auto (or "
+            "--max-restarts); if it recurs, run `ganscale doctor` on these machines")
