@@ -41,6 +41,13 @@ def test_sync_bn_two_ranks_equal_one_rank_with_double_batch(tmp_path):
     assert max_relative_difference(one["G"], local_bn["G"]) > 100 * TOLERANCE
 
 
+def test_the_default_config_on_two_ranks_trains_as_one_process(tmp_path):
+    """parallel.sync_bn unset: BatchNorm in G normalises across the ranks, what one process normalises."""
+    one = _train(1, SMALL_DCGAN, tmp_path / "one")[0]
+    two = _train(2, SMALL_DCGAN, tmp_path / "two")
+    _assert_same_training(one, two[0])
+
+
 def test_a_set_micro_batch_without_sync_bn_trains_the_weights_as_one_process(tmp_path):
     """What the per-rank BatchNorm warning says of a set train.micro_batch: each micro-batch holds the same samples
     on 1 and 2 ranks, so the weights train alike; the running statistics (each rank's own, averaged) do not."""

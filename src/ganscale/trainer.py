@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ganscale import checkpoint, objectives
-from ganscale.config import Config, ConfigError, reuse_fake_conflict, to_yaml
+from ganscale.config import Config, ConfigError, penalty_through_batchnorm, reuse_fake_conflict, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
@@ -60,7 +60,9 @@ def lr_factor(step: int, total_steps: int, decay_start: float) -> float:
 
 
 def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discriminator: nn.Module) -> str | None:
-    """The warning for BatchNorm whose statistics stay per rank (more than one rank, parallel.sync_bn off), or None.
+    """The warning for BatchNorm whose statistics stay per rank (more than one rank, parallel.sync_bn false, or unset
+    where Config.cross_rank_batchnorm leaves it off), or for cross-rank statistics over more samples than one
+    process normalises; None where the run normalises as one process does.
 
     Allowed and documented (README, "Cross-rank BatchNorm"), but such a run is not the one the same config gives
     on one process, and the user must be told. Not for the pipeline: its BatchNorm normalises each pipeline
@@ -70,7 +72,7 @@ def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discrimina
         return None
     with_batchnorm = [name for name, net in (("G", generator), ("D", discriminator))
                       if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())]
-    if cfg.parallel.sync_bn:
+    if cfg.cross_rank_batchnorm(world):
         # Cross-rank statistics pool world x micro_batch samples; one process with the same config normalises
         # micro_batch. Unset, the micro-batch is batch / world per rank: pooled, one process's whole batch.
         micro = cfg.train.micro_batch
@@ -95,7 +97,7 @@ def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discrimina
     if not with_batchnorm:
         return None
     fix = "--set parallel.sync_bn=true"
-    if "D" in with_batchnorm and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):  # config.check refuses it
+    if penalty_through_batchnorm(cfg):  # config.check refuses parallel.sync_bn=true with it
         fix += (" with loss.r1_gamma=0 and a loss.kind other than wgan-gp (their double backward cannot pass a "
                 "cross-rank BatchNorm in D)")
     return (f"BatchNorm statistics in {' and '.join(with_batchnorm)} are per rank (each rank normalises its own "
@@ -141,7 +143,7 @@ class Trainer:
         if cfg.parallel.pipelined:  # the one capability branch: G and D split into stages of one pipeline
             self.G, self.D = pipeline_networks(generator, discriminator, runtime, cfg.parallel, cfg.loss.kind)
         else:
-            layout = Layout(runtime, cfg.parallel)
+            layout = Layout(runtime, cfg.parallel, cfg.cross_rank_batchnorm(world))
             self.G = compiled(parallelize(generator, cfg.parallel.generator, layout), cfg.train.compile)
             self.D = compiled(parallelize(discriminator, cfg.parallel.discriminator, layout), cfg.train.compile)
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops

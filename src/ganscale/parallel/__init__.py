@@ -57,6 +57,7 @@ class Layout:
     """
     runtime: Runtime
     options: ParallelConfig
+    cross_rank_batchnorm: bool = False  # Config.cross_rank_batchnorm: parallel.sync_bn as it applies to this run
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -315,7 +316,7 @@ def parallelize(module: nn.Module, strategy: str, layout: Layout) -> Wrapped:
     offloaded = layout.options.cpu_offload and strategy in FULLY_SHARDED
     if runtime.world == 1 and not offloaded:
         return Wrapped(module, module)
-    if layout.options.sync_bn:
+    if layout.cross_rank_batchnorm:
         module = convert_batchnorm(module, use_cuda=runtime.device.type == "cuda")
     if strategy in FULLY_SHARDED:
         return FullyShardedWrapped(module, reshard_after_forward=strategy != "zero2",
