@@ -113,6 +113,20 @@ def poison_g_forward_on_rank1(bad_step: int) -> Callable:
     return hook
 
 
+def on_rank1_after_step(step: int, change: Callable) -> Callable:
+    """A steps_hook: on rank 1 only, `change(trainer)` runs once step `step` is done (after its EMA update), where
+    no loss or gradient sees it before the next step."""
+    def hook(trainer):
+        update_ema = trainer.update_ema
+
+        def then_change(beta):
+            update_ema(beta)
+            if trainer.runtime.rank == 1 and trainer.step == step + 1:
+                change(trainer)
+        trainer.update_ema = then_change
+    return hook
+
+
 def train_in_process(cfg, run_dir):
     """Train `cfg` in this process as a one-rank group; returns the finished Trainer."""
     from ganscale.runtime import start

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_helpers import (max_relative_difference, poison_d_loss_on_rank1, poison_g_forward_on_rank1, run_ranks,
-                          train_and_collect)
+from dist_helpers import (max_relative_difference, on_rank1_after_step, poison_d_loss_on_rank1,
+                          poison_g_forward_on_rank1, run_ranks, train_and_collect)
 
 pytestmark = pytest.mark.slow
 
@@ -186,17 +186,11 @@ def _diverged_before_checkpoint(rank, world, overrides, run_dir):
     """Rank 1's D weight moves by one ulp after step 1; returns (message, exit code) of what stopped the rank."""
     from ganscale.fault import ReplicaDivergence
 
-    def hook(trainer):
-        update_ema = trainer.update_ema
-
-        def nudging(beta):
-            update_ema(beta)
-            if trainer.runtime.rank == 1 and trainer.step == 2:
-                weight = trainer.D.module.net[0].weight
-                weight.data.view(-1)[0] = torch.nextafter(weight.data.view(-1)[0], torch.tensor(1.0))
-        trainer.update_ema = nudging
+    def nudge(trainer):
+        weight = trainer.D.module.net[0].weight.data.view(-1)
+        weight[0] = torch.nextafter(weight[0], torch.tensor(1.0))
     try:
-        train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
+        train_and_collect(rank, world, overrides, run_dir, steps_hook=on_rank1_after_step(1, nudge))
     except ReplicaDivergence as e:
         return str(e), e.exit_code
     return None

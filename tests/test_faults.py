@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import poison_d_loss_on_rank1, resume_point, run_ranks, train_and_collect
+from dist_helpers import on_rank1_after_step, poison_d_loss_on_rank1, resume_point, run_ranks, train_and_collect
 from test_cli import clean_env
 from test_distributed import SMALL_DCGAN, SMALL_MLP
 
@@ -97,16 +97,10 @@ def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(t
 
 
 def _non_finite_buffer(rank, world, overrides, run_dir):
-    """After step 3, rank 1's D holds a NaN in a spectral-norm vector (no loss or gradient sees it first)."""
-    def hook(trainer):
-        update_ema = trainer.update_ema
-
-        def poisoning(beta):
-            update_ema(beta)
-            if trainer.runtime.rank == 1 and trainer.step == 4:
-                trainer.D.module.net[0].parametrizations.weight[0]._u[0] = float("nan")
-        trainer.update_ema = poisoning
-    return _non_finite_stop(rank, world, overrides, run_dir, hook)
+    """After step 3, rank 1's D holds a NaN in a spectral-norm vector."""
+    def poison(trainer):
+        trainer.D.module.net[0].parametrizations.weight[0]._u[0] = float("nan")
+    return _non_finite_stop(rank, world, overrides, run_dir, on_rank1_after_step(3, poison))
 
 
 def test_a_non_finite_buffer_stops_every_rank_before_it_is_saved(tmp_path):
