@@ -131,6 +131,31 @@ def poison_d_loss_on_rank1(bad_step: Callable[[int], bool]) -> Callable:
     return hook
 
 
+def poison_g_forward_on_rank1(bad_step: int) -> Callable:
+    """A steps_hook: on rank 1 only, G's first layer's output becomes NaN in G's step of step `bad_step` (an overflow
+    inside G, before its first BatchNorm)."""
+    def hook(trainer):
+        def poisoned(module, args, output):
+            in_g_step = trainer.D.frozen  # D is frozen in G's step only
+            return output * float("nan") if trainer.runtime.rank == 1 and trainer.step == bad_step and in_g_step else output
+        trainer.G.module.net[0].register_forward_hook(poisoned)
+    return hook
+
+
+def on_rank1_after_step(step: int, change: Callable) -> Callable:
+    """A steps_hook: on rank 1 only, `change(trainer)` runs once step `step` is done (after its EMA update), where
+    no loss or gradient sees it before the next step."""
+    def hook(trainer):
+        update_ema = trainer.update_ema
+
+        def then_change(beta):
+            update_ema(beta)
+            if trainer.runtime.rank == 1 and trainer.step == step + 1:
+                change(trainer)
+        trainer.update_ema = then_change
+    return hook
+
+
 def train_in_process(cfg, run_dir):
     """Train `cfg` in this process as a one-rank group; returns the finished Trainer."""
     from ganscale.runtime import start

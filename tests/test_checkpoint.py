@@ -355,6 +355,16 @@ def test_export_of_a_foreign_file_exits_2_with_one_line(tmp_path):
     assert "AttributeError" not in result.output
 
 
+def test_export_of_a_checkpoint_holding_nan_exits_4_naming_the_tensor(tmp_path):
+    state = _state(10)
+    state["G_ema"]["w"][3] = float("nan")
+    path = checkpoint.save(state, tmp_path / "run", 10, keep=3)
+    result = _export(str(tmp_path / "run"), "--out", "g.safetensors", cwd=tmp_path)
+    assert result.exit_code == 4, result.output
+    assert f"ganscale: G_ema.w in checkpoint {path} holds NaN or infinite values" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "g.safetensors").exists()
+
+
 def test_export_that_cannot_write_its_output_leaves_nothing(tmp_path, monkeypatch):
     from ganscale import export
 

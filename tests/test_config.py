@@ -152,11 +152,32 @@ def test_dcgan_model_with_2d_data_is_rejected():
 
 
 def test_batchnorm_with_one_sample_per_rank_is_rejected_unless_sync_bn():
-    cfg = config.load(None, ["train.batch_size=2"])
+    cfg = config.load(None, ["train.batch_size=2", "parallel.sync_bn=false"])
     with pytest.raises(ConfigError) as info:
         config.check(cfg, 2, False)
     assert info.value.key == "train.micro_batch"
     config.check(config.load(None, ["train.batch_size=2", "parallel.sync_bn=true"]), 2, False)
+    config.check(config.load(None, ["train.batch_size=2"]), 2, False)  # unset: cross-rank (the default)
+
+
+@pytest.mark.parametrize("overrides, world, across", [
+    ([], 2, True),                                     # the default: what one process normalises together
+    ([], 1, False),                                    # one process: plain BatchNorm
+    (["parallel.sync_bn=false"], 2, False),            # as set
+    (["train.micro_batch=8"], 2, False),               # each rank normalises a micro-batch as one process does
+    (["train.micro_batch=8", "parallel.sync_bn=true"], 2, True),
+    (["parallel.generator=pipeline", "parallel.discriminator=pipeline"], 2, False),  # per pipeline micro-batch
+    (["loss.r1_gamma=1"], 2, True),                    # DCGAN's D has no BatchNorm: R1 does not pass one
+])
+def test_cross_rank_batchnorm_is_the_default_wherever_it_trains_as_one_process(overrides, world, across):
+    assert config.load(None, overrides).cross_rank_batchnorm(world) is across
+
+
+def test_cross_rank_batchnorm_stays_off_unset_where_r1_passes_batchnorm_in_d(tmp_path):
+    pix2pix = ["data.kind=paired", f"data.path={tmp_path}", "model.kind=pix2pix", "data.resolution=64",
+               "data.channels=3", "train.batch_size=4", "model.norm=batch"]
+    assert config.load(None, [*pix2pix, "loss.r1_gamma=1"]).cross_rank_batchnorm(2) is False
+    assert config.load(None, pix2pix).cross_rank_batchnorm(2) is True
 
 
 @pytest.mark.parametrize("recipe, network", [("pix2pix", "UNetGenerator"), ("digits-biggan", "BigGANGenerator")])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_helpers import (assert_same_functions, max_relative_difference, poison_d_loss_on_rank1, record_steps,
-                          run_ranks, train_and_collect)
+from dist_helpers import (assert_same_functions, max_relative_difference, on_rank1_after_step, poison_d_loss_on_rank1,
+                          poison_g_forward_on_rank1, record_steps, run_ranks, train_and_collect)
 
 pytestmark = pytest.mark.slow
 
@@ -62,11 +62,10 @@ def _z_dim(recipe: str) -> int:
 
 @pytest.mark.parametrize("recipe", sorted(RECIPE_INPUTS))
 def test_a_shipped_recipe_on_two_ranks_trains_as_one_process(tmp_path, recipe):
-    """The README's promise, checked on the recipe as shipped (5 steps), and shown to catch a real difference:
-    per-rank BatchNorm statistics fail it."""
+    """The README's promise, checked on the recipe as shipped (5 steps, its default cross-rank BatchNorm), and shown
+    to catch a real difference: per-rank BatchNorm statistics fail it."""
     one = run_ranks(train_and_collect, 1, RECIPE_STEPS, str(tmp_path / "one"), record_steps, None, recipe)[0]
-    two = run_ranks(train_and_collect, 2, {**RECIPE_STEPS, "parallel.sync_bn": "true"}, str(tmp_path / "two"),
-                    record_steps, None, recipe)[0]
+    two = run_ranks(train_and_collect, 2, RECIPE_STEPS, str(tmp_path / "two"), record_steps, None, recipe)[0]
     _assert_same_steps(recipe, one, two)
     local = run_ranks(train_and_collect, 2, {**RECIPE_STEPS, "parallel.sync_bn": "false"}, str(tmp_path / "local"),
                       record_steps, None, recipe)[0]
@@ -82,6 +81,13 @@ def test_sync_bn_two_ranks_equal_one_rank_with_double_batch(tmp_path):
     # Sensitivity: per-rank batch statistics (sync_bn off) are measurably a different training.
     local_bn = _train(2, {**SMALL_DCGAN, "train.micro_batch": 8}, tmp_path / "local")[0]
     assert max_relative_difference(one["G"], local_bn["G"]) > 100 * TOLERANCE
+
+
+def test_the_default_config_on_two_ranks_trains_as_one_process(tmp_path):
+    """parallel.sync_bn unset: BatchNorm in G normalises across the ranks, what one process normalises."""
+    one = _train(1, SMALL_DCGAN, tmp_path / "one")[0]
+    two = _train(2, SMALL_DCGAN, tmp_path / "two")
+    _assert_same_training(one, two[0])
 
 
 def test_a_set_micro_batch_without_sync_bn_trains_the_weights_as_one_process(tmp_path):
@@ -203,7 +209,7 @@ def _divergence_probe(rank, world):
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2)
     check_replicas({"net": list(module.named_parameters())})  # identical: passes
-    if rank == 1:
+    if rank == world - 1:
         with torch.no_grad():
             module.bias[0] += 1e-7
     try:
@@ -213,9 +219,31 @@ def _divergence_probe(rank, world):
     return None
 
 
-def test_replica_check_names_the_diverging_tensor():
-    messages = run_ranks(_divergence_probe, 2)
-    assert messages[0] == messages[1] == "net.bias differs between rank 0 and rank 1"
+def test_replica_check_names_the_diverging_tensor_and_ranks():
+    messages = run_ranks(_divergence_probe, 3)
+    assert len(set(messages)) == 1 and messages[0].startswith("replicas differ: net.bias on ranks 0, 2 ("), messages
+
+
+def _diverged_before_checkpoint(rank, world, overrides, run_dir):
+    """Rank 1's D weight moves by one ulp after step 1; returns (message, exit code) of what stopped the rank."""
+    from ganscale.fault import ReplicaDivergence
+
+    def nudge(trainer):
+        weight = trainer.D.module.net[0].weight.data.view(-1)
+        weight[0] = torch.nextafter(weight[0], torch.tensor(1.0))
+    try:
+        train_and_collect(rank, world, overrides, run_dir, steps_hook=on_rank1_after_step(1, nudge))
+    except ReplicaDivergence as e:
+        return str(e), e.exit_code
+    return None
+
+
+def test_replicas_that_differ_stop_every_rank_before_the_checkpoint(tmp_path):
+    overrides = {**SMALL_DCGAN, "train.steps": 4, "checkpoint.every": 2}
+    ranks = run_ranks(_diverged_before_checkpoint, 2, overrides, str(tmp_path))
+    assert ranks[0] == ranks[1] and ranks[0][1] == 8, ranks
+    assert ranks[0][0].startswith("replicas differ: D.net.0.weight on ranks 0, 1 ("), ranks[0][0]
+    assert not (tmp_path / "checkpoints" / "step-00000002.pt").exists()
 
 
 def _noise_and_init(rank, world):
@@ -310,6 +338,38 @@ def test_non_finite_loss_on_one_rank_makes_every_rank_skip(tmp_path):
     import json
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
+
+
+def _non_finite_inside_g(rank, world, overrides, run_dir):
+    """G's step of step 2 overflows inside G on rank 1; returns every state as it was when that step began."""
+    def hook(trainer):
+        poison_g_forward_on_rank1(2)(trainer)
+        before = {}
+        take_step = trainer.generator_step
+
+        def recording(step, reals):
+            if step == 2:
+                before.update({net: {k: v.clone() for k, v in module.state_dict().items()} for net, module in
+                               (("G", trainer.G.module), ("D", trainer.D.module), ("G_ema", trainer.G_ema))})
+            return take_step(step, reals)
+        trainer.generator_step = recording
+        return lambda: before
+    return train_and_collect(rank, world, overrides, run_dir, steps_hook=hook)
+
+
+def test_a_skipped_step_leaves_buffers_and_g_ema_as_they_were(tmp_path):
+    """Skipped, G's step leaves no trace: BatchNorm running statistics (cross-rank: NaN on both ranks), spectral
+    norm's u/v (D's, refined by the frozen D's forward) and G_ema are the values from before the step."""
+    overrides = {**SMALL_DCGAN, "train.steps": 3, "model.d_spectral_norm": "true", "parallel.sync_bn": "true"}
+    ranks = run_ranks(_non_finite_inside_g, 2, overrides, str(tmp_path))
+    assert [r["summary"]["skipped_steps"] for r in ranks] == [1, 1]
+    for result in ranks:
+        before = result["extra"]
+        assert any("running_var" in k for k in before["G"]) and any(k.endswith("_u") for k in before["D"])
+        for net in ("G", "D", "G_ema"):
+            for key, value in result[net].items():
+                assert torch.isfinite(value.float()).all(), f"{net}.{key} not finite"
+                assert torch.equal(value, before[net][key]), f"{net}.{key} changed in a skipped step"
 
 
 def _batchnorm_probe(rank, world, x_full, w_full):

@@ -126,10 +126,13 @@ PIX2PIX_R1 = ["train.batch_size=4", "loss.r1_gamma=1"]  # BatchNorm in G and D (
 
 
 @pytest.mark.parametrize("recipe, overrides, world, says", [
-    ("digits", [], 2, ["BatchNorm statistics in G are per rank (each rank normalises its own 32 samples; "
-                       "parallel.sync_bn is off), so this 2-rank run trains differently from one process. "
-                       "Fix: --set parallel.sync_bn=true"]),
-    ("digits-biggan", [], 4, ["in G are per rank", "own 16 samples", "4-rank run"]),   # conditional BatchNorm
+    ("digits", ["parallel.sync_bn=false"], 2,
+     ["BatchNorm statistics in G are per rank (each rank normalises its own 32 samples; "
+      "parallel.sync_bn is off), so this 2-rank run trains differently from one process. "
+      "Fix: --set parallel.sync_bn=true"]),
+    ("digits", [], 2, None),                         # unset: cross-rank, as one process normalises
+    ("digits-biggan", ["parallel.sync_bn=false"], 4, ["in G are per rank", "own 16 samples", "4-rank run"]),
+    ("digits-biggan", [], 4, None),                  # conditional BatchNorm, cross-rank by default
     ("pix2pix", PIX2PIX_R1, 2, ["in G and D are per rank", "with loss.r1_gamma=0"]),  # sync_bn alone is refused
     # A set micro-batch is normalised as on one process; only the running statistics (G_ema's) differ, and
     # cross-rank statistics would normalise 2 x 8 samples together: no sync_bn to offer.

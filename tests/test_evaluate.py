@@ -47,6 +47,23 @@ def test_sample_writes_a_picture(ring_run, tmp_path):
     assert Image.open(out).size[0] > 100
 
 
+def test_sample_of_a_checkpoint_holding_nan_exits_4_and_draws_nothing(ring_run, tmp_path):
+    from click.testing import CliRunner
+
+    from ganscale import checkpoint
+    from ganscale.cli import main
+
+    run, _ = ring_run
+    state = checkpoint.load(checkpoint.latest(run))
+    name = next(iter(state["G_ema"]))
+    state["G_ema"][name].view(-1)[0] = float("inf")
+    poisoned = checkpoint.save(state, tmp_path / "run", state["step"], keep=3)
+    result = CliRunner().invoke(main, ["sample", str(tmp_path / "run"), "--out", str(tmp_path / "s.png")])
+    assert result.exit_code == 4, result.output
+    assert f"ganscale: G_ema.{name} in checkpoint {poisoned} holds NaN or infinite values" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "s.png").exists()
+
+
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("digits")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import poison_d_loss_on_rank1, resume_point, run_ranks, train_and_collect
+from dist_helpers import on_rank1_after_step, poison_d_loss_on_rank1, resume_point, run_ranks, train_and_collect
 from test_cli import clean_env
-from test_distributed import SMALL_MLP
+from test_distributed import SMALL_DCGAN, SMALL_MLP
 
 pytestmark = pytest.mark.slow
 
@@ -58,15 +58,19 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_matches(tmp_path)
                 assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
 
 
-def _persistent_nan(rank, world, overrides, run_dir, resume=None):
+def _non_finite_stop(rank, world, overrides, run_dir, steps_hook, resume=None) -> str | None:
+    """The message of the NonFiniteTraining that stopped this rank, or None."""
     from ganscale.fault import NonFiniteTraining
 
     try:
-        train_and_collect(rank, world, overrides, run_dir, steps_hook=poison_d_loss_on_rank1(lambda step: step >= 3),
-                          resume=resume)
+        train_and_collect(rank, world, overrides, run_dir, steps_hook=steps_hook, resume=resume)
     except NonFiniteTraining as e:
         return str(e)
     return None
+
+
+def _persistent_nan(rank, world, overrides, run_dir, resume=None):
+    return _non_finite_stop(rank, world, overrides, run_dir, poison_d_loss_on_rank1(lambda step: step >= 3), resume)
 
 
 def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(tmp_path):
@@ -90,6 +94,24 @@ def test_persistent_non_finite_stops_every_rank_and_keeps_last_good_checkpoint(t
     # With no checkpoint yet, the message does not promise one.
     messages = run_ranks(_persistent_nan, 2, {**overrides, "checkpoint.every": 0}, str(tmp_path / "none"))
     assert all("no checkpoint was written" in m and "kept" not in m for m in messages)
+
+
+def _non_finite_buffer(rank, world, overrides, run_dir):
+    """After step 3, rank 1's D holds a NaN in a spectral-norm vector."""
+    def poison(trainer):
+        trainer.D.module.net[0].parametrizations.weight[0]._u[0] = float("nan")
+    return _non_finite_stop(rank, world, overrides, run_dir, on_rank1_after_step(3, poison))
+
+
+def test_a_non_finite_buffer_stops_every_rank_before_it_is_saved(tmp_path):
+    overrides = {**SMALL_DCGAN, "train.steps": 6, "checkpoint.every": 2, "model.d_spectral_norm": "true"}
+    messages = run_ranks(_non_finite_buffer, 2, overrides, str(tmp_path))
+    name = "D.net.0.parametrizations.weight.0._u at step 4 holds NaN or infinite values"
+    assert messages[1].startswith(name), messages[1]
+    assert messages[0].startswith(f"rank 1 could not keep G, D and G_ema finite: {name}"), messages[0]
+    assert all("the last good checkpoint, step-00000002.pt, is kept" in m for m in messages)
+    from ganscale import checkpoint
+    assert checkpoint.latest(tmp_path).name == "step-00000002.pt"  # step 4's was not written
 
 
 def script_env() -> dict:

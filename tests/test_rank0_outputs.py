@@ -6,6 +6,7 @@ rank's exit code and output can be read."""
 from __future__ import annotations
 
 import errno
+import json
 import resource
 import subprocess
 from pathlib import Path
@@ -34,7 +35,7 @@ def explain(results: list[subprocess.CompletedProcess]) -> str:
 
 def one_line(result: subprocess.CompletedProcess) -> str:
     """The worker's one 'ganscale:' line, asserting there is no traceback. Warnings printed at the start are not
-    it (ring8's G has BatchNorm without parallel.sync_bn: rank 0 says so on 2 ranks, see test_cli)."""
+    it."""
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines()
              if line.startswith("ganscale:") and not line.startswith("ganscale: warning:")]
@@ -130,3 +131,28 @@ def test_the_other_ranks_error_is_shown_as_rank_0_s_with_the_same_exit_code():
     bug = error_of_rank(0, "write its samples", report_of(ValueError("bad shape\nmore detail")))
     assert isinstance(bug, RankFailed) and str(bug) == "rank 0 could not write its samples: ValueError: bad shape"
     assert _known_failure(bug) is None  # shown with its traceback and exit 1, as rank 0's own ValueError
+
+
+def test_off_a_terminal_a_step_prints_what_a_person_reads_and_the_files_keep_every_field(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ganscale.observe import RunLog
+
+    values = {"loss_d": 1.25, "penalty_d": 0.0, "grad_norm_d": 3.5, "loss_g": 0.75, "l1_g": 0.0, "grad_norm_g": 2.0,
+              "skipped_steps": 0, "held_bytes_g": 123456, "held_bytes_d": 654321, "comm_bytes_d_step": 1000,
+              "comm_bytes_g_step": 2000, **{f"time_{part}_ms": 1.5 for part in
+                                            ("data", "d_forward_backward", "g_forward_backward", "optimizer", "sync",
+                                             "outputs")}}
+    log = RunLog(tmp_path, total_steps=100, start_step=0, tensorboard=True, enabled=True)
+    log.log(10, values, images_per_step=64)
+    log.log(20, {**values, "penalty_d": 0.5, "skipped_steps": 1}, images_per_step=64)
+    log.close({})
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith("step 10/100 loss_d 1.25 loss_g 0.75 grad_norm_d 3.5 grad_norm_g 2 img_per_s "), first
+    assert " left " in first and not any(word in first for word in ("held", "comm", "time_", "penalty", "l1_g", "skip"))
+    assert "penalty_d 0.5" in second and "skipped_steps 1" in second  # shown where the run has them
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert set(records[0]) == {"step", "img_per_s", *values}
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"img_per_s", *values}

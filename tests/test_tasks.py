@@ -125,12 +125,13 @@ def biggan_one_process(tmp_path_factory):
 
 @pytest.mark.slow
 def test_conditional_biggan_on_two_ranks_equals_one_process(tmp_path, biggan_one_process):
-    """G has (conditional) BatchNorm: with cross-rank statistics, 2 x 4 == 1 x 8, labels included."""
+    """G has (conditional) BatchNorm: with cross-rank statistics (parallel.sync_bn unset: the default), 2 x 4 ==
+    1 x 8, labels included."""
     one, inputs = biggan_one_process, biggan_inputs()
-    two = run_ranks(train_and_collect, 2, {**TINY_BIGGAN, "parallel.sync_bn": "true"}, str(tmp_path / "two"))
+    two = run_ranks(train_and_collect, 2, TINY_BIGGAN, str(tmp_path / "two"))
     assert_same_functions(TINY_BIGGAN, one, two, inputs)
     # Sensitivity: without cross-rank statistics the two trainings are measurably different.
-    local = run_ranks(train_and_collect, 2, TINY_BIGGAN, str(tmp_path / "local"))[0]
+    local = run_ranks(train_and_collect, 2, {**TINY_BIGGAN, "parallel.sync_bn": "false"}, str(tmp_path / "local"))[0]
     with pytest.raises(AssertionError):
         assert_same_functions(TINY_BIGGAN, one, [local], inputs)
 

@@ -17,7 +17,7 @@ import click
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, is_peer_failure)
+                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure)
 
 
 def _fail(error: Exception) -> None:
@@ -41,7 +41,7 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
 
     if isinstance(error, UnreadableImage):
         return f"ganscale: {ConfigError('data.path', error.problem(), 'remove or replace the file')}", EXIT_CONFIG
-    if isinstance(error, CheckpointWriteError):  # its own message names the checkpoint, the cause and the fix
+    if isinstance(error, (CheckpointWriteError, NonFiniteTraining)):  # its own message names the file and the fix
         return f"ganscale: {error}", error.exit_code
     if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:
         where = f": {error.filename}" if error.filename else ""
@@ -129,7 +129,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         if launch.rank_from_environment() == 0:
             click.echo(f"ganscale: {e}")
         return
-    except (Preempted, NonFiniteTraining) as e:
+    except (Preempted, NonFiniteTraining, ReplicaDivergence) as e:  # every rank alike: one line, its own code
         click.echo(f"ganscale: {e}", err=True)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - any error of this rank's own

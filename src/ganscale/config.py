@@ -220,8 +220,9 @@ class ParallelConfig(Section):
     cpu_offload: bool = False
     """zero2/fsdp/hsdp networks keep parameter shards, gradients and optimizer state in CPU memory
     (FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU). CUDA runs only."""
-    sync_bn: bool = False
-    """Batch statistics over the global micro-batch (all ranks) instead of each rank's."""
+    sync_bn: bool | None = None
+    """Batch statistics over the global micro-batch (all ranks) instead of each rank's. Unset: on wherever that is
+    what one process does and nothing forbids it (see Config.cross_rank_batchnorm); true or false: as set."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
     timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
@@ -339,6 +340,17 @@ class Config(Section):
     def micro_batch(self, world_size: int) -> int:
         """Samples per rank per micro-step (a pipeline replica's whole share: its micro-batches are the pipeline's)."""
         return self.train.micro_batch or self.train.batch_size // self.data_ranks(world_size)
+
+    def cross_rank_batchnorm(self, world_size: int) -> bool:
+        """Whether BatchNorm statistics span the ranks: parallel.sync_bn as set, or, unset, wherever one process
+        normalises what the ranks hold together. Not with a set train.micro_batch (each rank normalises it as one
+        process does), the pipeline (each of its micro-batches by design), or R1 / the gradient penalty through
+        a D with BatchNorm (their double backward cannot pass a cross-rank BatchNorm)."""
+        if world_size == 1:
+            return False
+        if self.parallel.sync_bn is not None:
+            return self.parallel.sync_bn
+        return self.train.micro_batch is None and not self.parallel.pipelined and not penalty_through_batchnorm(self)
 
 
 DEFAULT_RECIPE = "digits"
@@ -496,7 +508,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     _check_reuse_fake(cfg, world_size)
     micro = cfg.micro_batch(world_size)
     if (not pipelined and cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1
-            and not (cfg.parallel.sync_bn and world_size > 1)):
+            and not cfg.cross_rank_batchnorm(world_size)):
         raise ConfigError("train.micro_batch", "BatchNorm in G with one sample per rank has no batch statistics",
                           "raise train.micro_batch, set parallel.sync_bn=true, or model.g_batchnorm=false")
     if cfg.data.kind in ("folder", "paired") and not cfg.data.path:
@@ -522,8 +534,11 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "(FSDP2 crashes, or silently leaves every D gradient empty)",
                           "keep D on ddp or zero1 (set parallel.discriminator=zero1 to still shard its optimizer "
                           "state), or drop the penalty")
-    if cfg.parallel.sync_bn and world_size > 1 and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
-        _check_penalty_through_sync_bn(cfg)
+    if cfg.parallel.sync_bn and world_size > 1 and penalty_through_batchnorm(cfg):
+        raise ConfigError("parallel.sync_bn", "D has BatchNorm, and the double backward of R1 / the gradient penalty "
+                          "cannot pass through a cross-rank BatchNorm",
+                          "use a D without BatchNorm (model.norm=instance for pix2pix), drop the penalty "
+                          "(loss.r1_gamma=0, a loss.kind other than wgan-gp), or leave parallel.sync_bn unset")
     is_2d = cfg.data.kind in ("ring8", "grid25")
     if is_2d != (cfg.model.kind == "mlp"):
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
@@ -663,18 +678,17 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
                           "lower parallel.microbatches, raise train.batch_size, or model.g_batchnorm=false")
 
 
-def _check_penalty_through_sync_bn(cfg: Config) -> None:
-    """Cross-rank BatchNorm's backward is not differentiable again: R1 / the gradient penalty cannot pass one in D."""
+def penalty_through_batchnorm(cfg: Config) -> bool:
+    """R1 / the gradient penalty through a D with BatchNorm: a cross-rank BatchNorm's backward is not differentiable
+    again, so its double backward cannot pass one."""
+    if not (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
+        return False
     import torch
 
     from ganscale.models import build_networks
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         _, discriminator = build_networks(cfg)
-    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in discriminator.modules()):
-        raise ConfigError("parallel.sync_bn", "D has BatchNorm, and the double backward of R1 / the gradient penalty "
-                          "cannot pass through a cross-rank BatchNorm",
-                          "use a D without BatchNorm (model.norm=instance for pix2pix), or drop the penalty "
-                          "(loss.r1_gamma=0, a loss.kind other than wgan-gp)")
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in discriminator.modules())
 
 
 def _check_compile(cfg: Config) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, build
 from ganscale.data import build_dataset
+from ganscale.finite import refuse_non_finite_checkpoint
 from ganscale.metrics.features import build_extractor
 from ganscale.metrics.images import REFERENCE_LIMIT, image_metrics, reference_features
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
@@ -31,6 +32,8 @@ def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, n
     source = source or checkpoint.newest_intact(run_dir, "RUN_DIR", "train that run to its first checkpoint, or "
                                                 "give a run directory that has one")
     state = checkpoint.load(source)
+    refuse_non_finite_checkpoint(state, ("G_ema",), source, "nothing was drawn; continue training from an earlier "
+                                 "checkpoint of the run (train --resume PATH)")
     cfg = build(yaml.safe_load(state["config"]))
     generator, _ = build_networks(cfg)
     generator.load_state_dict(state["G_ema"])

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from ganscale import checkpoint
 from ganscale.config import ConfigError
 from ganscale.fault import REFUSED_FILE_OPERATION
+from ganscale.finite import refuse_non_finite_checkpoint
 
 EXPORTED = ("G", "G_ema", "step", "config")  # what an export reads of a checkpoint
 
@@ -22,6 +23,7 @@ def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Pa
     else:
         fix = "pass another file with --checkpoint, or leave it out to use RUN_DIR's newest intact checkpoint"
     state = checkpoint.load(source, require=EXPORTED, fix=fix)
+    refuse_non_finite_checkpoint(state, ("G", "G_ema"), source, fix)
     tensors = {f"{net}.{key}": value.detach().contiguous().clone()
                for net in ("G", "G_ema") for key, value in state[net].items()}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

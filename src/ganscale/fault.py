@@ -20,6 +20,7 @@ EXIT_NON_FINITE = 4   # too many consecutive non-finite steps: stopped, the last
 EXIT_HANG = 5         # a rank made no progress for fault.hang_timeout_s: diagnostics/ written, ranks named
 EXIT_PEER_FAILED = 6  # this rank stopped because another rank died first (its error is the one to read)
 EXIT_FILE_REFUSED = 7  # the system refused a file operation (permissions, a full or read-only disk): one line
+EXIT_REPLICAS_DIFFER = 8  # tensors every rank must hold identically differ at a checkpoint: it was not written
 
 # File operations the system refused: one line and exit 7 in every command (EEXIST: a file where a folder goes).
 REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
@@ -53,6 +54,12 @@ class NonFiniteTraining(Exception):
     """Losses or gradients stayed non-finite for `fault.max_consecutive_skips` steps."""
 
     exit_code = EXIT_NON_FINITE
+
+
+class ReplicaDivergence(Exception):
+    """Parameters or buffers differ across ranks where they must be identical (found by every rank at once)."""
+
+    exit_code = EXIT_REPLICAS_DIFFER
 
 
 class CheckpointWriteError(OSError):
@@ -169,6 +176,8 @@ def error_of_rank(rank: int, doing: str, report: dict) -> Exception:
         return CheckpointWriteError(f"{told}: {report['message']}", report["errno"])
     if kind == "file":  # the subclass of its errno, as the failed rank's
         return OSError(report["errno"], f"{told}: {report['strerror'] or report['message']}", report["filename"])
+    if kind == NonFiniteTraining.__name__:  # the same exit code on every rank
+        return NonFiniteTraining(f"{told}: {report['message']}")
     return RankFailed(f"{told}: {kind}: {report['message']}")
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED,
-                           EXIT_PREEMPTED, RESTARTS_ENV, error_of_rank, report_of)
+                           EXIT_PREEMPTED, EXIT_REPLICAS_DIFFER, RESTARTS_ENV, error_of_rank, report_of)
 
 RUNS_ROOT = Path("runs")
 RESUMED_CONFIG = re.compile(r"^config\.resumed-(\d{8,})\.yaml$")  # a resume's config, where it differed
@@ -283,7 +283,8 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
             item[1].exitcode < 0 or item[1].exitcode == EXIT_PEER_FAILED, item[1].timestamp, item[0]))
         print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
               f" (see its output above)", file=sys.stderr)
-        named = first.exitcode in NOT_RESTARTED or first.exitcode == EXIT_HANG
+        # Replicas that differ are restarted: the last checkpoint, checked when written, makes them one again.
+        named = first.exitcode in NOT_RESTARTED or first.exitcode in (EXIT_HANG, EXIT_REPLICAS_DIFFER)
         return (first.exitcode if named else 1), True
     return 0, False
 
@@ -294,14 +295,14 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     from ganscale import runtime as rt
     from ganscale.trainer import Trainer
 
-    from ganscale.fault import NonFiniteTraining, Preempted
+    from ganscale.fault import NonFiniteTraining, Preempted, ReplicaDivergence
 
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
     try:
         run_path, resume_from = decide_run(cfg, run_dir, resume)
         summary = Trainer(cfg, runtime, run_path, resume_from).fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them
-    except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining):
+    except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining, ReplicaDivergence):
         runtime.close()  # decisions every rank reached together: leave together
         raise
     # Any other error is this rank's own: the group stays open until the process exits, so the peers'

@@ -21,13 +21,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ganscale import checkpoint, objectives
-from ganscale.config import Config, ConfigError, reuse_fake_conflict, to_yaml
+from ganscale.config import Config, ConfigError, penalty_through_batchnorm, reuse_fake_conflict, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
-from ganscale.fault import (NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault,
-                            rank0_writes, restart_count)
+from ganscale.finite import BufferSnapshot, refuse_non_finite
+from ganscale.fault import (NonFiniteTraining, Preempted, ReplicaDivergence, StopSignals, every_rank_or_none,
+                            injected_fault, rank0_writes, restart_count)
 from ganscale.launch import config_at
 from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
@@ -59,7 +60,9 @@ def lr_factor(step: int, total_steps: int, decay_start: float) -> float:
 
 
 def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discriminator: nn.Module) -> str | None:
-    """The warning for BatchNorm whose statistics stay per rank (more than one rank, parallel.sync_bn off), or None.
+    """The warning for BatchNorm whose statistics stay per rank (more than one rank, parallel.sync_bn false, or unset
+    where Config.cross_rank_batchnorm leaves it off), or for cross-rank statistics over more samples than one
+    process normalises; None where the run normalises as one process does.
 
     Allowed and documented (README, "Cross-rank BatchNorm"), but such a run is not the one the same config gives
     on one process, and the user must be told. Not for the pipeline: its BatchNorm normalises each pipeline
@@ -69,7 +72,7 @@ def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discrimina
         return None
     with_batchnorm = [name for name, net in (("G", generator), ("D", discriminator))
                       if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())]
-    if cfg.parallel.sync_bn:
+    if cfg.cross_rank_batchnorm(world):
         # Cross-rank statistics pool world x micro_batch samples; one process with the same config normalises
         # micro_batch. Unset, the micro-batch is batch / world per rank: pooled, one process's whole batch.
         micro = cfg.train.micro_batch
@@ -94,7 +97,7 @@ def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discrimina
     if not with_batchnorm:
         return None
     fix = "--set parallel.sync_bn=true"
-    if "D" in with_batchnorm and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):  # config.check refuses it
+    if penalty_through_batchnorm(cfg):  # config.check refuses parallel.sync_bn=true with it
         fix += (" with loss.r1_gamma=0 and a loss.kind other than wgan-gp (their double backward cannot pass a "
                 "cross-rank BatchNorm in D)")
     return (f"BatchNorm statistics in {' and '.join(with_batchnorm)} are per rank (each rank normalises its own "
@@ -120,10 +123,6 @@ class MicroStepMeans:
             None if total is None else total + share for total, share in zip(self.values, shares)]
 
 
-class ReplicaDivergence(RuntimeError):
-    """Parameters or buffers differ across ranks where they must be identical."""
-
-
 class Trainer:
     def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path, resume: Path | None = None):
         self.cfg, self.runtime, self.run_dir = cfg, runtime, Path(run_dir)
@@ -144,12 +143,13 @@ class Trainer:
         if cfg.parallel.pipelined:  # the one capability branch: G and D split into stages of one pipeline
             self.G, self.D = pipeline_networks(generator, discriminator, runtime, cfg.parallel, cfg.loss.kind)
         else:
-            layout = Layout(runtime, cfg.parallel)
+            layout = Layout(runtime, cfg.parallel, cfg.cross_rank_batchnorm(world))
             self.G = compiled(parallelize(generator, cfg.parallel.generator, layout), cfg.train.compile)
             self.D = compiled(parallelize(discriminator, cfg.parallel.discriminator, layout), cfg.train.compile)
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
         calm_gloo_polling()  # every process group exists now (meshes, pipeline stages): see runtime.py
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
+        self.buffers = BufferSnapshot(self.G.module, self.D.module)  # what a skipped step puts back
         self.update_ema = EmaUpdate(self.G_ema, self.G.module)
         self.opt_g = self._adam(self.G, cfg.optim.g, fused=cfg.optim.fused)
         self.opt_d = self._adam(self.D, cfg.optim.d, fused=cfg.optim.fused)
@@ -254,6 +254,7 @@ class Trainer:
                     d_stats = self.discriminator_step(reals, step, critic)
                 if critic < cfg.loss.n_critic - 1:
                     self.precision.update()
+            skipped_before_g = self.skipped_steps
             with self.traffic.measure("g_step"):
                 g_stats = self.generator_step(step, reals)  # paired data: G translates the last D batch's inputs
             self.precision.update()  # once per iteration, after both networks stepped
@@ -261,8 +262,9 @@ class Trainer:
             self.step = step + 1
             beta = ema_beta(self.global_batch, self.step * self.global_batch, cfg.train.ema_half_life_images,
                             cfg.train.ema_rampup)
-            with self.times.part("optimizer"):
-                self.update_ema(beta)
+            if self.skipped_steps == skipped_before_g:  # a skipped G step leaves G_ema as it was too
+                with self.times.part("optimizer"):
+                    self.update_ema(beta)
             self.log.advance()
             if self.step == start_step + 1:  # optimizer state exists after the first step
                 self.memory = self._memory_report()
@@ -282,12 +284,9 @@ class Trainer:
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
                 with self.rank0_writes("summary"):  # collective on leaving: one broadcast
                     self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
-                newest = checkpoint.latest(self.run_dir)  # for the message only
-                kept = f"the last good checkpoint, {newest.name}, is kept" if newest else "no checkpoint was written"
                 raise NonFiniteTraining(
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
-                    f"(last: {record or g_stats}); {kept}. "
-                    f"Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32")
+                    f"(last: {record or g_stats}); {self._non_finite_fix()}")
             sample = (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final
             score = self.image_scorer is not None and (self.step % cfg.eval.every == 0 or final)
             save = (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed
@@ -309,6 +308,11 @@ class Trainer:
         with self.rank0_writes("summary"):  # collective on leaving: one broadcast
             self.log.close(summary)
         return summary
+
+    def _non_finite_fix(self) -> str:
+        newest = checkpoint.latest(self.run_dir)  # for the message only
+        kept = f"the last good checkpoint, {newest.name}, is kept" if newest else "no checkpoint was written"
+        return f"{kept}. Lower optim.*.lr, set train.grad_clip, or use train.precision=fp32"
 
     def _memory_report(self) -> list[dict]:
         """Collective: every rank's bytes held per network; printed once by rank 0."""
@@ -344,6 +348,7 @@ class Trainer:
         self.D.begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
         phase = PHASE_D + critic
         with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
+        self.buffers.take()
         with self.times.part("d_forward_backward"):
             if self.pipeline is not None:
                 real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
@@ -416,6 +421,7 @@ class Trainer:
         self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
         if self._fake_for_g is None:  # else G's output and saved activations from D's step are still needed
             self.G.begin_iteration()
+        self.buffers.take()
         with self.times.part("g_forward_backward"):
             if self.pipeline is not None:
                 z = self.slicing.take(self._global_latents(step, PHASE_G), 0)
@@ -500,8 +506,9 @@ class Trainer:
         skip = not all(math.isfinite(v) for v in (*sums, norm_sum))
         self.stop_agreed = self.stop_agreed or stops > 0
         with self.times.part("optimizer"):
-            if skip:
+            if skip:  # every rank alike: the parameters stay, and the buffers its forwards moved go back
                 self.skipped_steps += 1
+                self.buffers.restore()
             else:
                 self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
@@ -515,16 +522,24 @@ class Trainer:
         return rank0_writes(what, lambda where: self.watchdog.mark(f"step {self.step}: {where}"))
 
     def synchronise_buffers(self) -> None:
-        """Collective: make per-rank BatchNorm statistics one (before sampling, evaluating, saving)."""
+        """Collective: make per-rank BatchNorm statistics one."""
         self.watchdog.mark(f"step {self.step}: all-reduce of BatchNorm statistics")
         self.G.synchronise_batchnorm(self.G.module, self.D.module, self.G_ema)
+
+    def ready_for_outputs(self) -> None:
+        """Collective, before sampling, evaluating or saving: BatchNorm statistics made one, and every rank stops
+        (NonFiniteTraining, the tensor named) if any holds a non-finite parameter or buffer of G, D or G_ema."""
+        self.synchronise_buffers()
+        with every_rank_or_none("keep G, D and G_ema finite", self.watchdog.mark):  # collective: one all-reduce
+            refuse_non_finite({"G": self.G.held(), "D": self.D.held(), "G_ema": self.G.held(self.G_ema)},
+                              f"at step {self.step}", f"nothing of this step was saved; {self._non_finite_fix()}")
 
     def write_samples(self) -> dict[str, float]:
         """Every rank draws from G_ema (a collective when G_ema is sharded); rank 0 writes the picture.
 
         For the 2D mixtures it also scores 2,500 samples with the VEEGAN/PacGAN measures and returns them.
         """
-        self.synchronise_buffers()
+        self.ready_for_outputs()
         mixture = self.cfg.data.kind in MIXTURE_MODES
         z = self._global_latents(0, PHASE_SAMPLES, PROTOCOL_SAMPLES) if mixture else self.sample_z
         with torch.no_grad():
@@ -544,7 +559,7 @@ class Trainer:
 
     def score_images(self) -> dict[str, float]:
         """Collective: image metrics of G_ema, every rank generating its share; rank 0 logs them."""
-        self.synchronise_buffers()
+        self.ready_for_outputs()
         self.watchdog.mark(f"step {self.step}: image metrics (features all-gathered)")
         scores = self.image_scorer.score(lambda z: self.task.from_noise(self.G_ema, z).float())
         with self.rank0_writes("image metrics"):  # collective on leaving: one broadcast
@@ -563,7 +578,7 @@ class Trainer:
         if self.saved_step == self.step:
             return None
         self.saved_step = self.step
-        self.synchronise_buffers()
+        self.ready_for_outputs()
         if self.cfg.checkpoint.check_replicas:
             check_replicas({"G": self.G.replicated(), "D": self.D.replicated(), "G_ema": self.G.replicated(self.G_ema)},
                            group=self.G.replica_group)
@@ -646,7 +661,7 @@ def fingerprint(tensor: Tensor) -> Tensor:
 
 def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]], group: dist.ProcessGroup | None = None) -> None:
     """Collective over `group` (default: all ranks): the named tensors are bitwise identical across its
-    ranks, or name the first that is not."""
+    ranks, or every rank raises ReplicaDivergence naming the first that is not and the ranks that hold it apart."""
     if dist.get_world_size(group) == 1:
         return
     names, prints = [], []
@@ -660,7 +675,13 @@ def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]], group: dist.Pro
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(gathered))
-    for rank, other in zip(ranks, gathered):
-        differs = (other != gathered[0]).any(1).nonzero()
-        if len(differs):
-            raise ReplicaDivergence(f"{names[int(differs[0])]} differs between rank {ranks[0]} and rank {rank}")
+    everyone = torch.stack(gathered)
+    differs = (everyone != everyone[0]).any(2)  # [rank, tensor]: unlike the group's first rank
+    first = differs.any(0).nonzero()
+    if len(first):
+        tensor = int(first[0])
+        apart = [ranks[0], *(ranks[r] for r in differs[:, tensor].nonzero().flatten().tolist())]
+        raise ReplicaDivergence(
+            f"replicas differ: {names[tensor]} on ranks {', '.join(map(str, apart))} (it must be bitwise identical); "
+            "nothing was saved from this step. Continue from the last checkpoint with --resume auto (or "
+            "--max-restarts); if it recurs, run `ganscale doctor` on these machines")

@@ -13,10 +13,24 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+# What a person reads on the console, in this order; every field goes to metrics.jsonl and TensorBoard.
+CONSOLE_FIELDS = ("loss_d", "loss_g", "penalty_d", "l1_g", "grad_norm_d", "grad_norm_g", "img_per_s")
+ONLY_WHEN_NONZERO = ("penalty_d", "l1_g", "skipped_steps")  # 0 where a run has no penalty, reconstruction or skip
+
+
+def console_line(record: dict[str, float], seconds_left: float | None = None) -> str:
+    """The step's fields for a person: losses, gradient norms, img/s, skipped steps if any, and the time left."""
+    shown = [f"{k} {record[k]:.4g}" for k in (*CONSOLE_FIELDS, "skipped_steps")
+             if k in record and not (k in ONLY_WHEN_NONZERO and record[k] == 0)]
+    if seconds_left is not None:
+        minutes, seconds = divmod(round(seconds_left), 60)
+        shown.append(f"left {minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
+    return " ".join(shown)
+
 
 class RunLog:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, enabled: bool):
-        self.enabled, self.run_dir = enabled, Path(run_dir)
+        self.enabled, self.run_dir, self.total_steps = enabled, Path(run_dir), total_steps
         self.writer = self.bar = None
         if not enabled:
             return
@@ -37,17 +51,17 @@ class RunLog:
         now = time.perf_counter()
         steps = max(step - self._last_step, 1)
         record = {"step": step, **values, "img_per_s": images_per_step * steps / max(now - self._last_time, 1e-9)}
+        seconds_left = (self.total_steps - step) * (now - self._last_time) / steps  # at this interval's pace
         self._last_step, self._last_time = step, now
         self._append(record)
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step":
                     self.writer.add_scalar(key, value, step)
-        line = " ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step")
-        if self.bar is not None:
-            self.bar.set_postfix_str(line, refresh=False)
+        if self.bar is not None:  # the bar shows the step and the time left itself
+            self.bar.set_postfix_str(console_line(record), refresh=False)
         else:
-            print(f"step {step} {line}", flush=True)
+            print(f"step {step}/{self.total_steps} {console_line(record, seconds_left)}", flush=True)
         return record
 
     def log_extra(self, step: int, values: dict[str, float]) -> None:

@@ -57,6 +57,7 @@ class Layout:
     """
     runtime: Runtime
     options: ParallelConfig
+    cross_rank_batchnorm: bool = False  # Config.cross_rank_batchnorm: parallel.sync_bn as it applies to this run
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -160,10 +161,14 @@ class Wrapped:
         """Place another network of the same shape (G_ema) the way this one is placed."""
         return module.to(next(self.module.parameters()).device)
 
-    def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
-        """Tensors that must be identical on every rank (for the replica check)."""
+    def held(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        """Every parameter and buffer this rank holds of the network (or of one placed like it): shards, when sharded."""
         module = module or self.module
         return [*module.named_parameters(), *module.named_buffers()]
+
+    def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        """Tensors that must be identical on every rank (for the replica check)."""
+        return self.held(module)
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         return optimizer_class(self.module.parameters(), **kwargs)
@@ -311,7 +316,7 @@ def parallelize(module: nn.Module, strategy: str, layout: Layout) -> Wrapped:
     offloaded = layout.options.cpu_offload and strategy in FULLY_SHARDED
     if runtime.world == 1 and not offloaded:
         return Wrapped(module, module)
-    if layout.options.sync_bn:
+    if layout.cross_rank_batchnorm:
         module = convert_batchnorm(module, use_cuda=runtime.device.type == "cuda")
     if strategy in FULLY_SHARDED:
         return FullyShardedWrapped(module, reshard_after_forward=strategy != "zero2",

@@ -512,9 +512,8 @@ class PipelineStages(Wrapped):
     def shard_like(self, module: nn.Module) -> nn.Module:
         return PipelinedSampler(self.pipeline, self.pipeline.split_like(self.network, module))
 
-    def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
-        module = _part_of(module or self.module)
-        return [*module.named_parameters(), *module.named_buffers()]
+    def held(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        return super().held(_part_of(module or self.module))  # this rank's stage
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         return optimizer_class(self.pipeline.parameters_of(self.network), **kwargs)
