@@ -7,6 +7,7 @@ process starts or anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -112,7 +113,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         config_mod.check(cfg, world, torch.cuda.is_available())
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
-            run_dir, resume = launch.resolve_run(cfg, run_dir, resume)
+            run_dir, resume, held = launch.claim_run(cfg, run_dir, resume)
     except ConfigError as e:
         _fail(e)
     except launch.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
@@ -120,7 +121,8 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         return
     if launching:
         args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
-        sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None))
+        with held or contextlib.nullcontext():  # the run directory is this run's through every restart of the workers
+            sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held))
     try:
         resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
     except ConfigError as e:
