@@ -142,7 +142,8 @@ def test_a_live_lock_is_refused_naming_its_holder_and_left_as_it_is(tmp_path, ow
     with pytest.raises(ConfigError) as refused:
         runlock.hold(run)
     assert refused.value.key == "--run-dir"
-    assert refused.value.problem == f"'{run}' is in use by the run started 2026-11-24 20:31:05 on host {host} (pid {pid})"
+    assert refused.value.problem == (f"'{run}' is in use by the run started 2026-11-24 20:31:05 on host {host} "
+                                     f"(pid {pid})")
     assert [p.name for p in run.iterdir()] == [runlock.LOCK_NAME] and (run / runlock.LOCK_NAME).read_bytes() == before
 
 

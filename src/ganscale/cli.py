@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -18,11 +19,19 @@ import click
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, is_peer_failure)
+                            NonFiniteTraining, Preempted, is_peer_failure, told_elsewhere)
+
+
+# A rank that leaves an error to another (told_by) exits this much later: a launcher stops every worker at the
+# first exit, and must not stop the one that says it before it has.
+SAID_GRACE_S = 2.0
 
 
 def _fail(error: Exception) -> None:
-    click.echo(f"ganscale: {error}", err=True)
+    if told_elsewhere(error):
+        time.sleep(SAID_GRACE_S)
+    else:
+        click.echo(f"ganscale: {error}", err=True)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # a worker: leave at once, as on any error (the process
@@ -144,7 +153,9 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         # Show the error, then leave at once, connections still open: this rank must exit before the peers
         # whose collectives its exit breaks, so the launcher names it, not them, as the root cause.
         known = _known_failure(e)
-        if known:
+        if told_elsewhere(e):
+            time.sleep(SAID_GRACE_S)
+        elif known:
             click.echo(known[0], err=True)
         else:
             traceback.print_exc()

@@ -6,6 +6,7 @@ Also decides the run directory and what to resume from, before anything is writt
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from ganscale import checkpoint, runlock
 from ganscale.config import Config, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED,
-                           EXIT_PREEMPTED, RESTARTS_ENV, error_of_rank, report_of)
+                           EXIT_PREEMPTED, RESTARTS_ENV, error_of_rank, report_of, told_by)
 
 RUNS_ROOT = Path("runs")
 RESUMED_CONFIG = re.compile(r"^config\.resumed-(\d{8,})\.yaml$")  # a resume's config, where it differed
@@ -188,7 +189,8 @@ def claim_run(cfg: Config, run_dir: str | None, resume: str | None
 def decide_run(cfg: Config, run_dir: str | None, resume: str | None
                ) -> tuple[Path, Path | None, runlock.RunLock | None]:
     """Collective: rank 0 decides the run directory and resume point and takes the run directory (`claim_run`,
-    its refusals included); every rank takes that answer, or raises the same ConfigError or AlreadyTrained. A rank whose view of the run directory differs (another node, a stale network
+    its refusals included); every rank takes that answer, or raises the same ConfigError or AlreadyTrained (told
+    by rank 0, which alone says it). A rank whose view of the run directory differs (another node, a stale network
     file system) follows rank 0 instead of deciding alone and leaving its peers waiting at the next collective.
     The hold (rank 0's) is released by the caller when the run ends."""
     answer: list = [None]
@@ -210,7 +212,7 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None
     if kind == "failed":
         raise error_of_rank(0, "decide the run directory", fields[0])
     if kind == "refused":
-        raise ConfigError(*fields)
+        raise told_by(0, ConfigError(*fields))
     if kind == "done":
         raise AlreadyTrained(fields[0])
     return Path(fields[0]), (Path(fields[1]) if fields[1] else None), held
@@ -275,6 +277,7 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _quiet_agent_logs()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     started = time.time()
@@ -303,11 +306,24 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
         # (code < 0), nor one whose collective broke because a peer had died (EXIT_PEER_FAILED); the earliest.
         first_rank, first = min(e.failures.items(), key=lambda item: (
             item[1].exitcode < 0 or item[1].exitcode == EXIT_PEER_FAILED, item[1].timestamp, item[0]))
-        print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
-              f" (see its output above)", file=sys.stderr)
+        # Ranks that stopped together at one error share its code; one of them printed it (told_by).
+        alike = [str(rank) for rank, failure in sorted(e.failures.items()) if failure.exitcode == first.exitcode]
+        who = f"worker rank {first_rank}" if len(alike) == 1 else f"worker ranks {', '.join(alike)}"
+        print(f"ganscale: {who} failed with exit code {first.exitcode} (see {'their' if alike[1:] else 'its'} output "
+              "above)", file=sys.stderr)
         named = first.exitcode in NOT_RESTARTED or first.exitcode == EXIT_HANG
         return (first.exitcode if named else 1), True
     return 0, False
+
+
+def _quiet_agent_logs() -> None:
+    """Silence the elastic agent's own lines (a worker that failed, the SIGTERMs it sends the others): they repeat
+    what the workers and `_launch_once` say once. LOGLEVEL (torch's setting for them) shows them again."""
+    if "LOGLEVEL" in os.environ:
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, dict]:
