@@ -74,7 +74,9 @@ def resume_point(overrides: dict, run_dir: str) -> Path:
     from ganscale import config
     from ganscale.launch import decide_run
 
-    _, resume = decide_run(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), run_dir, "auto")
+    _, resume, held = decide_run(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), run_dir, "auto")
+    if held is not None:  # rank 0's hold on the run directory: the caller trains in it next
+        held.release()
     return resume
 
 

@@ -95,7 +95,8 @@ def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_7(tmp_path):
     assert result.returncode == 7, explain(result)
     assert "afile" in result.stderr and "Traceback" not in result.stderr
     again = ganscale("train", *TINY_RUN, "--run-dir", "afile/run", "--max-restarts", "2", cwd=tmp_path)
-    assert again.returncode == 7 and "not restarting the workers: a file operation" in again.stderr, explain(again)
+    assert again.returncode == 7 and "afile" in again.stderr, explain(again)  # the launcher's own hold on it fails
+    assert "Traceback" not in again.stderr and "restarting the workers" not in again.stderr, explain(again)
 
 
 def test_a_new_run_starts_over_a_failed_runs_files_but_not_over_other_files(tmp_path):
@@ -238,11 +239,12 @@ def test_resuming_a_finished_run_or_an_older_checkpoint_into_it_leaves_it_as_it_
     assert checkpoint_steps(tmp_path / "BRANCH") == [12]
 
 
-def ganscale_ranks(rank_args: list[list[str]], cwd: Path, timeout: float = 90,
-                   setup: dict[int, object] | None = None) -> list[subprocess.CompletedProcess]:
+def ganscale_ranks(rank_args: list[list[str]], cwd: Path, timeout: float = 90, setup: dict[int, object] | None = None,
+                   node_per_rank: bool = False) -> list[subprocess.CompletedProcess]:
     """`python -m ganscale train ARGS` once per rank with the environment torchrun gives its workers (rendezvous
-    at rank 0's store), each rank its own ARGS and optional `setup` (run in the child before it starts); each
-    rank's exit code and output. A rank still running after `timeout` (left waiting) fails the test."""
+    at rank 0's store), each rank its own ARGS and optional `setup` (run in the child before it starts); all on
+    one node, or each as the one rank of its own node (`node_per_rank`); each rank's exit code and output. A rank
+    still running after `timeout` (left waiting) fails the test."""
     import socket
 
     with socket.socket() as s:
@@ -252,7 +254,9 @@ def ganscale_ranks(rank_args: list[list[str]], cwd: Path, timeout: float = 90,
     ranks = [subprocess.Popen([sys.executable, "-m", "ganscale", "train", *args], cwd=cwd, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=setup.get(rank),
                               env={**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                                   "RANK": str(rank), "WORLD_SIZE": str(world),
+                                   "LOCAL_RANK": "0" if node_per_rank else str(rank),
+                                   "LOCAL_WORLD_SIZE": "1" if node_per_rank else str(world),
                                    "OMP_NUM_THREADS": "1"})
              for rank, args in enumerate(rank_args)]
     results = []
@@ -286,7 +290,8 @@ def test_rank_0_decides_the_run_directory_and_resume_point_for_every_rank(tmp_pa
     past = [*common, "--set", "train.steps=1"]  # the run is at step 2: refused, on every rank, naming the key
     refused = ganscale_ranks([[*past, "--run-dir", "RUN"], [*past, "--run-dir", "ELSEWHERE"]], tmp_path)
     assert [r.returncode for r in refused] == [2, 2], "\n".join(map(explain, refused))
-    assert all("'train.steps'" in r.stderr and "Traceback" not in r.stderr for r in refused)
+    assert "'train.steps'" in refused[0].stderr and "Traceback" not in refused[0].stderr
+    assert refused[1].stderr == ""  # one refusal, agreed: said once on the node, by rank 0
     assert not (tmp_path / "ELSEWHERE").exists()
     assert {p: p.read_bytes() for p in (tmp_path / "RUN").rglob("*") if p.is_file()} == files
 
@@ -334,7 +339,7 @@ def test_a_checkpoint_renamed_with_its_marker_resumes_into_a_named_run_directory
 
 def test_when_rank_0_cannot_decide_the_run_directory_every_rank_stops(tmp_path):
     args = [*TINY_RUN, "--resume", "x" * 300]  # rank 0's check of it fails: File name too long (not a refusal)
-    ranks = ganscale_ranks([args, args], tmp_path)
+    ranks = ganscale_ranks([args, args], tmp_path, node_per_rank=True)  # rank 1's node says it too
     assert [r.returncode for r in ranks] == [1, 1], "\n".join(map(explain, ranks))
     assert "rank 0 could not decide the run directory: File name too long" in ranks[1].stderr
 
@@ -387,6 +392,32 @@ def test_a_data_error_found_by_the_workers_is_not_restarted(tmp_path):
     assert result.returncode == 2, explain(result)
     assert "broken.png" in result.stderr and "not restarting the workers" in result.stderr
     assert "restarting the workers (" not in result.stderr, explain(result)
+
+
+def test_a_config_error_of_every_worker_is_printed_once(tmp_path):
+    """Both ranks find that the checkpoint does not fit: one line says so, then the launcher's line naming the
+    workers; no second copy from rank 1 and none of torch's own agent lines."""
+    finished = ganscale("train", *TINY_RUN, "--run-dir", "RUN", cwd=tmp_path)
+    assert finished.returncode == 0, explain(finished)
+    result = ganscale("train", *TINY_RUN, "--set", "train.steps=4", "--set", "model.g_width=32", "--nproc", "2",
+                      "--run-dir", "RUN", "--resume", "auto", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    said = [line for line in result.stderr.splitlines() if line and not line.startswith("ganscale: warning:")]
+    assert len(said) == 2 and "does not fit this run's model/optimizer config" in said[0], explain(result)
+    assert said[1] in ("ganscale: worker rank 0 failed with exit code 2 (see its output above)",  # 1 was stopped
+                       "ganscale: worker ranks 0, 1 failed with exit code 2 (see their output above)")
+
+
+def test_an_error_told_by_another_rank_is_printed_by_its_rank_and_once_on_each_other_node(monkeypatch):
+    from ganscale.fault import told_by, told_elsewhere
+
+    shown = {}
+    for rank in range(4):  # two nodes of two ranks; rank 1 failed, the others were told
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        shown[rank] = not told_elsewhere(told_by(1, ValueError("x"))) and not told_elsewhere(ValueError("own"))
+    assert shown == {0: False, 1: True, 2: True, 3: False}
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """What rank 0 alone writes (config, metrics, samples, checkpoint) fails on every rank together: rank 0 with its
-own one-line message, the other ranks with the same kind of error naming it, all with rank 0's exit code, and
-none left waiting in a collective. Two real worker processes on gloo, started as a launcher would, so each
-rank's exit code and output can be read."""
+own one-line message, the other ranks with the same kind of error naming it (said once per node), all with
+rank 0's exit code, and none left waiting in a collective. Two real worker processes on gloo, started as a
+launcher would, so each rank's exit code and output can be read."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ TIMEOUT_S = 60  # far below the hang watchdog (300 s) and the collective timeout
 
 
 def train_two_ranks(run: Path, *settings: str, rank0_file_limit: int | None = None) -> list[subprocess.CompletedProcess]:
-    """`ganscale train ring8` as ranks 0 and 1 of one group; each rank's exit code and output."""
+    """`ganscale train ring8` as ranks 0 and 1 of one group, each on a node of its own (so each node's output says
+    the error once); each rank's exit code and output."""
     limit = rank0_file_limit
     setup = {0: lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))} if limit else None
     args = ["ring8", "--run-dir", str(run), *FAST, *settings]
-    return ganscale_ranks([args, args], cwd=run.parent, timeout=TIMEOUT_S, setup=setup)
+    return ganscale_ranks([args, args], cwd=run.parent, timeout=TIMEOUT_S, setup=setup, node_per_rank=True)
 
 
 def explain(results: list[subprocess.CompletedProcess]) -> str:

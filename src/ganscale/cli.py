@@ -7,8 +7,10 @@ process starts or anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -17,11 +19,19 @@ import click
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure)
+                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, told_elsewhere)
+
+
+# A rank that leaves an error to another (told_by) exits this much later: a launcher stops every worker at the
+# first exit, and must not stop the one that says it before it has.
+SAID_GRACE_S = 2.0
 
 
 def _fail(error: Exception) -> None:
-    click.echo(f"ganscale: {error}", err=True)
+    if told_elsewhere(error):
+        time.sleep(SAID_GRACE_S)
+    else:
+        click.echo(f"ganscale: {error}", err=True)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # a worker: leave at once, as on any error (the process
@@ -112,7 +122,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         config_mod.check(cfg, world, torch.cuda.is_available())
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
-            run_dir, resume = launch.resolve_run(cfg, run_dir, resume)
+            run_dir, resume, held = launch.claim_run(cfg, run_dir, resume)
     except ConfigError as e:
         _fail(e)
     except launch.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
@@ -120,7 +130,8 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         return
     if launching:
         args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
-        sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None))
+        with held or contextlib.nullcontext():  # the run directory is this run's through every restart of the workers
+            sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held))
     try:
         resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
     except ConfigError as e:
@@ -142,7 +153,9 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         # Show the error, then leave at once, connections still open: this rank must exit before the peers
         # whose collectives its exit breaks, so the launcher names it, not them, as the root cause.
         known = _known_failure(e)
-        if known:
+        if told_elsewhere(e):
+            time.sleep(SAID_GRACE_S)
+        elif known:
             click.echo(known[0], err=True)
         else:
             traceback.print_exc()

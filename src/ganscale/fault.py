@@ -135,9 +135,10 @@ def every_rank_or_none(doing: str, mark: Callable[[str], None] = lambda where: N
         return
     reports: list = [None] * dist.get_world_size()  # only on failure: who failed, and at what
     dist.all_gather_object(reports, report_of(failure) if failure is not None else None)
-    if failure is not None:
-        raise failure
     first = next(rank for rank, report in enumerate(reports) if report is not None)
+    if failure is not None:
+        same = dist.get_rank() != first and reports[dist.get_rank()] == reports[first]
+        raise told_by(first, failure) if same else failure  # the same error found by several ranks: said once
     raise error_of_rank(first, doing, reports[first])
 
 
@@ -166,19 +167,39 @@ def report_of(error: Exception) -> dict:
 def error_of_rank(rank: int, doing: str, report: dict) -> Exception:
     """The other ranks' error for what rank `rank` failed at (`doing`: "write its samples"): its type (and errno,
     or config key and fix), so the CLI shows it the same way (one line, same exit code), and a message naming
-    that rank and its own."""
+    that rank and its own; marked `told_by` that rank, which prints it."""
     from ganscale.config import ConfigError
 
     told, kind = f"rank {rank} could not {doing}", report["kind"]
     if kind == "config":
-        return ConfigError(report["key"], f"{told}: {report['problem']}", report["fix"])
-    if kind == "checkpoint":
-        return CheckpointWriteError(f"{told}: {report['message']}", report["errno"])
-    if kind == "file":  # the subclass of its errno, as the failed rank's
-        return OSError(report["errno"], f"{told}: {report['strerror'] or report['message']}", report["filename"])
-    if kind == NonFiniteTraining.__name__:  # the same exit code on every rank
-        return NonFiniteTraining(f"{told}: {report['message']}")
-    return RankFailed(f"{told}: {kind}: {report['message']}")
+        error = ConfigError(report["key"], f"{told}: {report['problem']}", report["fix"])
+    elif kind == "checkpoint":
+        error = CheckpointWriteError(f"{told}: {report['message']}", report["errno"])
+    elif kind == "file":  # the subclass of its errno, as the failed rank's
+        error = OSError(report["errno"], f"{told}: {report['strerror'] or report['message']}", report["filename"])
+    elif kind == NonFiniteTraining.__name__:  # the same exit code on every rank
+        error = NonFiniteTraining(f"{told}: {report['message']}")
+    else:
+        error = RankFailed(f"{told}: {kind}: {report['message']}")
+    return told_by(rank, error)
+
+
+def told_by(rank: int, error: Exception) -> Exception:
+    """`error`, marked as one that rank `rank` has too and says (`told_elsewhere`)."""
+    error.told_by = rank
+    return error
+
+
+def told_elsewhere(error: BaseException) -> bool:
+    """True for an error another rank prints (`told_by`): its own node's output shows it once, from that rank;
+    a node without it shows it from its first rank. This rank then exits with its code, silently."""
+    teller = getattr(error, "told_by", None)
+    rank = int(os.environ.get("RANK", "0"))
+    if teller is None or teller == rank:
+        return False
+    first = rank - int(os.environ.get("LOCAL_RANK", "0"))  # a node's ranks are consecutive, from its LOCAL_RANK 0
+    node_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE", "1"))
+    return first <= teller < first + node_size or rank != first
 
 
 class StopSignals:

@@ -6,6 +6,7 @@ Also decides the run directory and what to resume from, before anything is writt
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -15,16 +16,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ganscale import checkpoint
+from ganscale import checkpoint, runlock
 from ganscale.config import Config, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED,
-                           EXIT_PREEMPTED, EXIT_REPLICAS_DIFFER, RESTARTS_ENV, error_of_rank, report_of)
+                           EXIT_PREEMPTED, EXIT_REPLICAS_DIFFER, RESTARTS_ENV, error_of_rank, report_of, told_by)
 
 RUNS_ROOT = Path("runs")
 RESUMED_CONFIG = re.compile(r"^config\.resumed-(\d{8,})\.yaml$")  # a resume's config, where it differed
 # What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
 RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|config\.yaml|config\.resumed-\d{8,}\.yaml"
-                       r"|metrics\.jsonl|summary\.json|eval\.json)$")
+                       r"|metrics\.jsonl|summary\.json|eval\.json|run\.lock(\.stale-[0-9a-f]+)?)$")
 
 
 class AlreadyTrained(Exception):
@@ -167,21 +168,41 @@ def _resumable(run_dir: Path) -> Path:
                                     "checkpoints, or start a new --run-dir")
 
 
-def decide_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, Path | None]:
-    """Collective: rank 0 decides the run directory and resume point (`resolve_run`, its refusals included);
-    every rank takes that answer, or raises the same ConfigError or AlreadyTrained. A rank whose view of the
-    run directory differs (another node, a stale network file system) follows rank 0 instead of deciding
-    alone and leaving its peers waiting at the next collective."""
+def claim_run(cfg: Config, run_dir: str | None, resume: str | None
+              ) -> tuple[Path, Path | None, runlock.RunLock | None]:
+    """`resolve_run`, holding the run directory: (run directory, resume point, this process's hold on it, None
+    under the `--nproc` parent's). A directory another run holds is refused first, naming that run; the
+    decision is made again once held, so it is made on what no other run can change any more."""
+    if run_dir is not None and not runlock.held_by_parent(Path(run_dir)):
+        runlock.refuse_if_held(Path(run_dir))
+    path, source = resolve_run(cfg, run_dir, resume)
+    if runlock.held_by_parent(path):
+        return path, source, None
+    held = runlock.hold(path)
+    try:
+        return (*resolve_run(cfg, str(path), resume), held)
+    except BaseException:
+        held.release(abandon=True)  # refused (or nothing to do): nothing of this run stays behind
+        raise
+
+
+def decide_run(cfg: Config, run_dir: str | None, resume: str | None
+               ) -> tuple[Path, Path | None, runlock.RunLock | None]:
+    """Collective: rank 0 decides the run directory and resume point and takes the run directory (`claim_run`,
+    its refusals included); every rank takes that answer, or raises the same ConfigError or AlreadyTrained (told
+    by rank 0, which alone says it). A rank whose view of the run directory differs (another node, a stale network
+    file system) follows rank 0 instead of deciding alone and leaving its peers waiting at the next collective.
+    The hold (rank 0's) is released by the caller when the run ends."""
     answer: list = [None]
-    failure = None
+    failure = held = None
     if dist.get_rank() == 0:
         try:
-            path, source = resolve_run(cfg, run_dir, resume)
+            path, source, held = claim_run(cfg, run_dir, resume)
             answer = [("run", str(path), str(source) if source else None)]
         except ConfigError as e:
-            answer = [("refused", e.key, e.problem, e.fix)]
+            failure, answer = e, [("refused", e.key, e.problem, e.fix)]
         except AlreadyTrained as e:
-            answer = [("done", str(e))]
+            failure, answer = e, [("done", str(e))]
         except Exception as e:  # noqa: BLE001 - e.g. an unreadable --run-dir: told to the peers, raised here
             failure, answer = e, [("failed", report_of(e))]
     dist.broadcast_object_list(answer, src=0)
@@ -191,10 +212,10 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     if kind == "failed":
         raise error_of_rank(0, "decide the run directory", fields[0])
     if kind == "refused":
-        raise ConfigError(*fields)
+        raise told_by(0, ConfigError(*fields))
     if kind == "done":
         raise AlreadyTrained(fields[0])
-    return Path(fields[0]), (Path(fields[1]) if fields[1] else None)
+    return Path(fields[0]), (Path(fields[1]) if fields[1] else None), held
 
 
 def resume_after_restart(run_dir: str | Path, resume: str | None) -> str | None:
@@ -213,15 +234,18 @@ NOT_RESTARTED = {EXIT_CONFIG: "a config, data or checkpoint error", EXIT_PREEMPT
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,
-                 resume: str | None = None) -> int:
+                 resume: str | None = None, held: runlock.RunLock | None = None) -> int:
     """Start `nproc` workers running `python -m ganscale <worker_args> --run-dir RUN_DIR [--resume ...]` via torch's
     elastic agent; after a worker dies, start the group again (up to `max_restarts` times) from the newest intact
     checkpoint, unless the failure is one a restart repeats (NOT_RESTARTED). The restarts are ours, not the
-    agent's: the agent restarts on any exit code, a config error included."""
+    agent's: the agent restarts on any exit code, a config error included. `held`: this process's hold on the run
+    directory, which the workers then run under."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if held is not None:
+        os.environ[runlock.TOKEN_ENV] = held.token
     restart = 0
     try:
         while True:  # each pass ends in a return, or in a restart
@@ -253,6 +277,7 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _quiet_agent_logs()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     started = time.time()
@@ -281,12 +306,25 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
         # (code < 0), nor one whose collective broke because a peer had died (EXIT_PEER_FAILED); the earliest.
         first_rank, first = min(e.failures.items(), key=lambda item: (
             item[1].exitcode < 0 or item[1].exitcode == EXIT_PEER_FAILED, item[1].timestamp, item[0]))
-        print(f"ganscale: worker rank {first_rank} failed with exit code {first.exitcode}"
-              f" (see its output above)", file=sys.stderr)
+        # Ranks that stopped together at one error share its code; one of them printed it (told_by).
+        alike = [str(rank) for rank, failure in sorted(e.failures.items()) if failure.exitcode == first.exitcode]
+        who = f"worker rank {first_rank}" if len(alike) == 1 else f"worker ranks {', '.join(alike)}"
+        print(f"ganscale: {who} failed with exit code {first.exitcode} (see {'their' if alike[1:] else 'its'} output "
+              "above)", file=sys.stderr)
         # Replicas that differ are restarted: the last checkpoint, checked when written, makes them one again.
         named = first.exitcode in NOT_RESTARTED or first.exitcode in (EXIT_HANG, EXIT_REPLICAS_DIFFER)
         return (first.exitcode if named else 1), True
     return 0, False
+
+
+def _quiet_agent_logs() -> None:
+    """Silence the elastic agent's own lines (a worker that failed, the SIGTERMs it sends the others): they repeat
+    what the workers and `_launch_once` say once. LOGLEVEL (torch's setting for them) shows them again."""
+    if "LOGLEVEL" in os.environ:
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, dict]:
@@ -298,13 +336,17 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     from ganscale.fault import NonFiniteTraining, Preempted, ReplicaDivergence
 
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
+    held = None
     try:
-        run_path, resume_from = decide_run(cfg, run_dir, resume)
+        run_path, resume_from, held = decide_run(cfg, run_dir, resume)
         summary = Trainer(cfg, runtime, run_path, resume_from).fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them
     except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining, ReplicaDivergence):
         runtime.close()  # decisions every rank reached together: leave together
         raise
+    finally:
+        if held is not None:  # rank 0's hold on the run directory: free once this run has left it
+            held.release()
     # Any other error is this rank's own: the group stays open until the process exits, so the peers'
     # collectives break only then and the launcher sees this rank fail first.
     runtime.close()

@@ -619,6 +619,22 @@ class Trainer:
         with every_rank_or_none("read the checkpoint", self.watchdog.mark):  # collective on leaving: one all-reduce
             state = (checkpoint.load_meta(path, verify=verify) if sharded else
                      checkpoint.load(path, require=checkpoint.RESUME_KEYS, fix=checkpoint.RESUME_FIX, verify=verify))
+        if sharded:  # DCP's load is a collective itself
+            self._fit_checkpoint(path, state, sharded)
+        else:  # the same config and file on every rank: a misfit is the same error everywhere, agreed and said once
+            with every_rank_or_none("fit the checkpoint", self.watchdog.mark):  # collective on leaving: one all-reduce
+                self._fit_checkpoint(path, state, sharded)
+        self.precision.load_state_dict(state["scaler"])
+        self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))  # absent from checkpoints before 2026-11-22
+        if state["data_position"] != self.step * self.cfg.loss.n_critic:
+            raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
+                              "resume with the loss.n_critic the checkpoint was written with")
+        return state["rng"]
+
+    def _fit_checkpoint(self, path: Path, state: dict, sharded: bool) -> None:
+        """Load checkpoint `path` (its `state`, and its shards) into G, D, G_ema and the optimizers; a ConfigError
+        naming the first tensor that does not fit."""
         try:
             if sharded:  # any strategy or world size: DCP reads the shards this rank needs
                 shards = self._sharded_state()
@@ -636,13 +652,6 @@ class Trainer:
             first = " ".join(str(e).strip().splitlines()[:2]).replace("\t", "")[:300]  # torch's headline and first tensor
             raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({first})",
                               "resume with the config the checkpoint was written with (its config.yaml)") from None
-        self.precision.load_state_dict(state["scaler"])
-        self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))  # absent from checkpoints before 2026-11-22
-        if state["data_position"] != self.step * self.cfg.loss.n_critic:
-            raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
-                              "resume with the loss.n_critic the checkpoint was written with")
-        return state["rng"]
 
     def _restore_rank_streams(self, saved: list) -> None:
         if len(saved) == self.runtime.world:
