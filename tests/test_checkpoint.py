@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -497,3 +500,109 @@ def test_a_checkpoint_that_does_not_fit_names_the_first_tensor_that_differs(tmp_
         runtime.close()
     assert "does not fit this run's model/optimizer config" in refused.value.problem
     assert "size mismatch for " in refused.value.problem  # torch's first line alone named no tensor
+
+
+# ------------------------------------------------------------------------------ crafted files run no code
+class _Payload:
+    """Pickles as a call of `call` with `argument`: what a crafted checkpoint would run as it is read."""
+
+    def __init__(self, call, argument: str):
+        self.call, self.argument = call, argument
+
+    def __reduce__(self):
+        return self.call, (self.argument,)
+
+
+def _payloads(ran) -> list[_Payload]:
+    """Three ways a pickle can run code, each creating the file `ran`."""
+    import builtins
+
+    return [_Payload(os.system, f"touch {ran}"), _Payload(builtins.exec, f"open({str(ran)!r}, 'w').close()"),
+            _Payload(builtins.eval, f"open({str(ran)!r}, 'w')")]
+
+
+def _craft(path, name: str, payload) -> None:
+    """Replace file `name` of sharded checkpoint `path` by `payload` (.metadata: DCP's plain pickle, meta.pt:
+    torch.save), with a completion marker that matches, as anyone who can write the one can write the other."""
+    target = path / name
+    target.unlink(missing_ok=True)
+    target.write_bytes(pickle.dumps(payload)) if name == ".metadata" else torch.save(payload, target)
+    checkpoint.manifest_path(path).write_text(json.dumps(checkpoint._manifest(path, checkpoint.step_of(path))))
+
+
+_SHARDS = {"G": {"model": {"w": torch.ones(8)}, "ema": {"w": torch.ones(8)}}, "D": {"model": {"w": torch.ones(2)}}}
+
+
+@pytest.mark.parametrize("payload", range(3))
+@pytest.mark.parametrize("name", [".metadata", checkpoint.META])
+def test_a_crafted_sharded_checkpoint_is_refused_unread_and_the_previous_used(tmp_path, name, payload):
+    run, ran = tmp_path / "run", tmp_path / "ran"
+    with _one_rank(tmp_path):
+        older = checkpoint.save_sharded(_SHARDS, _state(10), run, 10, keep=3)
+        newest = checkpoint.save_sharded(_SHARDS, _state(20), run, 20, keep=3)
+        _craft(newest, name, _payloads(ran)[payload])
+        assert "unreadable: it holds more than tensors and plain data" in checkpoint.problem(newest)
+        assert checkpoint.newest_valid(run) == older  # a resume, export, sample and eval take the older one
+        with pytest.raises(ConfigError, match="unreadable"):
+            checkpoint.load(newest)
+        if name == ".metadata":  # every rank of a resume reads it, past the check of rank 0
+            with pytest.raises(RuntimeError, match="refused"):
+                checkpoint.load_sharded(newest, {"G": {"model": {"w": torch.zeros(8)}}})
+    assert not ran.exists()
+
+
+def test_a_crafted_non_tensor_item_in_a_shard_file_is_refused_unread(tmp_path):
+    run, ran = tmp_path / "run", tmp_path / "ran"
+    with _one_rank(tmp_path):  # DCP writes a non-tensor item with torch.save into the shard file
+        path = checkpoint.save_sharded({**_SHARDS, "extra": _payloads(ran)[0]}, _state(10), run, 10, keep=3)
+        with pytest.raises(RuntimeError, match="refused"):
+            checkpoint.load_sharded(path, {"G": {"model": {"w": torch.zeros(8)}}, "extra": None})
+    assert not ran.exists()
+
+
+def test_a_sharded_checkpoint_naming_shard_files_outside_its_folder_is_refused(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = tmp_path / "run"
+    with _one_rank(tmp_path):
+        path = checkpoint.save_sharded(_SHARDS, _state(10), run, 10, keep=3)
+    metadata = FileSystemReader(str(path)).read_metadata()  # written by this test: trusted
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../elsewhere.distcp"
+    metadata.storage_meta = None
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    checkpoint.manifest_path(path).write_text(json.dumps(checkpoint._manifest(path, 10)))
+    assert "shard outside the checkpoint" in checkpoint.problem(path)
+
+
+@pytest.mark.slow
+def test_no_command_runs_a_crafted_sharded_checkpoint_and_a_resume_passes_over_it(tmp_path):
+    """In a run trained with the full format: the format is taken from the .dcp name."""
+    from test_cli import SHORT_RUN, explain, ganscale
+
+    trained = ganscale("train", "--nproc", "2", *SHORT_RUN, "--run-dir", "RUN", cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    ran = tmp_path / "ran"
+    crafted = tmp_path / "RUN" / "checkpoints" / "step-00000025.dcp"
+    crafted.mkdir()
+    _craft(crafted, ".metadata", _payloads(ran)[0])
+    alone = tmp_path / "ALONE" / "checkpoints"
+    alone.mkdir(parents=True)
+    shutil.copytree(crafted, alone / crafted.name)
+    shutil.copy(checkpoint.manifest_path(crafted), alone)
+    commands = [["export", "--out", "g.safetensors"], ["sample", "--out", "g.png"], ["eval", "--samples", "10"]]
+    for command in commands:
+        used = ganscale(command[0], "RUN", *command[1:], cwd=tmp_path)
+        assert used.returncode == 0 and f"skipping checkpoint RUN/checkpoints/{crafted.name}: unreadable" in \
+            used.stderr, explain(used)
+        refused = ganscale(command[0], "ALONE", *command[1:], cwd=tmp_path)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
+        assert f"newest: {crafted.name}, unreadable" in refused.stderr.splitlines()[-1], explain(refused)
+    resumed = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--nproc", "2", "--set", "train.steps=30",
+                       "--set", "checkpoint.every=10", cwd=tmp_path)
+    assert resumed.returncode == 0 and f"skipping checkpoint RUN/checkpoints/{crafted.name}" in resumed.stderr, \
+        explain(resumed)
+    assert checkpoint.step_of(checkpoint.newest_valid(tmp_path / "RUN")) == 30
+    refused = ganscale("train", "--run-dir", "ALONE", "--resume", "auto", cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
+    assert not ran.exists()
