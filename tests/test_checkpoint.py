@@ -388,6 +388,68 @@ def test_export_writes_its_output_with_the_usual_permissions(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def _files_under(folder) -> dict:
+    """Every path under `folder` with what it is: a regular file's bytes, else its kind."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink() else
+            ("link" if p.is_symlink() else "folder" if p.is_dir() else "other") for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("command", ["export", "sample"])
+@pytest.mark.parametrize("out, why", [
+    ("", "the file name is empty"),
+    ("run/checkpoints/step-00000020.pt", "is inside the checkpoints of run"),
+    ("run/checkpoints/step-00000030.pt", "is inside the checkpoints of run"),  # would pass for the newest
+    ("run/config.yaml", "is the config of run"),
+    ("run/config.resumed-00000010.yaml", "is the config of run"),
+    ("to-config.yaml", "is the config of run"),  # a link to it
+    ("folder", "exists and is not a regular file"),
+    ("fifo", "exists and is not a regular file"),  # as a device node: a rename would have replaced it
+    ("existing.png", "already exists"),
+])
+def test_an_output_is_never_written_over_a_run_s_files_nor_a_non_regular_or_existing_one(tmp_path, command, out,
+                                                                                          why):
+    run = tmp_path / "run"
+    _two_checkpoints(run)
+    (run / "config.yaml").write_text("name: test\n")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "existing.png").write_bytes(b"mine")
+    (tmp_path / "to-config.yaml").symlink_to(run / "config.yaml")
+    before = _files_under(tmp_path)
+    from ganscale.cli import main
+
+    forced = [[]] if why == "already exists" else [[], ["--force"]]  # --force replaces only an existing file
+    for force in forced:
+        with contextlib.chdir(tmp_path):
+            result = CliRunner().invoke(main, [command, "run", "--out", out, *force])
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert result.output.count("\n") == 1 and "Traceback" not in result.output, result.output
+        assert f"config error at '--out': {f'{out!r} ' if out else ''}{why}" in result.output, result.output
+        assert _files_under(tmp_path) == before
+
+
+def test_export_replaces_an_existing_file_only_with_force(tmp_path):
+    _two_checkpoints(tmp_path)
+    (tmp_path / "g.safetensors").write_bytes(b"mine")
+    assert _export(str(tmp_path), "--out", "g.safetensors", cwd=tmp_path).exit_code == 2
+    assert (tmp_path / "g.safetensors").read_bytes() == b"mine"
+    result = _export(str(tmp_path), "--out", "g.safetensors", "--force", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "g.safetensors"), "pt") as f:
+        assert f.metadata()["step"] == "20"
+
+
+def test_an_output_that_became_a_non_regular_file_is_not_renamed_over(tmp_path):
+    from ganscale.outputs import write_output
+
+    fifo = tmp_path / "g.png"
+    os.mkfifo(fifo)  # after --out was checked: the rename would replace it, as it replaced /dev/null as root
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        write_output(fifo, lambda tmp: tmp.write_bytes(b"picture"))
+    assert fifo.is_fifo() and _names(tmp_path) == ["g.png"]
+
+
 def _open_for_resume(rank, world, overrides, sources):
     """Build a Trainer resuming from sources[rank] (each rank's view of the checkpoint); (SHA-256s computed, error)."""
     from pathlib import Path
@@ -595,7 +657,8 @@ def test_no_command_runs_a_crafted_sharded_checkpoint_and_a_resume_passes_over_i
         used = ganscale(command[0], "RUN", *command[1:], cwd=tmp_path)
         assert used.returncode == 0 and f"skipping checkpoint RUN/checkpoints/{crafted.name}: unreadable" in \
             used.stderr, explain(used)
-        refused = ganscale(command[0], "ALONE", *command[1:], cwd=tmp_path)
+        refused = ganscale(command[0], "ALONE", *command[1:], "--force" if "--out" in command else "--seed=0",
+                           cwd=tmp_path)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
         assert f"newest: {crafted.name}, unreadable" in refused.stderr.splitlines()[-1], explain(refused)
     resumed = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--nproc", "2", "--set", "train.steps=30",

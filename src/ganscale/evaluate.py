@@ -22,6 +22,7 @@ from ganscale.metrics.images import REFERENCE_LIMIT, image_metrics, reference_fe
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
+from ganscale.outputs import write_output
 from ganscale.tasks import build_task
 from ganscale.trainer import MIXTURE_MODES
 
@@ -57,8 +58,7 @@ def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int |
         samples = task.preview(generator, z, label).float()
     modes = MIXTURE_MODES.get(cfg.data.kind)
     picture = scatter(samples, modes()) if modes else image_grid(samples, cols=task.grid_columns)
-    write_png(picture, out)
-    return out
+    return write_output(out, lambda tmp: write_png(picture, tmp))
 
 
 def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, features: str | None = None,
