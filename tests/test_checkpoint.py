@@ -589,7 +589,7 @@ def _craft(path, name: str, payload) -> None:
     target = path / name
     target.unlink(missing_ok=True)
     target.write_bytes(pickle.dumps(payload)) if name == ".metadata" else torch.save(payload, target)
-    checkpoint.manifest_path(path).write_text(json.dumps(checkpoint._manifest(path, checkpoint.step_of(path))))
+    _remark(path)
 
 
 _SHARDS = {"G": {"model": {"w": torch.ones(8)}, "ema": {"w": torch.ones(8)}}, "D": {"model": {"w": torch.ones(2)}}}
@@ -633,8 +633,63 @@ def test_a_sharded_checkpoint_naming_shard_files_outside_its_folder_is_refused(t
         info.relative_path = "../../../elsewhere.distcp"
     metadata.storage_meta = None
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
-    checkpoint.manifest_path(path).write_text(json.dumps(checkpoint._manifest(path, 10)))
+    _remark(path)
     assert "shard outside the checkpoint" in checkpoint.problem(path)
+
+
+
+def _remark(path) -> None:
+    """A completion marker that matches what `path` now holds."""
+    checkpoint.manifest_path(path).write_text(json.dumps(checkpoint._manifest(path, checkpoint.step_of(path))))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("content, reason", [
+    (b"not a checkpoint", "unreadable: "),
+    (pickle.dumps({"step": 20}), "unreadable: "),  # a plain pickle: the right kind of object in neither format
+    (pickle.dumps([1, 2])[:-3], "unreadable: "),  # cut short
+], ids=["garbage", "plain-pickle", "cut-short"])
+def test_an_intact_checkpoint_that_cannot_be_read_is_one_line_and_passed_over(tmp_path, capsys, sharded, content,
+                                                                               reason):
+    """Its bytes match its marker (anyone can write both): a resume falls back as for a truncated one."""
+    run = tmp_path / "run"
+    if sharded:
+        with _one_rank(tmp_path):
+            older = checkpoint.save_sharded(_SHARDS, _state(10), run, 10, keep=3)
+            newest = checkpoint.save_sharded(_SHARDS, _state(20), run, 20, keep=3)
+        (newest / ".metadata").write_bytes(content)
+    else:
+        older, newest = checkpoint.save(_state(10), run, 10, 3), checkpoint.save(_state(20), run, 20, 3)
+        newest.write_bytes(content)
+    _remark(newest)
+    assert checkpoint.newest_valid(run) == older
+    warning = capsys.readouterr().err
+    assert f"skipping checkpoint {newest}: {reason}" in warning and warning.count("\n") == 1, warning
+    with pytest.raises(ConfigError, match=reason) as refused:
+        checkpoint.load(newest)
+    assert "\n" not in str(refused.value) and "weights_only" not in str(refused.value)
+
+
+
+@pytest.mark.slow
+def test_resume_auto_passes_over_intact_checkpoints_that_cannot_be_read(tmp_path):
+    """A malformed .dcp was an AttributeError traceback, an unloadable .pt eight lines of torch text and exit 2."""
+    from test_cli import SHORT_RUN, explain, ganscale
+
+    trained = ganscale("train", *SHORT_RUN, "--run-dir", "RUN", cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    folder = checkpoint.checkpoint_dir(tmp_path / "RUN")
+    (folder / "step-00000020.pt").write_bytes(b"PK\x03\x04 not a zip")
+    malformed = folder / "step-00000025.dcp"
+    malformed.mkdir()
+    (malformed / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": None}))
+    for path in (folder / "step-00000020.pt", malformed):
+        _remark(path)
+    resumed = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "train.steps=30", cwd=tmp_path)
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, explain(resumed)
+    for skipped in ("step-00000025.dcp: unreadable: ValueError", "step-00000020.pt: unreadable: RuntimeError"):
+        assert f"skipping checkpoint RUN/checkpoints/{skipped}" in resumed.stderr, explain(resumed)
+    assert checkpoint.step_of(checkpoint.newest_valid(tmp_path / "RUN")) == 30
 
 
 @pytest.mark.slow

@@ -152,23 +152,30 @@ def _unreadable(path: Path) -> str | None:
     write its marker: what a load unpickles is read here too (a full checkpoint mapped, not its tensor data; a
     sharded one's .metadata and meta.pt), so a resume passes over a crafted or foreign file as over a truncated one."""
     try:
-        if is_sharded(path):
-            _shard_reader(path).read_metadata()
-        torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one line below says it all
+            warnings.simplefilter("ignore")
+            if is_sharded(path):
+                _shard_reader(path).read_metadata()
+            torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - whatever the file holds, it is named in one line
         return f"unreadable: {read_failure(e)}"
     return None
 
 
+# The lines of torch's weights_only error that are not about the file (one advises weights_only=False).
+TORCH_ADVICE = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
+
+
 def read_failure(error: Exception) -> str:
     """One line for why a checkpoint file could not be read (torch's own text is many lines, and advises
     weights_only=False, which would run whatever the file holds)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line.strip().removeprefix("WeightsUnpickler error:").strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(TORCH_ADVICE)]
     if isinstance(error, pickle.UnpicklingError):
-        detail = [line for line in lines if not line.startswith(("Weights only load failed", "Please file an issue",
-                                                                   "Check the documentation"))]
-        return ("it holds more than tensors and plain data, refused as reading it could run code ("
-                + (detail[0] if detail else type(error).__name__) + ")")
+        detail = lines[0].split(". ")[0] if lines else type(error).__name__
+        if "GLOBAL" in detail.upper():  # the pickle names a callable or class: refused, never called
+            return f"it holds more than tensors and plain data, refused as reading it could run code ({detail})"
+        return f"not a pickle torch wrote ({detail})"
     return f"{type(error).__name__}: {lines[0].split('. ')[0] if lines else ''}"
 
 
@@ -456,16 +463,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                      torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f".metadata names {module}.{name}")
+        raise pickle.UnpicklingError(f"unsupported GLOBAL {module}.{name} in .metadata")
 
 
 def _checked_metadata(metadata):
     """DCP's Metadata as its reader uses it, or a ValueError: every shard file it names is a file of the folder."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
     if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
-            and isinstance(metadata.storage_data, dict)):
+            and isinstance(metadata.storage_data, dict)
+            and all(isinstance(key, str) and isinstance(info, (TensorStorageMetadata, BytesStorageMetadata))
+                    for key, info in metadata.state_dict_metadata.items())):
         raise ValueError("its .metadata is not torch.distributed.checkpoint metadata")
     for info in metadata.storage_data.values():
         if not (isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
