@@ -692,6 +692,28 @@ def test_resume_auto_passes_over_intact_checkpoints_that_cannot_be_read(tmp_path
     assert checkpoint.step_of(checkpoint.newest_valid(tmp_path / "RUN")) == 30
 
 
+
+@pytest.mark.slow
+def test_a_newest_checkpoint_of_another_recipe_is_refused_by_every_command_as_by_a_resume(tmp_path):
+    from test_cli import SHORT_RUN, explain, ganscale
+
+    for recipe, run in (("digits", "RUN"), ("ring8", "RING")):
+        trained = ganscale("train", recipe, *SHORT_RUN, "--run-dir", run, cwd=tmp_path)
+        assert trained.returncode == 0, explain(trained)
+    copied = checkpoint.checkpoint_dir(tmp_path / "RUN") / "step-00000030.pt"  # renamed with its marker: intact
+    shutil.copy(tmp_path / "RING" / "checkpoints" / "step-00000020.pt", copied)
+    shutil.copy(tmp_path / "RING" / "checkpoints" / "step-00000020.json", checkpoint.manifest_path(copied))
+    before = _files_under(tmp_path)
+    for command in (["export", "--out", "g.safetensors"], ["sample", "--out", "g.png"], ["eval", "--samples", "10"],
+                    ["train", "--resume", "auto", "--set", "train.steps=40"]):
+        args = [command[0], *(["--run-dir"] if command[0] == "train" else []), "RUN", *command[1:]]
+        refused = ganscale(*args, cwd=tmp_path)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
+        assert "RUN/checkpoints/step-00000030.pt" in refused.stderr.splitlines()[-1], explain(refused)
+        assert "does not fit" in refused.stderr, explain(refused)
+        assert _files_under(tmp_path) == before
+
+
 @pytest.mark.slow
 def test_no_command_runs_a_crafted_sharded_checkpoint_and_a_resume_passes_over_it(tmp_path):
     """In a run trained with the full format: the format is taken from the .dcp name."""

@@ -32,10 +32,37 @@ def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, n
     source = source or checkpoint.newest_intact(run_dir, "RUN_DIR", "train that run to its first checkpoint, or "
                                                 "give a run directory that has one")
     state = checkpoint.load(source)
-    cfg = build(yaml.safe_load(state["config"]))
-    generator, _ = build_networks(cfg)
-    generator.load_state_dict(state["G_ema"])
+    cfg, generator = fitted_generator(run_dir, source, state)
     return cfg, generator.eval(), int(state["step"])
+
+
+def fitted_generator(run_dir: Path, source: Path, state: dict, nets: tuple[str, ...] = ("G_ema",)
+                     ) -> tuple[Config, nn.Module]:
+    """(config, generator holding `state[net]` for each of `nets`, the last one kept). A checkpoint of RUN_DIR's own
+    checkpoints/ is loaded into the generator RUN_DIR is configured with at its step (`run_config`), as a resume
+    builds it: one whose weights do not fit (another recipe's, copied in) is refused, as a resume refuses it."""
+    configured = run_config(run_dir, source, state)
+    cfg = build(yaml.safe_load(configured.read_text() if configured else state["config"]))
+    generator, _ = build_networks(cfg)
+    for net in nets:
+        try:
+            generator.load_state_dict(state[net])
+        except RuntimeError:
+            written = yaml.safe_load(state["config"])
+            by = f"a '{written.get('name')}' run" if isinstance(written, dict) else "another run"
+            raise ConfigError(str(source), f"its {net} does not fit the generator of {configured} (it was written by "
+                              f"{by}, this one is '{cfg.name}')" if configured else
+                              f"its {net} does not fit the generator its own config describes",
+                              "give the run directory that wrote it (a resume of this run refuses it too)") from None
+    return cfg, generator
+
+
+def run_config(run_dir: Path, source: Path, state: dict) -> Path | None:
+    """RUN_DIR's config file at the step of `source` when it is one of RUN_DIR's checkpoints, else None."""
+    from ganscale.launch import config_at
+
+    own = Path(source).resolve().parent == checkpoint.checkpoint_dir(run_dir).resolve()
+    return config_at(Path(run_dir), int(state["step"])) if own else None
 
 
 @torch.no_grad()

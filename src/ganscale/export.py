@@ -7,6 +7,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ganscale import checkpoint
+from ganscale.evaluate import fitted_generator, run_config
 from ganscale.outputs import write_output
 
 EXPORTED = ("G", "G_ema", "step", "config")  # what an export reads of a checkpoint
@@ -20,6 +21,8 @@ def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Pa
     else:
         fix = "pass another file with --checkpoint, or leave it out to use RUN_DIR's newest intact checkpoint"
     state = checkpoint.load(source, require=EXPORTED, fix=fix)
+    if run_config(run_dir, source, state):  # refused where sample, eval and a resume of the run refuse it
+        fitted_generator(run_dir, source, state, nets=("G", "G_ema"))
     tensors = {f"{net}.{key}": value.detach().contiguous().clone()
                for net in ("G", "G_ema") for key, value in state[net].items()}
     metadata = {"step": str(state["step"]), "config": state["config"]}
