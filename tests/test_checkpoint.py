@@ -68,6 +68,8 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path,
     assert checkpoint.newest_valid(tmp_path) == folder / "step-00000010.pt"
     warning = capsys.readouterr().err
     assert str(newest) in warning and reason in warning
+    assert warning.splitlines()[-1] == f"ganscale: using checkpoint {folder / 'step-00000010.pt'}, the newest intact one"
+    assert checkpoint.newest_valid(tmp_path / "nothing") is None and capsys.readouterr().err == ""
     with pytest.raises(ConfigError, match=reason) as raised:
         checkpoint.load(newest)
     assert raised.value.key == str(newest)
@@ -664,7 +666,7 @@ def test_an_intact_checkpoint_that_cannot_be_read_is_one_line_and_passed_over(tm
     _remark(newest)
     assert checkpoint.newest_valid(run) == older
     warning = capsys.readouterr().err
-    assert f"skipping checkpoint {newest}: {reason}" in warning and warning.count("\n") == 1, warning
+    assert f"skipping checkpoint {newest}: {reason}" in warning and warning.count("\n") == 2, warning
     with pytest.raises(ConfigError, match=reason) as refused:
         checkpoint.load(newest)
     assert "\n" not in str(refused.value) and "weights_only" not in str(refused.value)
@@ -734,6 +736,7 @@ def test_no_command_runs_a_crafted_sharded_checkpoint_and_a_resume_passes_over_i
         used = ganscale(command[0], "RUN", *command[1:], cwd=tmp_path)
         assert used.returncode == 0 and f"skipping checkpoint RUN/checkpoints/{crafted.name}: unreadable" in \
             used.stderr, explain(used)
+        assert "using checkpoint RUN/checkpoints/step-00000020.pt" in used.stderr, explain(used)
         refused = ganscale(command[0], "ALONE", *command[1:], "--force" if "--out" in command else "--seed=0",
                            cwd=tmp_path)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
@@ -742,6 +745,7 @@ def test_no_command_runs_a_crafted_sharded_checkpoint_and_a_resume_passes_over_i
                        "--set", "checkpoint.every=10", cwd=tmp_path)
     assert resumed.returncode == 0 and f"skipping checkpoint RUN/checkpoints/{crafted.name}" in resumed.stderr, \
         explain(resumed)
+    assert "using checkpoint RUN/checkpoints/step-00000020.pt" in resumed.stderr, explain(resumed)
     assert checkpoint.step_of(checkpoint.newest_valid(tmp_path / "RUN")) == 30
     refused = ganscale("train", "--run-dir", "ALONE", "--resume", "auto", cwd=tmp_path)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)

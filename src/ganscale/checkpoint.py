@@ -196,12 +196,17 @@ def _expected_files(manifest, path: Path) -> dict[str, dict] | str:
 
 
 def newest_valid(run_dir: Path) -> Path | None:
-    """The newest intact checkpoint; every newer bad one is reported on stderr, naming the file and why."""
+    """The newest intact checkpoint; every newer bad one is reported on stderr, naming the file and why, and then
+    the one used instead."""
+    skipped = False
     for path in reversed(list_checkpoints(run_dir)):
         reason = problem(path)
         if reason is None:
+            if skipped:
+                print(f"ganscale: using checkpoint {path}, the newest intact one", file=sys.stderr, flush=True)
             return path
         print(f"ganscale: warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+        skipped = True
     return None
 
 
