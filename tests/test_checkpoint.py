@@ -48,6 +48,7 @@ def test_intact_checkpoints_load_and_the_newest_is_used(tmp_path):
 
 @pytest.mark.parametrize("damage, reason", [
     (lambda p: p.write_bytes(p.read_bytes()[:-100]), "truncated"),
+    (lambda p: p.write_bytes(p.read_bytes() + b"more"), "grown"),  # was reported as truncated
     (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "corrupted"),
     (lambda p: checkpoint.manifest_path(p).unlink(), "incomplete"),
     # A malformed completion marker is an unverifiable checkpoint, like a garbage file (was: AttributeError)
@@ -154,6 +155,41 @@ def test_train_with_a_full_disk_says_so_in_one_line_and_exits_7(tmp_path, monkey
     assert result.exit_code == 7, result.output
     assert "ganscale: could not write checkpoint" in result.output and "no space left" in result.output
     assert not list((tmp_path / "run" / "checkpoints").iterdir())  # no temporary file left
+
+
+
+def _fill_the_disk(monkeypatch, method: str, file_of, room: int = 10):
+    """Replace `method`, which writes a file (`file_of(self, *args)`), by one that writes `room` bytes of it, then
+    fails as a full disk does."""
+    def full(*args, **kwargs):
+        with open(file_of(*args), "wb") as f:
+            f.write(b"x" * room)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(method, full)
+
+
+@pytest.mark.parametrize("written, writer, file_of", [
+    ("config.yaml", "pathlib.Path.write_text", lambda path, text: path),
+    ("samples/step-00000001.png", "PIL.Image.Image.save", lambda picture, path, *rest: path),
+])
+def test_a_full_disk_before_the_first_checkpoint_names_the_file_and_leaves_none_of_it(tmp_path, monkeypatch, written,
+                                                                                     writer, file_of):
+    import torch.distributed as dist
+
+    from ganscale.cli import main
+
+    _fill_the_disk(monkeypatch, writer, file_of)
+    monkeypatch.chdir(tmp_path)
+    try:
+        result = CliRunner().invoke(main, ["train", "--set", "train.steps=2", "--set", "train.batch_size=8",
+                                           "--set", "log.sample_every=1", "--run-dir", "run"])
+    finally:  # a rank's own failure leaves its group open until the process exits; this process goes on
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert result.exit_code == 7, result.output
+    assert f"ganscale: No space left on device: run/{written}. Fix:" in result.output, result.output
+    target = tmp_path / "run" / written
+    assert not target.exists() and not [p for p in target.parent.iterdir() if p.name.startswith(".")]
 
 
 def test_a_failed_write_removes_its_temporary_file_and_says_why(tmp_path, request):

@@ -138,8 +138,11 @@ def problem(path: Path, content: bool = True) -> str | None:
         for name, want in expected.items():
             if name not in present:
                 return f"incomplete: {name} is missing"
-            if present[name].stat().st_size != want["bytes"]:
-                return f"truncated: {name} has {present[name].stat().st_size} bytes, {want['bytes']} expected"
+            size = present[name].stat().st_size
+            if size != want["bytes"]:
+                if size < want["bytes"]:
+                    return f"truncated: {name} has {size} bytes, {want['bytes']} expected"
+                return f"grown: {name} has {size} bytes, {want['bytes']} expected (written to after its marker)"
             if content and _sha256(present[name]) != want["sha256"]:
                 return f"corrupted: the SHA-256 of {name} does not match its completion marker"
     except OSError as e:

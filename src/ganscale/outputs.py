@@ -1,8 +1,9 @@
-"""Files a command writes where the user says (--out): whether it may write there, and writing it whole.
+"""Files written whole or not at all, and where a command may write one the user names (--out).
 
 Never inside a run's checkpoints/ or over its config files (not even with --force: a resume would read them),
-never over a directory, device or other non-regular file, and over an existing file only with --force. The
-file is written under a temporary name beside it and renamed into place: a failed write leaves nothing.
+never over a directory, device or other non-regular file, and over an existing file only with --force. Every
+such file (and a run's config and sample pictures) is written under a temporary name beside it and renamed into
+place: a failed write (a full disk) leaves nothing, and its error names the file.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ def check_output(out: str, force: bool) -> Path:
     return path
 
 
-def write_output(out: Path, write: Callable[[Path], None]) -> Path:
+def write_output(out: Path, write: Callable[[Path], None], option: str = "--out") -> Path:
     """`write(temporary)` writes the file beside `out`, which is then renamed into place (with the permissions of
     any new file). A refused write is an OSError naming `out` (the CLI's one line and exit 7); another failure a
-    ConfigError at --out. Either way nothing of this write is left, and what was at `out` is untouched."""
+    ConfigError at `option`. Either way nothing of this write is left, and what was at `out` is untouched."""
     tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")  # the suffix kept: it picks the format
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,8 +70,9 @@ def write_output(out: Path, write: Callable[[Path], None]) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # e.g. safetensors writes 0600 (a private temporary file)
-        if _not_regular(out):  # appeared since check_output: a rename would replace it (a device node, as root)
-            raise ConfigError("--out", f"'{out}' is not a regular file", f"{ANOTHER}, naming a file")
+        # A rename would replace a device node (as root) or a FIFO found there now; over a folder it fails by itself.
+        if _not_regular(out) and not out.is_dir():
+            raise ConfigError(option, f"'{out}' is not a regular file", f"choose another {option}")
         os.replace(tmp, out)
     except Exception as e:  # noqa: BLE001 - OSError, or a writer's own error for a failed write
         checkpoint.remove_written(tmp)
@@ -80,5 +82,6 @@ def write_output(out: Path, write: Callable[[Path], None]) -> Path:
         if cause is not None and cause.errno in REFUSED_FILE_OPERATION:  # shown as every command shows it: exit 7
             raise OSError(cause.errno, os.strerror(cause.errno), str(out)) from None
         reason = checkpoint.os_reason(cause) if cause is not None else str(e).splitlines()[0]
-        raise ConfigError("--out", f"could not write {out}: {reason}", f"{ANOTHER}, or make room on its disk") from None
+        raise ConfigError(option, f"could not write {out}: {reason}",
+                          f"choose another {option}, or make room on its disk") from None
     return out
