@@ -8,6 +8,10 @@ and renames the folder to `step-N.dcp`. Then rank 0 writes `step-N.json` (size a
 file) the same way: that manifest is the completion marker. A checkpoint without its manifest, or whose
 bytes do not match it, is reported and passed over. Both formats load under any strategy and world size.
 
+Reading one runs no code a writer of its files could have put there: tensors and plain data only
+(weights_only=True), and a sharded checkpoint's DCP metadata through an unpickler that admits only DCP's own
+classes (`_shard_reader`). One that cannot be read so is reported and passed over like a damaged one.
+
 A write that fails (e.g. a full disk) removes what it had written and raises CheckpointWriteError; the
 checkpoints written before are untouched. Temporary files of writers that died (kill -9, a lost node) are
 swept before each write.
@@ -17,8 +21,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import io
+import json
 import os
 import pickle
 import re
@@ -118,8 +122,9 @@ def _sha256(path: Path) -> str:
 
 
 def problem(path: Path, content: bool = True) -> str | None:
-    """Why this checkpoint cannot be trusted, or None when it is complete and intact. `content=False` checks every
-    file is there at its size but reads none (a rank whose peer has checked the content: see `load`)."""
+    """Why this checkpoint cannot be trusted, or None when it is complete, intact and readable (`_unreadable`).
+    `content=False` checks every file is there at its size but reads none (a rank whose peer has checked the
+    content: see `load`)."""
     marker = manifest_path(path)
     if not marker.is_file():
         return (f"incomplete: no completion marker {marker.name} beside it (the write was interrupted, or the file "
