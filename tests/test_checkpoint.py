@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -45,6 +48,7 @@ def test_intact_checkpoints_load_and_the_newest_is_used(tmp_path):
 
 @pytest.mark.parametrize("damage, reason", [
     (lambda p: p.write_bytes(p.read_bytes()[:-100]), "truncated"),
+    (lambda p: p.write_bytes(p.read_bytes() + b"more"), "grown"),  # was reported as truncated
     (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "corrupted"),
     (lambda p: checkpoint.manifest_path(p).unlink(), "incomplete"),
     # A malformed completion marker is an unverifiable checkpoint, like a garbage file (was: AttributeError)
@@ -65,6 +69,8 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path,
     assert checkpoint.newest_valid(tmp_path) == folder / "step-00000010.pt"
     warning = capsys.readouterr().err
     assert str(newest) in warning and reason in warning
+    assert warning.splitlines()[-1] == f"ganscale: using checkpoint {folder / 'step-00000010.pt'}, the newest intact one"
+    assert checkpoint.newest_valid(tmp_path / "nothing") is None and capsys.readouterr().err == ""
     with pytest.raises(ConfigError, match=reason) as raised:
         checkpoint.load(newest)
     assert raised.value.key == str(newest)
@@ -149,6 +155,41 @@ def test_train_with_a_full_disk_says_so_in_one_line_and_exits_7(tmp_path, monkey
     assert result.exit_code == 7, result.output
     assert "ganscale: could not write checkpoint" in result.output and "no space left" in result.output
     assert not list((tmp_path / "run" / "checkpoints").iterdir())  # no temporary file left
+
+
+
+def _fill_the_disk(monkeypatch, method: str, file_of, room: int = 10):
+    """Replace `method`, which writes a file (`file_of(self, *args)`), by one that writes `room` bytes of it, then
+    fails as a full disk does."""
+    def full(*args, **kwargs):
+        with open(file_of(*args), "wb") as f:
+            f.write(b"x" * room)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(method, full)
+
+
+@pytest.mark.parametrize("written, writer, file_of", [
+    ("config.yaml", "pathlib.Path.write_text", lambda path, text: path),
+    ("samples/step-00000001.png", "PIL.Image.Image.save", lambda picture, path, *rest: path),
+])
+def test_a_full_disk_before_the_first_checkpoint_names_the_file_and_leaves_none_of_it(tmp_path, monkeypatch, written,
+                                                                                     writer, file_of):
+    import torch.distributed as dist
+
+    from ganscale.cli import main
+
+    _fill_the_disk(monkeypatch, writer, file_of)
+    monkeypatch.chdir(tmp_path)
+    try:
+        result = CliRunner().invoke(main, ["train", "--set", "train.steps=2", "--set", "train.batch_size=8",
+                                           "--set", "log.sample_every=1", "--run-dir", "run"])
+    finally:  # a rank's own failure leaves its group open until the process exits; this process goes on
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert result.exit_code == 7, result.output
+    assert f"ganscale: No space left on device: run/{written}. Fix:" in result.output, result.output
+    target = tmp_path / "run" / written
+    assert not target.exists() and not [p for p in target.parent.iterdir() if p.name.startswith(".")]
 
 
 def test_a_failed_write_removes_its_temporary_file_and_says_why(tmp_path, request):
@@ -395,6 +436,68 @@ def test_export_writes_its_output_with_the_usual_permissions(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def _files_under(folder) -> dict:
+    """Every path under `folder` with what it is: a regular file's bytes, else its kind."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink() else
+            ("link" if p.is_symlink() else "folder" if p.is_dir() else "other") for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("command", ["export", "sample"])
+@pytest.mark.parametrize("out, why", [
+    ("", "the file name is empty"),
+    ("run/checkpoints/step-00000020.pt", "is inside the checkpoints of run"),
+    ("run/checkpoints/step-00000030.pt", "is inside the checkpoints of run"),  # would pass for the newest
+    ("run/config.yaml", "is the config of run"),
+    ("run/config.resumed-00000010.yaml", "is the config of run"),
+    ("to-config.yaml", "is the config of run"),  # a link to it
+    ("folder", "exists and is not a regular file"),
+    ("fifo", "exists and is not a regular file"),  # as a device node: a rename would have replaced it
+    ("existing.png", "already exists"),
+])
+def test_an_output_is_never_written_over_a_run_s_files_nor_a_non_regular_or_existing_one(tmp_path, command, out,
+                                                                                          why):
+    run = tmp_path / "run"
+    _two_checkpoints(run)
+    (run / "config.yaml").write_text("name: test\n")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "existing.png").write_bytes(b"mine")
+    (tmp_path / "to-config.yaml").symlink_to(run / "config.yaml")
+    before = _files_under(tmp_path)
+    from ganscale.cli import main
+
+    forced = [[]] if why == "already exists" else [[], ["--force"]]  # --force replaces only an existing file
+    for force in forced:
+        with contextlib.chdir(tmp_path):
+            result = CliRunner().invoke(main, [command, "run", "--out", out, *force])
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert result.output.count("\n") == 1 and "Traceback" not in result.output, result.output
+        assert f"config error at '--out': {f'{out!r} ' if out else ''}{why}" in result.output, result.output
+        assert _files_under(tmp_path) == before
+
+
+def test_export_replaces_an_existing_file_only_with_force(tmp_path):
+    _two_checkpoints(tmp_path)
+    (tmp_path / "g.safetensors").write_bytes(b"mine")
+    assert _export(str(tmp_path), "--out", "g.safetensors", cwd=tmp_path).exit_code == 2
+    assert (tmp_path / "g.safetensors").read_bytes() == b"mine"
+    result = _export(str(tmp_path), "--out", "g.safetensors", "--force", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "g.safetensors"), "pt") as f:
+        assert f.metadata()["step"] == "20"
+
+
+def test_an_output_that_became_a_non_regular_file_is_not_renamed_over(tmp_path):
+    from ganscale.outputs import write_output
+
+    fifo = tmp_path / "g.png"
+    os.mkfifo(fifo)  # after --out was checked: the rename would replace it, as it replaced /dev/null as root
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        write_output(fifo, lambda tmp: tmp.write_bytes(b"picture"))
+    assert fifo.is_fifo() and _names(tmp_path) == ["g.png"]
+
+
 def _open_for_resume(rank, world, overrides, sources):
     """Build a Trainer resuming from sources[rank] (each rank's view of the checkpoint); (SHA-256s computed, error)."""
     from pathlib import Path
@@ -507,3 +610,189 @@ def test_a_checkpoint_that_does_not_fit_names_the_first_tensor_that_differs(tmp_
         runtime.close()
     assert "does not fit this run's model/optimizer config" in refused.value.problem
     assert "size mismatch for " in refused.value.problem  # torch's first line alone named no tensor
+
+
+# ------------------------------------------------------------------------------ crafted files run no code
+class _Payload:
+    """Pickles as a call of `call` with `argument`: what a crafted checkpoint would run as it is read."""
+
+    def __init__(self, call, argument: str):
+        self.call, self.argument = call, argument
+
+    def __reduce__(self):
+        return self.call, (self.argument,)
+
+
+def _payloads(ran) -> list[_Payload]:
+    """Three ways a pickle can run code, each creating the file `ran`."""
+    import builtins
+
+    return [_Payload(os.system, f"touch {ran}"), _Payload(builtins.exec, f"open({str(ran)!r}, 'w').close()"),
+            _Payload(builtins.eval, f"open({str(ran)!r}, 'w')")]
+
+
+def _craft(path, name: str, payload) -> None:
+    """Replace file `name` of sharded checkpoint `path` by `payload` (.metadata: DCP's plain pickle, meta.pt:
+    torch.save), with a completion marker that matches, as anyone who can write the one can write the other."""
+    target = path / name
+    target.unlink(missing_ok=True)
+    target.write_bytes(pickle.dumps(payload)) if name == ".metadata" else torch.save(payload, target)
+    _remark(path)
+
+
+_SHARDS = {"G": {"model": {"w": torch.ones(8)}, "ema": {"w": torch.ones(8)}}, "D": {"model": {"w": torch.ones(2)}}}
+
+
+@pytest.mark.parametrize("payload", range(3))
+@pytest.mark.parametrize("name", [".metadata", checkpoint.META])
+def test_a_crafted_sharded_checkpoint_is_refused_unread_and_the_previous_used(tmp_path, name, payload):
+    run, ran = tmp_path / "run", tmp_path / "ran"
+    with _one_rank(tmp_path):
+        older = checkpoint.save_sharded(_SHARDS, _state(10), run, 10, keep=3)
+        newest = checkpoint.save_sharded(_SHARDS, _state(20), run, 20, keep=3)
+        _craft(newest, name, _payloads(ran)[payload])
+        assert "unreadable: it holds more than tensors and plain data" in checkpoint.problem(newest)
+        assert checkpoint.newest_valid(run) == older  # a resume, export, sample and eval take the older one
+        with pytest.raises(ConfigError, match="unreadable"):
+            checkpoint.load(newest)
+        if name == ".metadata":  # every rank of a resume reads it, past the check of rank 0
+            with pytest.raises(RuntimeError, match="refused"):
+                checkpoint.load_sharded(newest, {"G": {"model": {"w": torch.zeros(8)}}})
+    assert not ran.exists()
+
+
+def test_a_crafted_non_tensor_item_in_a_shard_file_is_refused_unread(tmp_path):
+    run, ran = tmp_path / "run", tmp_path / "ran"
+    with _one_rank(tmp_path):  # DCP writes a non-tensor item with torch.save into the shard file
+        path = checkpoint.save_sharded({**_SHARDS, "extra": _payloads(ran)[0]}, _state(10), run, 10, keep=3)
+        with pytest.raises(RuntimeError, match="refused"):
+            checkpoint.load_sharded(path, {"G": {"model": {"w": torch.zeros(8)}}, "extra": None})
+    assert not ran.exists()
+
+
+def test_a_sharded_checkpoint_naming_shard_files_outside_its_folder_is_refused(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = tmp_path / "run"
+    with _one_rank(tmp_path):
+        path = checkpoint.save_sharded(_SHARDS, _state(10), run, 10, keep=3)
+    metadata = FileSystemReader(str(path)).read_metadata()  # written by this test: trusted
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../elsewhere.distcp"
+    metadata.storage_meta = None
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    _remark(path)
+    assert "shard outside the checkpoint" in checkpoint.problem(path)
+
+
+
+def _remark(path) -> None:
+    """A completion marker that matches what `path` now holds."""
+    checkpoint.manifest_path(path).write_text(json.dumps(checkpoint._manifest(path, checkpoint.step_of(path))))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("content, reason", [
+    (b"not a checkpoint", "unreadable: "),
+    (pickle.dumps({"step": 20}), "unreadable: "),  # a plain pickle: the right kind of object in neither format
+    (pickle.dumps([1, 2])[:-3], "unreadable: "),  # cut short
+], ids=["garbage", "plain-pickle", "cut-short"])
+def test_an_intact_checkpoint_that_cannot_be_read_is_one_line_and_passed_over(tmp_path, capsys, sharded, content,
+                                                                               reason):
+    """Its bytes match its marker (anyone can write both): a resume falls back as for a truncated one."""
+    run = tmp_path / "run"
+    if sharded:
+        with _one_rank(tmp_path):
+            older = checkpoint.save_sharded(_SHARDS, _state(10), run, 10, keep=3)
+            newest = checkpoint.save_sharded(_SHARDS, _state(20), run, 20, keep=3)
+        (newest / ".metadata").write_bytes(content)
+    else:
+        older, newest = checkpoint.save(_state(10), run, 10, 3), checkpoint.save(_state(20), run, 20, 3)
+        newest.write_bytes(content)
+    _remark(newest)
+    assert checkpoint.newest_valid(run) == older
+    warning = capsys.readouterr().err
+    assert f"skipping checkpoint {newest}: {reason}" in warning and warning.count("\n") == 2, warning
+    with pytest.raises(ConfigError, match=reason) as refused:
+        checkpoint.load(newest)
+    assert "\n" not in str(refused.value) and "weights_only" not in str(refused.value)
+
+
+
+@pytest.mark.slow
+def test_resume_auto_passes_over_intact_checkpoints_that_cannot_be_read(tmp_path):
+    """A malformed .dcp was an AttributeError traceback, an unloadable .pt eight lines of torch text and exit 2."""
+    from test_cli import SHORT_RUN, explain, ganscale
+
+    trained = ganscale("train", *SHORT_RUN, "--run-dir", "RUN", cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    folder = checkpoint.checkpoint_dir(tmp_path / "RUN")
+    (folder / "step-00000020.pt").write_bytes(b"PK\x03\x04 not a zip")
+    malformed = folder / "step-00000025.dcp"
+    malformed.mkdir()
+    (malformed / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": None}))
+    for path in (folder / "step-00000020.pt", malformed):
+        _remark(path)
+    resumed = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "train.steps=30", cwd=tmp_path)
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, explain(resumed)
+    for skipped in ("step-00000025.dcp: unreadable: ValueError", "step-00000020.pt: unreadable: RuntimeError"):
+        assert f"skipping checkpoint RUN/checkpoints/{skipped}" in resumed.stderr, explain(resumed)
+    assert checkpoint.step_of(checkpoint.newest_valid(tmp_path / "RUN")) == 30
+
+
+
+@pytest.mark.slow
+def test_a_newest_checkpoint_of_another_recipe_is_refused_by_every_command_as_by_a_resume(tmp_path):
+    from test_cli import SHORT_RUN, explain, ganscale
+
+    for recipe, run in (("digits", "RUN"), ("ring8", "RING")):
+        trained = ganscale("train", recipe, *SHORT_RUN, "--run-dir", run, cwd=tmp_path)
+        assert trained.returncode == 0, explain(trained)
+    copied = checkpoint.checkpoint_dir(tmp_path / "RUN") / "step-00000030.pt"  # renamed with its marker: intact
+    shutil.copy(tmp_path / "RING" / "checkpoints" / "step-00000020.pt", copied)
+    shutil.copy(tmp_path / "RING" / "checkpoints" / "step-00000020.json", checkpoint.manifest_path(copied))
+    before = _files_under(tmp_path)
+    for command in (["export", "--out", "g.safetensors"], ["sample", "--out", "g.png"], ["eval", "--samples", "10"],
+                    ["train", "--resume", "auto", "--set", "train.steps=40"]):
+        args = [command[0], *(["--run-dir"] if command[0] == "train" else []), "RUN", *command[1:]]
+        refused = ganscale(*args, cwd=tmp_path)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
+        assert "RUN/checkpoints/step-00000030.pt" in refused.stderr.splitlines()[-1], explain(refused)
+        assert "does not fit" in refused.stderr, explain(refused)
+        assert _files_under(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_no_command_runs_a_crafted_sharded_checkpoint_and_a_resume_passes_over_it(tmp_path):
+    """In a run trained with the full format: the format is taken from the .dcp name."""
+    from test_cli import SHORT_RUN, explain, ganscale
+
+    trained = ganscale("train", "--nproc", "2", *SHORT_RUN, "--run-dir", "RUN", cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    ran = tmp_path / "ran"
+    crafted = tmp_path / "RUN" / "checkpoints" / "step-00000025.dcp"
+    crafted.mkdir()
+    _craft(crafted, ".metadata", _payloads(ran)[0])
+    alone = tmp_path / "ALONE" / "checkpoints"
+    alone.mkdir(parents=True)
+    shutil.copytree(crafted, alone / crafted.name)
+    shutil.copy(checkpoint.manifest_path(crafted), alone)
+    commands = [["export", "--out", "g.safetensors"], ["sample", "--out", "g.png"], ["eval", "--samples", "10"]]
+    for command in commands:
+        used = ganscale(command[0], "RUN", *command[1:], cwd=tmp_path)
+        assert used.returncode == 0 and f"skipping checkpoint RUN/checkpoints/{crafted.name}: unreadable" in \
+            used.stderr, explain(used)
+        assert "using checkpoint RUN/checkpoints/step-00000020.pt" in used.stderr, explain(used)
+        refused = ganscale(command[0], "ALONE", *command[1:], "--force" if "--out" in command else "--seed=0",
+                           cwd=tmp_path)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
+        assert f"newest: {crafted.name}, unreadable" in refused.stderr.splitlines()[-1], explain(refused)
+    resumed = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--nproc", "2", "--set", "train.steps=30",
+                       "--set", "checkpoint.every=10", cwd=tmp_path)
+    assert resumed.returncode == 0 and f"skipping checkpoint RUN/checkpoints/{crafted.name}" in resumed.stderr, \
+        explain(resumed)
+    assert "using checkpoint RUN/checkpoints/step-00000020.pt" in resumed.stderr, explain(resumed)
+    assert checkpoint.step_of(checkpoint.newest_valid(tmp_path / "RUN")) == 30
+    refused = ganscale("train", "--run-dir", "ALONE", "--resume", "auto", cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
+    assert not ran.exists()

@@ -112,8 +112,8 @@ def test_sample_and_eval_commands(ring_run, digits_run, tmp_path):
                               "--inception-weights", str(tmp_path / "none.pth")], env=clean_env(), capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 2 and "--inception-weights" in missing.stderr and "never downloads" in missing.stderr
-    refused = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--out", str(out), "--class", "3"],
-                             env=clean_env(), capture_output=True, text=True, timeout=120)
+    refused = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--out", str(tmp_path / "3.png"),
+                              "--class", "3"], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--class" in refused.stderr
     not_png = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--out", str(tmp_path / "grid.txt")],
                              env=clean_env(), capture_output=True, text=True, timeout=120)

@@ -8,6 +8,10 @@ and renames the folder to `step-N.dcp`. Then rank 0 writes `step-N.json` (size a
 file) the same way: that manifest is the completion marker. A checkpoint without its manifest, or whose
 bytes do not match it, is reported and passed over. Both formats load under any strategy and world size.
 
+Reading one runs no code a writer of its files could have put there: tensors and plain data only
+(weights_only=True), and a sharded checkpoint's DCP metadata through an unpickler that admits only DCP's own
+classes (`_shard_reader`). One that cannot be read so is reported and passed over like a damaged one.
+
 A write that fails (e.g. a full disk) removes what it had written and raises CheckpointWriteError; the
 checkpoints written before are untouched. Temporary files of writers that died (kill -9, a lost node) are
 swept before each write.
@@ -17,8 +21,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -116,8 +122,9 @@ def _sha256(path: Path) -> str:
 
 
 def problem(path: Path, content: bool = True) -> str | None:
-    """Why this checkpoint cannot be trusted, or None when it is complete and intact. `content=False` checks every
-    file is there at its size but reads none (a rank whose peer has checked the content: see `load`)."""
+    """Why this checkpoint cannot be trusted, or None when it is complete, intact and readable (`_unreadable`).
+    `content=False` checks every file is there at its size but reads none (a rank whose peer has checked the
+    content: see `load`)."""
     marker = manifest_path(path)
     if not marker.is_file():
         return (f"incomplete: no completion marker {marker.name} beside it (the write was interrupted, or the file "
@@ -136,13 +143,48 @@ def problem(path: Path, content: bool = True) -> str | None:
         for name, want in expected.items():
             if name not in present:
                 return f"incomplete: {name} is missing"
-            if present[name].stat().st_size != want["bytes"]:
-                return f"truncated: {name} has {present[name].stat().st_size} bytes, {want['bytes']} expected"
+            size = present[name].stat().st_size
+            if size != want["bytes"]:
+                if size < want["bytes"]:
+                    return f"truncated: {name} has {size} bytes, {want['bytes']} expected"
+                return f"grown: {name} has {size} bytes, {want['bytes']} expected (written to after its marker)"
             if content and _sha256(present[name]) != want["sha256"]:
                 return f"corrupted: the SHA-256 of {name} does not match its completion marker"
     except OSError as e:
         return f"unreadable ({os_reason(e)})"
+    return _unreadable(path) if content else None
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why a checkpoint whose files match its marker still cannot be read, or None. Anyone who can write a file can
+    write its marker: what a load unpickles is read here too (a full checkpoint mapped, not its tensor data; a
+    sharded one's .metadata and meta.pt), so a resume passes over a crafted or foreign file as over a truncated one."""
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one line below says it all
+            warnings.simplefilter("ignore")
+            if is_sharded(path):
+                _shard_reader(path).read_metadata()
+            torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - whatever the file holds, it is named in one line
+        return f"unreadable: {read_failure(e)}"
     return None
+
+
+# The lines of torch's weights_only error that are not about the file (one advises weights_only=False).
+TORCH_ADVICE = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
+
+
+def read_failure(error: Exception) -> str:
+    """One line for why a checkpoint file could not be read (torch's own text is many lines, and advises
+    weights_only=False, which would run whatever the file holds)."""
+    lines = [line.strip().removeprefix("WeightsUnpickler error:").strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(TORCH_ADVICE)]
+    if isinstance(error, pickle.UnpicklingError):
+        detail = lines[0].split(". ")[0] if lines else type(error).__name__
+        if "GLOBAL" in detail.upper():  # the pickle names a callable or class: refused, never called
+            return f"it holds more than tensors and plain data, refused as reading it could run code ({detail})"
+        return f"not a pickle torch wrote ({detail})"
+    return f"{type(error).__name__}: {lines[0].split('. ')[0] if lines else ''}"
 
 
 def _expected_files(manifest, path: Path) -> dict[str, dict] | str:
@@ -162,12 +204,17 @@ def _expected_files(manifest, path: Path) -> dict[str, dict] | str:
 
 
 def newest_valid(run_dir: Path) -> Path | None:
-    """The newest intact checkpoint; every newer bad one is reported on stderr, naming the file and why."""
+    """The newest intact checkpoint; every newer bad one is reported on stderr, naming the file and why, and then
+    the one used instead."""
+    skipped = False
     for path in reversed(list_checkpoints(run_dir)):
         reason = problem(path)
         if reason is None:
+            if skipped:
+                print(f"ganscale: using checkpoint {path}, the newest intact one", file=sys.stderr, flush=True)
             return path
         print(f"ganscale: warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+        skipped = True
     return None
 
 
@@ -406,10 +453,85 @@ def _shard_writer(folder: Path):
 
 def _missing_shard_files(staging: Path) -> list[str]:
     """The files a just-written sharded checkpoint's metadata names that are not in `staging` (rank 0's view)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    named = {info.relative_path for info in FileSystemReader(str(staging)).read_metadata().storage_data.values()}
+    named = {info.relative_path for info in _shard_reader(staging).read_metadata().storage_data.values()}
     return sorted(name for name in named if not (staging / name).is_file())
+
+
+# Every global the .metadata of a sharded checkpoint written by torch 2.13's DCP names (besides torch's dtypes).
+METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a lookup of torch.strided & co. by name
+    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # the writer's folder; pathlib._local from Python 3.13
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP .metadata file, admitting only METADATA_GLOBALS: a crafted one cannot name a callable
+    that runs code (os.system, builtins.exec) when it is read."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                     torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"unsupported GLOBAL {module}.{name} in .metadata")
+
+
+def _checked_metadata(metadata):
+    """DCP's Metadata as its reader uses it, or a ValueError: every shard file it names is a file of the folder."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)
+            and all(isinstance(key, str) and isinstance(info, (TensorStorageMetadata, BytesStorageMetadata))
+                    for key, info in metadata.state_dict_metadata.items())):
+        raise ValueError("its .metadata is not torch.distributed.checkpoint metadata")
+    for info in metadata.storage_data.values():
+        if not (isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
+                and info.relative_path not in ("", ".", "..") and "/" not in info.relative_path
+                and type(info.offset) is int and type(info.length) is int):
+            raise ValueError(f"its .metadata names a shard outside the checkpoint, or malformed ({info!r:.100})")
+    return metadata
+
+
+def _shard_reader(folder: Path):
+    """torch.distributed.checkpoint's file reader, except that it unpickles nothing a writer of the folder could
+    have crafted to run code: .metadata through `_MetadataUnpickler`, and non-tensor items (DCP's planner reads
+    them with weights_only=False) checked with weights_only=True first."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class WeightsOnlyBytes:
+        """The load planner, whose load_bytes gets the item only once weights_only=True could read it."""
+
+        def __init__(self, planner):
+            self.planner = planner
+
+        def __getattr__(self, name):
+            return getattr(self.planner, name)
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            checked = io.BytesIO()
+            torch.save(torch.load(value, map_location="cpu", weights_only=True), checked)  # raises on a crafted item
+            checked.seek(0)
+            self.planner.load_bytes(read_item, checked)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _checked_metadata(_MetadataUnpickler(f).load())
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def read_data(self, plan, planner):
+            return super().read_data(plan, WeightsOnlyBytes(planner))
+
+    return Reader(str(folder))
 
 
 def load_sharded(path: Path, shards: dict) -> None:
@@ -419,14 +541,16 @@ def load_sharded(path: Path, shards: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    swapped = _swap_in_scalars(path, shards)
     try:
-        dcp.load(shards, checkpoint_id=path)
+        swapped = _swap_in_scalars(path, shards)
+        dcp.load(shards, storage_reader=_shard_reader(path))
     except CheckpointException as e:
         cause = os_error_behind(e)
         if cause is not None:  # the disk's error (EIO, ESTALE): not a mismatch of the run's config
             raise cause from None
         raise RuntimeError(_first_failure(e)) from None
+    except (pickle.UnpicklingError, ValueError) as e:  # its .metadata, refused by `_shard_reader`
+        raise RuntimeError(read_failure(e)) from None
     _swap_back_as_vectors(swapped)
 
 
@@ -435,17 +559,18 @@ def _first_failure(error: BaseException) -> str:
     failures = getattr(error, "failures", None) or {}
     first = next(iter(failures.values()), None)
     cause = first[0] if isinstance(first, tuple) else first
+    if isinstance(cause, pickle.UnpicklingError):  # a non-tensor item `_shard_reader` refused
+        return read_failure(cause)
     return f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
 
 
 def _full_networks(path: Path) -> dict[str, dict]:
     """One process: G, D and G_ema as full tensors from a sharded checkpoint (whoever wrote which shard)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = FileSystemReader(str(path))
+    reader = _shard_reader(path)
     wanted = {"G.model.": "G", "D.model.": "D", "G.ema.": "G_ema"}
     nested: dict[str, dict] = {"G": {"model": {}, "ema": {}}, "D": {"model": {}}}
     for key, info in reader.read_metadata().state_dict_metadata.items():
@@ -470,7 +595,7 @@ def load_meta(path: Path, require: tuple[str, ...] = META_KEYS, fix: str = RESUM
     try:
         state = torch.load(path / META, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})", fix) from None
+        raise ConfigError(str(path), f"cannot read this checkpoint ({read_failure(e)})", fix) from None
     _check_contents(path, state, require, fix)
     return state
 
@@ -489,7 +614,7 @@ def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX, 
         else:  # read, not mapped: a CPU run's optimizer state would alias the file's pages for the whole run
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ConfigError(str(path), f"cannot read this checkpoint ({type(e).__name__}: {e})", fix) from None
+        raise ConfigError(str(path), f"cannot read this checkpoint ({read_failure(e)})", fix) from None
     _check_contents(path, state, require, fix)
     _gamma_as_vector(state)
     return state
@@ -551,9 +676,7 @@ def _gamma_as_vector(state: dict) -> None:
 def _swap_in_scalars(path: Path, shards: dict) -> list[tuple[dict, str, torch.Tensor]]:
     """Entries of `shards` that the sharded checkpoint holds 0-d where this run holds (1,): replaced by 0-d
     tensors for DCP to fill (it refuses to read across shapes). Returns (where, key, the run's tensor) of each."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = _shard_reader(path).read_metadata().state_dict_metadata
     swapped = []
 
     def walk(tree: dict, prefix: str) -> None:  # DCP names a nested entry by its keys joined with "."

@@ -192,17 +192,23 @@ def make_facades(folder: str, count: int, seed: int, size: str) -> None:
     click.echo(f"wrote {count} pairs to {written}; train with: ganscale train pix2pix --set data.path={written}")
 
 
+FORCE = click.option("--force", is_flag=True, help="Replace --out if it exists (never a run's checkpoints or config).")
+
+
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output .safetensors file.")
+@click.option("--out", required=True, help="Output .safetensors file.")
+@FORCE
 @click.option("--checkpoint", "checkpoint_path", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A specific checkpoint (default: the newest in RUN_DIR).")
-def export(run_dir: str, out: str, checkpoint_path: str | None) -> None:
+def export(run_dir: str, out: str, force: bool, checkpoint_path: str | None) -> None:
     """Write G and G_ema weights of a run to a safetensors file."""
     from ganscale.export import export_generator
+    from ganscale.outputs import check_output
 
     try:
-        written = export_generator(Path(run_dir), Path(out), Path(checkpoint_path) if checkpoint_path else None)
+        target = check_output(out, force)
+        written = export_generator(Path(run_dir), target, Path(checkpoint_path) if checkpoint_path else None)
     except ConfigError as e:
         _fail(e)
     click.echo(f"wrote {written}")
@@ -211,17 +217,20 @@ def export(run_dir: str, out: str, checkpoint_path: str | None) -> None:
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--n", "count", type=click.IntRange(min=1), default=64, show_default=True, help="Samples to draw.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output PNG.")
+@click.option("--out", required=True, help="Output PNG.")
+@FORCE
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
 @click.option("--class", "label", type=int, default=None, help="Class to draw (class-conditional models only).")
-def sample(run_dir: str, count: int, out: str, seed: int, label: int | None) -> None:
+def sample(run_dir: str, count: int, out: str, force: bool, seed: int, label: int | None) -> None:
     """Draw from a run's G_ema into a PNG grid (a scatter plot for 2D data)."""
     from ganscale.evaluate import sample_picture
+    from ganscale.outputs import check_output
 
     try:
-        if Path(out).suffix.lower() != ".png":
+        target = check_output(out, force)
+        if target.suffix.lower() != ".png":
             raise ConfigError("--out", f"'{out}' is not a .png file", "give --out a name ending in .png")
-        written = sample_picture(Path(run_dir), count, Path(out), seed, label)
+        written = sample_picture(Path(run_dir), count, target, seed, label)
     except ConfigError as e:
         _fail(e)
     click.echo(f"wrote {written}")
@@ -262,17 +271,24 @@ def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, in
 
 
 @main.command(name="fit-digits-features")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output .safetensors file.")
+@click.option("--out", required=True, help="Output .safetensors file.")
+@FORCE
 @click.option("--seed", type=int, default=0, show_default=True, help="Split, initialisation and batch-order seed.")
 @click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True)
-def fit_digits_features(out: str, seed: int, epochs: int) -> None:
+def fit_digits_features(out: str, force: bool, seed: int, epochs: int) -> None:
     """Train the digits classifier whose features give FD-digits (the package ships one: seed 0)."""
     import json
 
     from ganscale.metrics import digits_classifier
+    from ganscale.outputs import check_output
 
-    model, record = digits_classifier.fit(seed, epochs)
-    click.echo(f"wrote {digits_classifier.save(model, record, Path(out))}: {json.dumps(record)}")
+    try:
+        target = check_output(out, force)  # before the minutes of fitting
+        model, record = digits_classifier.fit(seed, epochs)
+        written = digits_classifier.save(model, record, target)
+    except ConfigError as e:
+        _fail(e)
+    click.echo(f"wrote {written}: {json.dumps(record)}")
 
 
 @main.command()

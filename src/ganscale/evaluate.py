@@ -23,6 +23,7 @@ from ganscale.metrics.images import REFERENCE_LIMIT, image_metrics, reference_fe
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
+from ganscale.outputs import write_output
 from ganscale.tasks import build_task
 from ganscale.trainer import MIXTURE_MODES
 
@@ -34,10 +35,37 @@ def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, n
     state = checkpoint.load(source)
     refuse_non_finite_checkpoint(state, ("G_ema",), source, "nothing was drawn; continue training from an earlier "
                                  "checkpoint of the run (train --resume PATH)")
-    cfg = build(yaml.safe_load(state["config"]))
-    generator, _ = build_networks(cfg)
-    generator.load_state_dict(state["G_ema"])
+    cfg, generator = fitted_generator(run_dir, source, state)
     return cfg, generator.eval(), int(state["step"])
+
+
+def fitted_generator(run_dir: Path, source: Path, state: dict, nets: tuple[str, ...] = ("G_ema",)
+                     ) -> tuple[Config, nn.Module]:
+    """(config, generator holding `state[net]` for each of `nets`, the last one kept). A checkpoint of RUN_DIR's own
+    checkpoints/ is loaded into the generator RUN_DIR is configured with at its step (`run_config`), as a resume
+    builds it: one whose weights do not fit (another recipe's, copied in) is refused, as a resume refuses it."""
+    configured = run_config(run_dir, source, state)
+    cfg = build(yaml.safe_load(configured.read_text() if configured else state["config"]))
+    generator, _ = build_networks(cfg)
+    for net in nets:
+        try:
+            generator.load_state_dict(state[net])
+        except RuntimeError:
+            written = yaml.safe_load(state["config"])
+            by = f"a '{written.get('name')}' run" if isinstance(written, dict) else "another run"
+            raise ConfigError(str(source), f"its {net} does not fit the generator of {configured} (it was written by "
+                              f"{by}, this one is '{cfg.name}')" if configured else
+                              f"its {net} does not fit the generator its own config describes",
+                              "give the run directory that wrote it (a resume of this run refuses it too)") from None
+    return cfg, generator
+
+
+def run_config(run_dir: Path, source: Path, state: dict) -> Path | None:
+    """RUN_DIR's config file at the step of `source` when it is one of RUN_DIR's checkpoints, else None."""
+    from ganscale.launch import config_at
+
+    own = Path(source).resolve().parent == checkpoint.checkpoint_dir(run_dir).resolve()
+    return config_at(Path(run_dir), int(state["step"])) if own else None
 
 
 @torch.no_grad()
@@ -60,8 +88,7 @@ def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int |
         samples = task.preview(generator, z, label).float()
     modes = MIXTURE_MODES.get(cfg.data.kind)
     picture = scatter(samples, modes()) if modes else image_grid(samples, cols=task.grid_columns)
-    write_png(picture, out)
-    return out
+    return write_output(out, lambda tmp: write_png(picture, tmp))
 
 
 def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, features: str | None = None,

@@ -36,6 +36,7 @@ from ganscale.models import build_networks
 from ganscale.observe import RunLog
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.observe.timing import StepTimes
+from ganscale.outputs import write_output
 from ganscale.parallel import Layout, held_bytes, parallelize
 from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.speed import compiled, in_layout
@@ -190,10 +191,13 @@ class Trainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 resolved = to_yaml(cfg)
                 before = config_at(self.run_dir, self.step) if self.step > 0 else None  # what trained until now
+                written = None
                 if before is None:  # a new run (or a branch into a new folder)
-                    (self.run_dir / "config.yaml").write_text(resolved)
+                    written = self.run_dir / "config.yaml"
                 elif before.read_text() != resolved:  # changed on resume: beside the original, never over it
-                    (self.run_dir / f"config.resumed-{self.step:08d}.yaml").write_text(resolved)
+                    written = self.run_dir / f"config.resumed-{self.step:08d}.yaml"
+                if written is not None:  # whole or not at all: a full disk left a 0-byte config.yaml
+                    write_output(written, lambda tmp: tmp.write_text(resolved), "--run-dir")
             self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
 
     @staticmethod
@@ -553,7 +557,8 @@ class Trainer:
                     picture = scatter(drawn, MIXTURE_MODES[self.cfg.data.kind]())
                 else:
                     picture = image_grid(drawn, cols=self.task.grid_columns)
-                write_png(picture, self.run_dir / "samples" / f"step-{self.step:08d}.png")
+                write_output(self.run_dir / "samples" / f"step-{self.step:08d}.png",
+                             lambda tmp: write_png(picture, tmp), "--run-dir")
                 self.log.add_image("samples", picture, self.step)
         return quality
 

@@ -105,11 +105,11 @@ def _fit(seed: int, epochs: int, batch_size: int, lr: float) -> tuple[DigitsClas
 
 
 def save(model: DigitsClassifier, record: dict, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from ganscale.outputs import write_output
+
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(path), metadata={k: json.dumps(v) for k, v in record.items()})
-    return path
+    metadata = {k: json.dumps(v) for k, v in record.items()}
+    return write_output(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def shipped_path() -> Path:

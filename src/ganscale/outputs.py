@@ -1,0 +1,87 @@
+"""Files written whole or not at all, and where a command may write one the user names (--out).
+
+Never inside a run's checkpoints/ or over its config files (not even with --force: a resume would read them),
+never over a directory, device or other non-regular file, and over an existing file only with --force. Every
+such file (and a run's config and sample pictures) is written under a temporary name beside it and renamed into
+place: a failed write (a full disk) leaves nothing, and its error names the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ganscale import checkpoint
+from ganscale.config import ConfigError
+from ganscale.fault import REFUSED_FILE_OPERATION
+
+ANOTHER = "choose another --out"
+
+
+def _is_run(folder: Path) -> bool:
+    """A ganscale run directory: it holds the run's config.yaml or its checkpoints."""
+    return (folder / "config.yaml").is_file() or bool(checkpoint.list_checkpoints(folder))
+
+
+def _run_file(path: Path) -> str | None:
+    """What of a run `path` (absolute) is, when it is in a run's checkpoints/ or is a run's config file."""
+    from ganscale.launch import RESUMED_CONFIG
+
+    for folder in (path, *path.parents):
+        if folder == checkpoint.checkpoint_dir(folder.parent) and _is_run(folder.parent):
+            return f"inside the checkpoints of run {folder.parent}"
+    if (path.name == "config.yaml" or RESUMED_CONFIG.match(path.name)) and _is_run(path.parent):
+        return f"the config of run {path.parent}"
+    return None
+
+
+def _not_regular(path: Path) -> bool:
+    """There is something at `path` that is not a regular file (or a link to one): a folder, a device, a FIFO."""
+    return os.path.lexists(path) and not path.is_file()
+
+
+def check_output(out: str, force: bool) -> Path:
+    """`out` as a Path when a command may write it (its folder is made when missing), else a ConfigError at --out."""
+    if not out:
+        raise ConfigError("--out", "the file name is empty", "give the file to write, e.g. --out G.safetensors")
+    path = Path(out)
+    for where in {Path(os.path.abspath(path)), path.resolve()}:  # the name given, and where a link leads
+        run_file = _run_file(where)
+        if run_file:
+            raise ConfigError("--out", f"'{out}' is {run_file}, which no command but train writes (not even with "
+                              "--force)", ANOTHER)
+    if _not_regular(path):
+        raise ConfigError("--out", f"'{out}' exists and is not a regular file (a folder, a device or the like)",
+                          f"{ANOTHER}, naming a file")
+    if os.path.lexists(path) and not force:
+        raise ConfigError("--out", f"'{out}' already exists", f"pass --force to replace it, or {ANOTHER}")
+    return path
+
+
+def write_output(out: Path, write: Callable[[Path], None], option: str = "--out") -> Path:
+    """`write(temporary)` writes the file beside `out`, which is then renamed into place (with the permissions of
+    any new file). A refused write is an OSError naming `out` (the CLI's one line and exit 7); another failure a
+    ConfigError at `option`. Either way nothing of this write is left, and what was at `out` is untouched."""
+    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")  # the suffix kept: it picks the format
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # e.g. safetensors writes 0600 (a private temporary file)
+        # A rename would replace a device node (as root) or a FIFO found there now; over a folder it fails by itself.
+        if _not_regular(out) and not out.is_dir():
+            raise ConfigError(option, f"'{out}' is not a regular file", f"choose another {option}")
+        os.replace(tmp, out)
+    except Exception as e:  # noqa: BLE001 - OSError, or a writer's own error for a failed write
+        checkpoint.remove_written(tmp)
+        if isinstance(e, ConfigError):
+            raise
+        cause = checkpoint.os_error_behind(e)
+        if cause is not None and cause.errno in REFUSED_FILE_OPERATION:  # shown as every command shows it: exit 7
+            raise OSError(cause.errno, os.strerror(cause.errno), str(out)) from None
+        reason = checkpoint.os_reason(cause) if cause is not None else str(e).splitlines()[0]
+        raise ConfigError(option, f"could not write {out}: {reason}",
+                          f"choose another {option}, or make room on its disk") from None
+    return out
