@@ -15,7 +15,7 @@ from ganscale import config, memory
 from ganscale.models import build_networks
 
 BEYOND_ANY_MACHINE = [("model.z_dim=100000000", "model.z_dim"), ("model.d_width=100000000", "model.d_width"),
-                      ("train.batch_size=100000000", "train.batch_size")]
+                      ("train.batch_size=100000000", "train.batch_size"), ("log.samples=100000000", "log.samples")]
 
 
 def refused_in_one_line(result, key: str) -> None:

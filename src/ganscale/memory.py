@@ -7,6 +7,7 @@ every module that computes, to count per rank:
                pipeline: all, over the stages; FSDP's CPU offload on a GPU: none on the device);
   activations  the outputs the heavier of the D and G steps keeps for backward on one micro-batch (a pipeline
                rank: its share of its replica's), plus backward's working set, twice the largest output;
+               Or drawing the sample grid between steps (no gradients), where that needs more;
   latents      the noise of a global batch and of the sample grid (drawn whole on every rank).
 Left out: the functional operations between modules, temporaries, the allocator's slack and the framework itself.
 So the estimate is below the real peak, and a run is refused only when it exceeds REFUSE_ABOVE x the memory.
@@ -24,14 +25,15 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ganscale.config import FULLY_SHARDED, Config, ConfigError, ModelConfig, TrainConfig
+from ganscale.config import FULLY_SHARDED, Config, ConfigError, LogConfig, ModelConfig, TrainConfig
 
 REFUSE_ABOVE = 1.0  # the estimate leaves out what the module docstring lists: above the memory, a run cannot fit
 GiB = 2**30
 FP32 = 4
 # Keys that set a size, and the value the refusal tries instead to find the one that drives it (their defaults).
-SIZE_KEYS = {f"model.{k}": ModelConfig.model_fields[k].default for k in ("z_dim", "g_width", "d_width", "g_layers",
-                                                                        "d_layers", "shared_dim")}
+SIZE_KEYS = {**{f"model.{k}": ModelConfig.model_fields[k].default for k in ("z_dim", "g_width", "d_width",
+                                                                           "g_layers", "d_layers", "shared_dim")},
+             "log.samples": LogConfig.model_fields["samples"].default}
 SMALL_BATCH = TrainConfig.model_fields["batch_size"].default
 
 
@@ -120,10 +122,11 @@ def _state_bytes(cfg: Config, generator: nn.Module, discriminator: nn.Module, wo
 def _real_sample(cfg: Config, task, n: int) -> tuple[Tensor, ...]:
     """A meta micro-batch shaped as the data stream yields it."""
     from ganscale.tasks import Paired
+    from ganscale.trainer import MIXTURE_MODES
 
     d = cfg.data
-    images = torch.empty(n, 2) if d.kind in ("ring8", "grid25") else torch.empty(n, d.channels, d.resolution,
-                                                                                 d.resolution)
+    shape = (n, 2) if d.kind in MIXTURE_MODES else (n, d.channels, d.resolution, d.resolution)
+    images = torch.empty(shape)
     if isinstance(task, Paired):
         return images, torch.empty_like(images)
     return (images, torch.zeros(n, dtype=torch.int64)) if task.n_classes else (images,)
@@ -153,6 +156,19 @@ def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Modul
     return max(d_heavier, g_heavier), max([*g_outputs, *d_step, 0])
 
 
+def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
+    """Drawing the run's sample grid (log.samples, or the 2D protocol's points), between steps, in fp32."""
+    from ganscale.metrics.modes2d import PROTOCOL_SAMPLES
+    from ganscale.tasks import Paired, build_task
+    from ganscale.trainer import MIXTURE_MODES
+
+    task = build_task(cfg, previews=False)
+    if isinstance(task, Paired):  # its grid translates a few fixed pairs, whatever log.samples
+        return 0
+    n = PROTOCOL_SAMPLES if cfg.data.kind in MIXTURE_MODES else cfg.log.samples
+    return _drawing_bytes(generator, task.preview, torch.empty(n, cfg.model.z_dim, device="meta"), task.grid_columns)
+
+
 def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bool = False) -> Estimate:
     """What one rank of a `world`-rank run of `cfg` needs (`local_ranks` of them on a node)."""
     from ganscale.models import meta_networks
@@ -162,7 +178,7 @@ def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bo
     kept, largest = _step_activations(cfg, generator, discriminator, micro)
     stages = cfg.parallel.pipeline_stages if cfg.parallel.pipelined else 1  # each holds its layers' outputs
     half = cfg.train.precision in ("bf16", "fp16")  # autocast's outputs are 2 bytes
-    activations = (kept // stages + 2 * largest) // (2 if half else 1)
+    activations = max((kept // stages + 2 * largest) // (2 if half else 1), _sample_grid_bytes(cfg, generator))
     latents = (cfg.train.batch_size + cfg.log.samples) * cfg.model.z_dim * FP32
     state = _state_bytes(cfg, generator, discriminator, world, local_ranks, on_cuda)
     return Estimate(state, activations, latents)
@@ -253,19 +269,25 @@ def check_before_launch(cfg: Config, nproc: int) -> None:
     check_training(cfg, nproc, room, room_is, nproc, on_cuda)
 
 
-def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int, columns: int | None) -> None:
-    """`ganscale sample --n`: ConfigError when the latents, G_ema's forward (no gradients: a layer's input and
-    output at a time), the samples and the grid picture of n samples exceed the host's available memory."""
-    from ganscale.models import meta_networks
+def _drawing_bytes(generator: nn.Module, preview: Callable[[nn.Module, Tensor], Tensor], z: Tensor,
+                   columns: int | None) -> int:
+    """Bytes of drawing a picture from latents `z` (meta): G's forward without gradients (a layer's input and
+    output at a time), the samples in fp32 and the grid picture (2D data: a fixed-size scatter plot)."""
     from ganscale.observe.samples import grid_bytes
 
-    generator = meta_networks(cfg)[0].eval()
     with torch.device("meta"), torch.no_grad(), outputs_of(generator) as outputs:
-        z = torch.empty(n, cfg.model.z_dim)
         samples = preview(generator, z)
     in_flight = max((a + b for a, b in zip([_bytes(z), *outputs], outputs)), default=0)
-    picture = 0 if samples.dim() == 2 else grid_bytes(samples.shape, columns)  # 2D data: a fixed-size scatter plot
-    needed = _bytes(z) + in_flight + samples.numel() * FP32 + picture
+    return in_flight + samples.numel() * FP32 + (0 if samples.dim() == 2 else grid_bytes(samples.shape, columns))
+
+
+def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int, columns: int | None) -> None:
+    """`ganscale sample --n`: ConfigError when the latents and drawing n samples exceed the host's available
+    memory."""
+    from ganscale.models import meta_networks
+
+    z = torch.empty(n, cfg.model.z_dim, device="meta")
+    needed = _bytes(z) + _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns)
     room = host_available()
     if needed > REFUSE_ABOVE * room:
         fits = max(1, math.floor(n * room / needed))  # every part grows with n
