@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dist_helpers import run_ranks
-from test_cli import explain, ganscale
+from test_cli import explain, ganscale, ganscale_ranks
 
 from ganscale import config, memory
 from ganscale.models import build_networks
@@ -36,6 +36,13 @@ def test_the_nproc_parent_refuses_before_any_worker_starts(tmp_path):
     result = ganscale("train", "--set", "train.batch_size=100000000", "--nproc", "2", "--run-dir", "RUN", cwd=tmp_path)
     refused_in_one_line(result, "train.batch_size")
     assert "worker" not in result.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_torchrun_workers_refuse_together_before_deciding_the_run(tmp_path):
+    results = ganscale_ranks([["--set", "model.z_dim=100000000", "--run-dir", "RUN"]] * 2, cwd=tmp_path)
+    for result in results:
+        refused_in_one_line(result, "model.z_dim")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sample_refuses_more_samples_than_the_machine_holds_and_writes_nothing(tmp_path):
