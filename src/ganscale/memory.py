@@ -26,6 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from ganscale.config import FULLY_SHARDED, Config, ConfigError, LogConfig, ModelConfig, TrainConfig
+from ganscale.metrics.modes2d import PROTOCOL_SAMPLES
+from ganscale.models import meta_networks
+from ganscale.observe.samples import grid_bytes
+from ganscale.runtime import uses_cuda
+from ganscale.tasks import Paired, Unconditional, build_task
 
 REFUSE_ABOVE = 1.0  # the estimate leaves out what the module docstring lists: above the memory, a run cannot fit
 GiB = 2**30
@@ -119,9 +124,8 @@ def _state_bytes(cfg: Config, generator: nn.Module, discriminator: nn.Module, wo
     return total
 
 
-def _real_sample(cfg: Config, task, n: int) -> tuple[Tensor, ...]:
+def _real_sample(cfg: Config, task: Unconditional, n: int) -> tuple[Tensor, ...]:
     """A meta micro-batch shaped as the data stream yields it."""
-    from ganscale.tasks import Paired
     from ganscale.trainer import MIXTURE_MODES
 
     d = cfg.data
@@ -134,8 +138,6 @@ def _real_sample(cfg: Config, task, n: int) -> tuple[Tensor, ...]:
 
 def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Module, micro: int) -> tuple[int, int]:
     """(bytes kept for backward in the heavier step, the largest single output) of one micro-batch, in fp32."""
-    from ganscale.tasks import build_task
-
     task = build_task(cfg, previews=False)
     with torch.device("meta"):
         real = _real_sample(cfg, task, micro)
@@ -158,8 +160,6 @@ def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Modul
 
 def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
     """Drawing the run's sample grid (log.samples, or the 2D protocol's points), between steps, in fp32."""
-    from ganscale.metrics.modes2d import PROTOCOL_SAMPLES
-    from ganscale.tasks import Paired, build_task
     from ganscale.trainer import MIXTURE_MODES
 
     task = build_task(cfg, previews=False)
@@ -171,8 +171,6 @@ def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
 
 def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bool = False) -> Estimate:
     """What one rank of a `world`-rank run of `cfg` needs (`local_ranks` of them on a node)."""
-    from ganscale.models import meta_networks
-
     generator, discriminator = meta_networks(cfg)
     micro = cfg.micro_batch(world)
     kept, largest = _step_activations(cfg, generator, discriminator, micro)
@@ -248,18 +246,19 @@ def check_training(cfg: Config, world: int, room: int, room_is: str, local_ranks
     if needed.total <= REFUSE_ABOVE * room:
         return
     key, helps = _driving_key(cfg, world, estimate)
-    more = ("set train.micro_batch to accumulate the batch in smaller micro-batches"
-            if needed.activations > needed.state else "shard G and D over more ranks (parallel.generator=fsdp, "
-            "parallel.discriminator=fsdp)")
+    if needed.activations <= needed.state:
+        more = ", or shard G and D over more ranks (parallel.generator=fsdp, parallel.discriminator=fsdp)"
+    elif cfg.train.micro_batch is None:
+        more = ", or set train.micro_batch to accumulate the batch in smaller micro-batches"
+    else:
+        more = "" if key == "train.micro_batch" else ", or lower train.micro_batch (more micro-steps accumulate)"
     raise ConfigError(key, f"one rank needs about {needed}, more than the {gib(room)} {room_is}",
-                      f"lower {key}{helps}, or {more}")
+                      f"lower {key}{helps}{more}")
 
 
 def check_before_launch(cfg: Config, nproc: int) -> None:
     """The check of `train --nproc` before any worker starts: CPU ranks share this host's available memory; a GPU
     rank gets its device's total here (no CUDA context opened in the parent), its free memory in the worker."""
-    from ganscale.runtime import uses_cuda
-
     on_cuda = uses_cuda(cfg.train.device)
     if on_cuda:
         room = min(torch.cuda.get_device_properties(i).total_memory for i in range(nproc))
@@ -273,8 +272,6 @@ def _drawing_bytes(generator: nn.Module, preview: Callable[[nn.Module, Tensor], 
                    columns: int | None) -> int:
     """Bytes of drawing a picture from latents `z` (meta): G's forward without gradients (a layer's input and
     output at a time), the samples in fp32 and the grid picture (2D data: a fixed-size scatter plot)."""
-    from ganscale.observe.samples import grid_bytes
-
     with torch.device("meta"), torch.no_grad(), outputs_of(generator) as outputs:
         samples = preview(generator, z)
     in_flight = max((a + b for a, b in zip([_bytes(z), *outputs], outputs)), default=0)
@@ -284,8 +281,6 @@ def _drawing_bytes(generator: nn.Module, preview: Callable[[nn.Module, Tensor], 
 def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int, columns: int | None) -> None:
     """`ganscale sample --n`: ConfigError when the latents and drawing n samples exceed the host's available
     memory."""
-    from ganscale.models import meta_networks
-
     z = torch.empty(n, cfg.model.z_dim, device="meta")
     needed = _bytes(z) + _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns)
     room = host_available()
