@@ -7,6 +7,7 @@ batch_size): refused whatever the machine's memory, and never started.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dist_helpers import run_ranks
 from test_cli import explain, ganscale, ganscale_ranks
@@ -150,3 +151,11 @@ def test_the_estimated_state_is_what_the_ranks_hold_under_sharding(tmp_path):
     estimated = memory.training_estimate(config.load("digits", overrides), 2, local_ranks=2).state
     # Adam's step counters and G's BatchNorm buffers (counted in the estimate, not in `held`) are under 1%.
     assert sum(held) == pytest.approx(2 * estimated, rel=0.01)
+
+
+@pytest.mark.parametrize("shape, columns", [((10, 1, 8, 8), None), ((12, 3, 64, 64), 3)])
+def test_the_grid_estimate_covers_the_picture_image_grid_makes(shape, columns):
+    from ganscale.observe.samples import grid_bytes, image_grid
+
+    picture = image_grid(torch.zeros(shape), cols=columns)
+    assert picture.nbytes <= grid_bytes(torch.Size(shape), columns) <= 4 * picture.nbytes
