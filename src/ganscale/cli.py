@@ -98,7 +98,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
 
     import torch
 
-    from ganscale import launch
+    from ganscale import launch, memory
     from ganscale.runtime import environment_world_size
 
     worker = launch.under_launcher()
@@ -122,6 +122,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         config_mod.check(cfg, world, torch.cuda.is_available())
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
+            memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run
             run_dir, resume, held = launch.claim_run(cfg, run_dir, resume)
     except ConfigError as e:
         _fail(e)

@@ -635,12 +635,9 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
                           "set parallel.generator=pipeline and parallel.discriminator=pipeline, or neither")
     # Next, the networks themselves: for a model the pipeline cannot split (biggan, pix2pix), every other
     # setting below is moot, and a fix that one of them suggests (model.g_batchnorm) would not apply to it.
-    import torch  # here: checking the stages against the layers builds both networks, without memory
-
-    from ganscale.models import build_networks
+    from ganscale.models import meta_networks  # here: checking the stages against the layers builds both networks
     from ganscale.parallel.pipeline import split
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        generator, discriminator = build_networks(cfg)
+    generator, discriminator = meta_networks(cfg)
     split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
     split(discriminator, p.pipeline_stages, "D")
     if world_size % p.pipeline_stages:
@@ -685,9 +682,8 @@ def penalty_through_batchnorm(cfg: Config) -> bool:
         return False
     import torch
 
-    from ganscale.models import build_networks
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        _, discriminator = build_networks(cfg)
+    from ganscale.models import meta_networks
+    _, discriminator = meta_networks(cfg)
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in discriminator.modules())
 
 

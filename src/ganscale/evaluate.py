@@ -18,6 +18,7 @@ from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, build
 from ganscale.data import build_dataset
 from ganscale.finite import refuse_non_finite_checkpoint
+from ganscale.memory import check_sampling
 from ganscale.metrics.features import build_extractor
 from ganscale.metrics.images import REFERENCE_LIMIT, image_metrics, reference_features
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
@@ -83,6 +84,7 @@ def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int |
         problem = (f"class {label} is not one of this run's {task.n_classes} classes" if task.n_classes
                    else "this run's generator is not class-conditional")
         raise ConfigError("--class", problem, f"use 0 to {task.n_classes - 1}" if task.n_classes else "drop --class")
+    check_sampling(cfg, lambda net, z: task.preview(net, z, label), n, task.grid_columns)
     z = torch.randn(n, cfg.model.z_dim, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         samples = task.preview(generator, z, label).float()

@@ -330,6 +330,9 @@ def _quiet_agent_logs() -> None:
 def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, dict]:
     """Train in this process as one rank of the group described by the environment; (run directory, summary).
     Raises AlreadyTrained on every rank when rank 0 finds the run finished."""
+    import torch
+
+    from ganscale import memory
     from ganscale import runtime as rt
     from ganscale.trainer import Trainer
 
@@ -338,6 +341,11 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
     held = None
     try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        room = torch.tensor([memory.available(runtime.device, local_ranks)], device=runtime.device)
+        dist.all_reduce(room, op=dist.ReduceOp.MIN)  # one verdict: every rank judges by the tightest rank's memory
+        memory.check_training(cfg, runtime.world, int(room), memory.where(runtime.device.type, local_ranks),
+                              local_ranks, runtime.device.type == "cuda")
         run_path, resume_from, held = decide_run(cfg, run_dir, resume)
         summary = Trainer(cfg, runtime, run_path, resume_from).fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them

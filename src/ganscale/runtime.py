@@ -63,9 +63,14 @@ def backend_for(backend: str, use_cuda: bool, cpu_collectives: bool = False) -> 
     return "cpu:gloo,cuda:nccl" if chosen == "nccl" and cpu_collectives else chosen
 
 
+def uses_cuda(device: str) -> bool:
+    """Whether `train.device` puts this run on a GPU."""
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
           cpu_collectives: bool = False) -> Runtime:
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         narrowed = "TORCHELASTIC_RUN_ID" not in os.environ  # another launcher may show each task its own GPU

@@ -116,9 +116,12 @@ class Paired(Unconditional):
         return torch.stack([inputs, outputs, targets], dim=1).flatten(0, 1)
 
 
-def build_task(cfg: Config) -> Unconditional:
+def build_task(cfg: Config, previews: bool = True) -> Unconditional:
+    """The config's task; `previews=False`: without reading pix2pix's fixed preview pairs from the data."""
     if cfg.model.kind == "biggan":
         return ClassConditional(cfg.model.n_classes)
+    if cfg.model.kind == "pix2pix" and not previews:
+        return Paired(cfg.loss.l1_weight, [])
     if cfg.model.kind == "pix2pix":
         from ganscale.data.paired import PairedImages
 

@@ -29,3 +29,9 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
         G = DCGANGenerator(m.z_dim, d.channels, d.resolution, m.g_width, m.g_batchnorm)
         D = DCGANDiscriminator(d.channels, d.resolution, m.d_width, m.d_spectral_norm)
     return G, D
+
+
+def meta_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
+    """G and D on torch's meta device: their shapes without memory, and without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return build_networks(cfg)

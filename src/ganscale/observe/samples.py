@@ -14,13 +14,11 @@ def image_grid(images: torch.Tensor, min_cell: int = 32, cols: int | None = None
     """(N, C, H, W) in [-1, 1] -> (H', W', 3) uint8 grid (`cols` wide, default square), cells upscaled
     to at least `min_cell` pixels."""
     n, c, h, w = images.shape
-    cols = cols or math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
+    cols, rows, zoom = _layout(images.shape, cols, min_cell)
     pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     if c < 3:  # grey (and grey + alpha): show the grey channel
         pixels = pixels[:, :1].expand(-1, 3, -1, -1)
     pixels = pixels[:, :3]
-    zoom = max(1, math.ceil(min_cell / max(h, w)))
     pixels = pixels.repeat_interleave(zoom, 2).repeat_interleave(zoom, 3)
     h, w = h * zoom, w * zoom
     grid = torch.zeros(3, rows * (h + 2) + 2, cols * (w + 2) + 2, dtype=torch.uint8)
@@ -28,6 +26,20 @@ def image_grid(images: torch.Tensor, min_cell: int = 32, cols: int | None = None
         r, col = divmod(i, cols)
         grid[:, 2 + r * (h + 2):2 + r * (h + 2) + h, 2 + col * (w + 2):2 + col * (w + 2) + w] = pixels[i]
     return grid.permute(1, 2, 0).numpy()
+
+
+def _layout(shape: torch.Size, cols: int | None, min_cell: int) -> tuple[int, int, int]:
+    """(columns, rows, zoom) of the grid of `shape` (N, C, H, W) images."""
+    n, _, h, w = shape
+    cols = cols or math.ceil(math.sqrt(n))
+    return cols, math.ceil(n / cols), max(1, math.ceil(min_cell / max(h, w)))
+
+
+def grid_bytes(shape: torch.Size, cols: int | None = None, min_cell: int = 32) -> int:
+    """Bytes `image_grid` holds at once for `shape` images: the zoomed cells (twice, in the making), the grid."""
+    n, _, h, w = shape
+    cols, rows, zoom = _layout(shape, cols, min_cell)
+    return 2 * n * 3 * h * zoom * w * zoom + 3 * (rows * (h * zoom + 2) + 2) * (cols * (w * zoom + 2) + 2)
 
 
 def scatter(points: torch.Tensor, reference: torch.Tensor | None = None, size: int = 384) -> np.ndarray:
