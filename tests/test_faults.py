@@ -102,8 +102,8 @@ def script_env() -> dict:
 
 def start_training(command: list[str], run: Path, **popen) -> subprocess.Popen:
     """Start `command` (a `ganscale train` into `run`) in run's parent; return once it has logged a step."""
-    process = subprocess.Popen(command, cwd=run.parent, env=clean_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, **popen)
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    process = subprocess.Popen(command, cwd=run.parent, env=clean_env(), text=True, **popen)
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
         assert time.time() < deadline and process.poll() is None, "training never started"
@@ -244,6 +244,52 @@ def test_kill_9_of_a_worker_with_max_restarts_resumes_and_finishes(tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 400  # the redone steps replaced, not duplicated
     assert killed_after >= 50  # the kill came after the first checkpoint: at most one interval was redone
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a worker whose launcher died is no child of ours)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_kill_9_of_the_launcher_makes_its_workers_checkpoint_and_exit(tmp_path):
+    """Workers whose launcher is killed (kill -9: it cannot pass a signal on) agree to stop, checkpoint and exit,
+    instead of training on, reparented to PID 1."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
+               "--set", "train.steps=100000", "--set", "checkpoint.every=100000", "--set", "log.every=10",
+               "--set", "log.tensorboard=false", "--set", "log.sample_every=0"]
+    with open(tmp_path / "output.txt", "w") as output:  # read by no one: a full pipe would stall the workers
+        launcher = start_training(command, run, stdout=output, stderr=subprocess.STDOUT)
+    workers = _worker_pids(launcher.pid)
+    assert len(workers) == 2, workers
+    launcher.kill()
+    launcher.wait()
+    try:
+        deadline = time.time() + 60  # without a parent-death signal they train on for good
+        while any(map(_running, workers)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_running, workers)), (tmp_path / "output.txt").read_text()[-3000:]
+    finally:
+        for pid in filter(_running, workers):
+            os.kill(pid, signal.SIGKILL)
+    output = (tmp_path / "output.txt").read_text()
+    assert output.count("checkpoint written; continue with --resume auto") == 2, output[-3000:]
+    assert len(list((run / "checkpoints").glob("step-*.json"))) == 1  # the stop's checkpoint, complete
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_worker_whose_launcher_died_before_it_could_follow_it_stops_at_once():
+    """The launcher may die before the worker asks for the parent-death signal: the worker then sees a parent
+    other than the launcher it was given, and sends itself the stop request."""
+    from ganscale.launch import LAUNCHER_PID_ENV
+
+    script = "from ganscale.launch import follow_launcher; follow_launcher(); import time; time.sleep(60)"
+    orphan = subprocess.run([sys.executable, "-c", script], env={**script_env(), LAUNCHER_PID_ENV: "1"}, timeout=60)
+    assert orphan.returncode == -signal.SIGTERM
 
 
 def test_hang_on_one_rank_is_named_with_diagnostics_and_exits_fast(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -211,6 +212,26 @@ NOT_RESTARTED = {EXIT_CONFIG: "a config, data or checkpoint error", EXIT_PREEMPT
                  EXIT_NON_FINITE: "non-finite training",
                  EXIT_FILE_REFUSED: "a file operation the system refused (permissions, a full disk)"}
 
+LAUNCHER_PID_ENV = "GANSCALE_LAUNCHER_PID"  # set by launch_local for its workers: the process they follow
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when its parent thread exits
+
+
+def follow_launcher() -> None:
+    """In a worker of `launch_local`: the kernel sends it SIGTERM when the launcher dies, even by kill -9, so the
+    ranks agree to stop, checkpoint and exit instead of training on unwatched. Linux only; elsewhere, and in a
+    process the launcher did not start, a no-op."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    # The agent's main thread starts the workers and lives as long as the launcher, so its exit is the launcher's.
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(launcher):  # it died before the prctl: no signal will come, so send it now
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,
                  resume: str | None = None) -> int:
@@ -222,6 +243,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
 
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     restart = 0
     try:
         while True:  # each pass ends in a return, or in a restart
@@ -296,6 +318,7 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
 
     from ganscale.fault import NonFiniteTraining, Preempted
 
+    follow_launcher()
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
     try:
         run_path, resume_from = decide_run(cfg, run_dir, resume)
