@@ -216,7 +216,7 @@ def test_injection_spec_is_parsed_and_fires_only_where_asked():
     assert clock.monotonic() - started >= 0.2
 
 
-def _worker_pids(launcher_pid: int) -> list[int]:
+def worker_pids(launcher_pid: int) -> list[int]:
     children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children")
     return [int(pid) for pid in children.read_text().split()] if children.exists() else []
 
@@ -233,7 +233,7 @@ def test_kill_9_of_a_worker_with_max_restarts_resumes_and_finishes(tmp_path):
     while not list((run / "checkpoints").glob("step-*.json")):
         assert time.time() < deadline and launcher.poll() is None, "no checkpoint appeared"
         time.sleep(0.1)
-    workers = _worker_pids(launcher.pid)
+    workers = worker_pids(launcher.pid)
     assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGKILL)
     killed_after = max(r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
@@ -264,7 +264,7 @@ def test_kill_9_of_the_launcher_makes_its_workers_checkpoint_and_exit(tmp_path):
                "--set", "log.tensorboard=false", "--set", "log.sample_every=0"]
     with open(tmp_path / "output.txt", "w") as output:  # read by no one: a full pipe would stall the workers
         launcher = start_training(command, run, stdout=output, stderr=subprocess.STDOUT)
-    workers = _worker_pids(launcher.pid)
+    workers = worker_pids(launcher.pid)
     assert len(workers) == 2, workers
     launcher.kill()
     launcher.wait()

@@ -233,6 +233,23 @@ def follow_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def local_agent(nproc: int, **options):
+    """torch's elastic launcher's settings for `nproc` workers on this machine (`train --nproc`, `doctor --nproc`):
+    its stores and the workers' gloo listen on the loopback only (nothing from another host can connect), and
+    the workers stop when this process dies (`follow_launcher`)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from ganscale import loopback
+
+    loopback.register()
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if sys.platform.startswith("linux"):  # gloo listens on the address this host's name resolves to, else
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                        rdzv_backend=loopback.RENDEZVOUS, rdzv_endpoint=f"{loopback.ADDRESS}:0",
+                        local_addr=loopback.ADDRESS, max_restarts=0, monitor_interval=0.5, **options)
+
+
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,
                  resume: str | None = None) -> int:
     """Start `nproc` workers running `python -m ganscale <worker_args> --run-dir RUN_DIR [--resume ...]` via torch's
@@ -243,7 +260,6 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
 
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     restart = 0
     try:
         while True:  # each pass ends in a return, or in a restart
@@ -273,13 +289,11 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
     a worker failed; a signal to this process (the job is being stopped) is not a worker's failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     started = time.time()
     try:
-        elastic_launch(config, sys.executable)("-m", "ganscale", *worker_args)
+        elastic_launch(local_agent(nproc), sys.executable)("-m", "ganscale", *worker_args)
     except SignalException as e:
         # The agent forwarded the signal; workers finish their step and checkpoint before exiting, unless a rank
         # could not within fault.exit_timeout_s: it then wrote diagnostics (the signal hides the exit codes).
