@@ -90,3 +90,16 @@ def test_train_nproc_listens_on_the_loopback_only(tmp_path):
     assert all(address.is_loopback for address in launcher_listens), launcher_listens
     assert all(address.is_loopback for addresses in listens.values() for address in addresses), listens
     assert launcher.returncode == 3, stderr[-3000:]
+
+
+def test_the_local_launcher_waits_for_its_workers_longest_exit_before_sigkill(monkeypatch):
+    """torch's agent SIGKILLs the workers its grace after passing a stop on: a longer fault.exit_timeout_s
+    lengthens it, so a rank still finishing its step or writing its diagnostics is not killed meanwhile."""
+    from ganscale.fault import stop_grace_s
+    from ganscale.launch import local_agent
+
+    monkeypatch.setattr(os, "environ", {**os.environ})  # local_agent sets the workers' variables here
+    monkeypatch.delitem(os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    slow = stop_grace_s(60)
+    assert local_agent(2, slow).shutdown_timeout > slow
+    assert local_agent(2, stop_grace_s(20)).shutdown_timeout >= 30  # torch's own grace is never shortened

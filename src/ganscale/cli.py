@@ -17,7 +17,7 @@ import click
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, is_peer_failure)
+                            NonFiniteTraining, Preempted, is_peer_failure, stop_grace_s)
 
 
 def _fail(error: Exception) -> None:
@@ -120,7 +120,8 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         return
     if launching:
         args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
-        sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None))
+        grace = stop_grace_s(cfg.fault.exit_timeout_s)  # the workers' longest exit after a stop signal
+        sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, grace))
     try:
         resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
     except ConfigError as e:

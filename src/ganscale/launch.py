@@ -6,6 +6,7 @@ Also decides the run directory and what to resume from, before anything is writt
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -233,10 +234,11 @@ def follow_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def local_agent(nproc: int, **options):
+def local_agent(nproc: int, stop_grace_s: float = 0.0, **options):
     """torch's elastic launcher's settings for `nproc` workers on this machine (`train --nproc`, `doctor --nproc`):
-    its stores and the workers' gloo listen on the loopback only (nothing from another host can connect), and
-    the workers stop when this process dies (`follow_launcher`)."""
+    its stores and the workers' gloo listen on the loopback only (nothing from another host can connect), the
+    workers stop when this process dies (`follow_launcher`), and after passing a stop signal on, the agent waits
+    `stop_grace_s` (a worker's longest exit, `fault.stop_grace_s`) or its own grace, if longer, before SIGKILL."""
     from torch.distributed.launcher.api import LaunchConfig
 
     from ganscale import loopback
@@ -245,17 +247,19 @@ def local_agent(nproc: int, **options):
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if sys.platform.startswith("linux"):  # gloo listens on the address this host's name resolves to, else
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    granted = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))  # torch's agent's grace, as it reads it
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                         rdzv_backend=loopback.RENDEZVOUS, rdzv_endpoint=f"{loopback.ADDRESS}:0",
-                        local_addr=loopback.ADDRESS, max_restarts=0, monitor_interval=0.5, **options)
+                        local_addr=loopback.ADDRESS, max_restarts=0, monitor_interval=0.5,
+                        shutdown_timeout=max(granted, math.ceil(stop_grace_s) + 1), **options)
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,
-                 resume: str | None = None) -> int:
+                 resume: str | None = None, stop_grace_s: float = 0.0) -> int:
     """Start `nproc` workers running `python -m ganscale <worker_args> --run-dir RUN_DIR [--resume ...]` via torch's
     elastic agent; after a worker dies, start the group again (up to `max_restarts` times) from the newest intact
     checkpoint, unless the failure is one a restart repeats (NOT_RESTARTED). The restarts are ours, not the
-    agent's: the agent restarts on any exit code, a config error included."""
+    agent's: the agent restarts on any exit code, a config error included. `stop_grace_s`: see `local_agent`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
@@ -265,7 +269,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
         while True:  # each pass ends in a return, or in a restart
             os.environ[RESTARTS_ENV] = str(restart)
             where = ["--run-dir", str(run_dir), *(["--resume", resume] if resume else [])]
-            code, failed = _launch_once(nproc, [*worker_args, *where], run_dir)
+            code, failed = _launch_once(nproc, [*worker_args, *where], run_dir, stop_grace_s)
             if not failed or restart == max_restarts:
                 return code
             if code in NOT_RESTARTED:
@@ -284,7 +288,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
         return EXIT_PREEMPTED
 
 
-def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int, bool]:
+def _launch_once(nproc: int, worker_args: list[str], run_dir: Path, stop_grace_s: float) -> tuple[int, bool]:
     """One start of the worker group: (exit code, whether a worker failed). The code is the root cause's where
     a worker failed; a signal to this process (the job is being stopped) is not a worker's failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -293,7 +297,7 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int
 
     started = time.time()
     try:
-        elastic_launch(local_agent(nproc), sys.executable)("-m", "ganscale", *worker_args)
+        elastic_launch(local_agent(nproc, stop_grace_s), sys.executable)("-m", "ganscale", *worker_args)
     except SignalException as e:
         # The agent forwarded the signal; workers finish their step and checkpoint before exiting, unless a rank
         # could not within fault.exit_timeout_s: it then wrote diagnostics (the signal hides the exit codes).
