@@ -63,8 +63,10 @@ def main() -> None:
                 rows.append(measure(recipe, nproc, extra, root))
                 print(json.dumps(rows[-1]), flush=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    import torch
+
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "load_average": os.getloadavg(), "command": " ".join(sys.argv)}
+               "torch": torch.__version__, "load_average": os.getloadavg(), "command": " ".join(sys.argv)}
     out = Path(args.out)
     (out / f"stop-grace-{stamp}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
     lines = [f"# SIGTERM to exit of `ganscale train RECIPE --nproc N` ({stamp})", "",
