@@ -234,6 +234,13 @@ def test_injection_spec_is_parsed_and_fires_only_where_asked():
     assert clock.monotonic() - started >= 0.2
 
 
+def endless_ring8(run: Path) -> list[str]:
+    """`ganscale train ring8 --nproc 2` into `run`, until stopped: no periodic checkpoint, a log every 10 steps."""
+    return [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
+            "--set", "train.steps=100000", "--set", "checkpoint.every=100000", "--set", "log.every=10",
+            "--set", "log.tensorboard=false", "--set", "log.sample_every=0"]
+
+
 def worker_pids(launcher_pid: int) -> list[int]:
     children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children")
     return [int(pid) for pid in children.read_text().split()] if children.exists() else []
@@ -277,9 +284,7 @@ def test_kill_9_of_the_launcher_makes_its_workers_checkpoint_and_exit(tmp_path):
     """Workers whose launcher is killed (kill -9: it cannot pass a signal on) agree to stop, checkpoint and exit,
     instead of training on, reparented to PID 1."""
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
-               "--set", "train.steps=100000", "--set", "checkpoint.every=100000", "--set", "log.every=10",
-               "--set", "log.tensorboard=false", "--set", "log.sample_every=0"]
+    command = endless_ring8(run)
     with open(tmp_path / "output.txt", "w") as output:  # read by no one: a full pipe would stall the workers
         launcher = start_training(command, run, stdout=output, stderr=subprocess.STDOUT)
     workers = worker_pids(launcher.pid)

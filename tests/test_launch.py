@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_faults import start_training, worker_pids
+from test_faults import endless_ring8, start_training, worker_pids
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc/net tables")]
@@ -75,9 +75,7 @@ def test_the_local_launchers_stores_and_its_workers_gloo_listen_on_the_loopback_
 
 def test_train_nproc_listens_on_the_loopback_only(tmp_path):
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
-               "--set", "train.steps=100000", "--set", "checkpoint.every=100000", "--set", "log.every=10",
-               "--set", "log.tensorboard=false", "--set", "log.sample_every=0"]
+    command = endless_ring8(run)
     launcher = start_training(command, run)
     try:
         workers = worker_pids(launcher.pid)
