@@ -124,8 +124,8 @@ def script_env() -> dict:
 
 def start_training(command: list[str], run: Path, **popen) -> subprocess.Popen:
     """Start `command` (a `ganscale train` into `run`) in run's parent; return once it has logged a step."""
-    process = subprocess.Popen(command, cwd=run.parent, env=clean_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, **popen)
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    process = subprocess.Popen(command, cwd=run.parent, env=clean_env(), text=True, **popen)
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
         assert time.time() < deadline and process.poll() is None, "training never started"
@@ -182,14 +182,21 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] == stopped_at + 5
 
 
-def test_a_rank_that_cannot_finish_its_step_after_sigterm_exits_within_exit_timeout(tmp_path):
+@pytest.mark.parametrize("exit_timeout_s", [3.0, None], ids=["3s", "default"])
+def test_a_rank_that_cannot_finish_its_step_after_sigterm_exits_within_exit_timeout(tmp_path, exit_timeout_s):
     """Rank 1 hangs at step 3 and rank 0 waits for it inside a collective (where Python signal handlers do
-    not run); a SIGTERM then starts each rank's exit clock, and both write diagnostics and exit 5."""
+    not run); a SIGTERM then starts each rank's exit clock, and both write diagnostics and exit 5. With the
+    default timeout too: before the launcher's grace (torch's agent SIGKILLs 30 s after passing SIGTERM on)."""
+    from ganscale.config import FaultConfig
+    from ganscale.fault import stop_grace_s
+
     run = tmp_path / "run"
     env = {**clean_env(), "GANSCALE_INJECT_FAULT": "sleep@1:3:300"}
+    chosen = ["--set", f"fault.exit_timeout_s={exit_timeout_s}"] if exit_timeout_s else []
+    exit_timeout_s = exit_timeout_s or FaultConfig().exit_timeout_s
     launcher = subprocess.Popen([sys.executable, "-m", "ganscale", "train", "--nproc", "2", "--run-dir", str(run),
                                  "--set", "train.steps=100000", "--set", "log.tensorboard=false", "--set", "log.every=1",
-                                 "--set", "fault.hang_timeout_s=300", "--set", "fault.exit_timeout_s=3"],
+                                 "--set", "fault.hang_timeout_s=300", *chosen],
                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
@@ -201,10 +208,21 @@ def test_a_rank_that_cannot_finish_its_step_after_sigterm_exits_within_exit_time
     _, stderr = launcher.communicate(timeout=90)
     elapsed = time.time() - asked
     assert launcher.returncode == 5, stderr[-3000:]
-    assert "asked to stop 3 s ago (fault.exit_timeout_s)" in stderr
-    assert elapsed < 3 + 15, f"took {elapsed:.0f} s after SIGTERM"  # the timeout, one watchdog period, teardown
+    assert f"asked to stop {exit_timeout_s:.0f} s ago (fault.exit_timeout_s)" in stderr
+    assert elapsed < stop_grace_s(exit_timeout_s) + 10, f"took {elapsed:.0f} s after SIGTERM"  # + teardown
     for rank in (0, 1):
         assert "File" in (run / "diagnostics" / f"rank{rank}-stacks.txt").read_text()
+
+
+def test_the_default_stop_grace_fits_the_grace_launchers_and_schedulers_give():
+    """torchrun's agent (--shutdown-timeout), Slurm (KillWait) and Kubernetes (terminationGracePeriodSeconds) all
+    SIGKILL 30 s after SIGTERM by default: a rank that cannot finish its step must have written its diagnostics
+    and left before, with a margin for a loaded machine."""
+    from ganscale.config import FaultConfig
+    from ganscale.fault import stop_grace_s
+
+    granted_s, margin_s = 30.0, 5.0
+    assert stop_grace_s(FaultConfig().exit_timeout_s) <= granted_s - margin_s
 
 
 def test_exception_on_one_rank_stops_all_fast_with_its_traceback(tmp_path):
@@ -238,7 +256,14 @@ def test_injection_spec_is_parsed_and_fires_only_where_asked():
     assert clock.monotonic() - started >= 0.2
 
 
-def _worker_pids(launcher_pid: int) -> list[int]:
+def endless_ring8(run: Path) -> list[str]:
+    """`ganscale train ring8 --nproc 2` into `run`, until stopped: no periodic checkpoint, a log every 10 steps."""
+    return [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
+            "--set", "train.steps=100000", "--set", "checkpoint.every=100000", "--set", "log.every=10",
+            "--set", "log.tensorboard=false", "--set", "log.sample_every=0"]
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
     children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children")
     return [int(pid) for pid in children.read_text().split()] if children.exists() else []
 
@@ -255,7 +280,7 @@ def test_kill_9_of_a_worker_with_max_restarts_resumes_and_finishes(tmp_path):
     while not list((run / "checkpoints").glob("step-*.json")):
         assert time.time() < deadline and launcher.poll() is None, "no checkpoint appeared"
         time.sleep(0.1)
-    workers = _worker_pids(launcher.pid)
+    workers = worker_pids(launcher.pid)
     assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGKILL)
     killed_after = max(r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
@@ -266,6 +291,50 @@ def test_kill_9_of_a_worker_with_max_restarts_resumes_and_finishes(tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 400  # the redone steps replaced, not duplicated
     assert killed_after >= 50  # the kill came after the first checkpoint: at most one interval was redone
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a worker whose launcher died is no child of ours)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_kill_9_of_the_launcher_makes_its_workers_checkpoint_and_exit(tmp_path):
+    """Workers whose launcher is killed (kill -9: it cannot pass a signal on) agree to stop, checkpoint and exit,
+    instead of training on, reparented to PID 1."""
+    run = tmp_path / "run"
+    command = endless_ring8(run)
+    with open(tmp_path / "output.txt", "w") as output:  # read by no one: a full pipe would stall the workers
+        launcher = start_training(command, run, stdout=output, stderr=subprocess.STDOUT)
+    workers = worker_pids(launcher.pid)
+    assert len(workers) == 2, workers
+    launcher.kill()
+    launcher.wait()
+    try:
+        deadline = time.time() + 60  # without a parent-death signal they train on for good
+        while any(map(_running, workers)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_running, workers)), (tmp_path / "output.txt").read_text()[-3000:]
+    finally:
+        for pid in filter(_running, workers):
+            os.kill(pid, signal.SIGKILL)
+    output = (tmp_path / "output.txt").read_text()
+    assert output.count("checkpoint written; continue with --resume auto") == 2, output[-3000:]
+    assert len(list((run / "checkpoints").glob("step-*.json"))) == 1  # the stop's checkpoint, complete
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_worker_whose_launcher_died_before_it_could_follow_it_stops_at_once():
+    """The launcher may die before the worker asks for the parent-death signal: the worker then sees a parent
+    other than the launcher it was given, and sends itself the stop request."""
+    from ganscale.launch import LAUNCHER_PID_ENV
+
+    script = "from ganscale.launch import follow_launcher; follow_launcher(); import time; time.sleep(60)"
+    orphan = subprocess.run([sys.executable, "-c", script], env={**script_env(), LAUNCHER_PID_ENV: "1"}, timeout=60)
+    assert orphan.returncode == -signal.SIGTERM
 
 
 def test_hang_on_one_rank_is_named_with_diagnostics_and_exits_fast(tmp_path):

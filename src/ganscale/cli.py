@@ -19,7 +19,8 @@ import click
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, told_elsewhere)
+                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, stop_grace_s,
+                            told_elsewhere)
 
 
 # A rank that leaves an error to another (told_by) exits this much later: a launcher stops every worker at the
@@ -131,8 +132,10 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         return
     if launching:
         args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
+        grace = stop_grace_s(cfg.fault.exit_timeout_s)  # the workers' longest exit after a stop signal
         with held or contextlib.nullcontext():  # the run directory is this run's through every restart of the workers
-            sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held))
+            sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held,
+                                         grace))
     try:
         resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
     except ConfigError as e:
@@ -143,7 +146,11 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         return
     except (Preempted, NonFiniteTraining, ReplicaDivergence) as e:  # every rank alike: one line, its own code
         click.echo(f"ganscale: {e}", err=True)
-        sys.exit(e.exit_code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Leave without tearing down: freeing DDP's process group can deadlock (torch 2.13: ~ProcessGroupGloo joins
+        # its work thread, holding the GIL that thread needs), and a worker whose launcher died has no one to kill it.
+        os._exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - any error of this rank's own
         if isinstance(e, RuntimeError) and is_peer_failure(e):
             click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "

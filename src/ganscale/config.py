@@ -296,11 +296,13 @@ class EvalConfig(Section):
 class FaultConfig(Section):
     hang_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)
     """No progress on a rank for this long: write diagnostics/, name the ranks that did not arrive, exit 5."""
-    exit_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S)
+    exit_timeout_s: float = Field(20.0, gt=0, le=MAX_TIMEOUT_S)
     """After a stop request (SIGTERM/SIGINT from you, a scheduler, or the launcher stopping the job because
     a rank failed), a rank that has not finished its step and checkpoint within this time writes its
     stacks and collectives to diagnostics/ and exits 5, instead of waiting in a collective until killed.
-    Must cover one step plus one checkpoint write (the previous checkpoint stays intact either way)."""
+    Must cover up to two steps (the stop is agreed in a step's all-reduce) plus one checkpoint write (the
+    previous checkpoint stays intact either way); the default leaves a rank gone within 25 s, inside the
+    30 s that torchrun, Slurm and Kubernetes grant."""
     max_consecutive_skips: int = Field(10, ge=1)
     """Stop (exit 4) after this many consecutive steps in which D or G was skipped for non-finite values."""
 

@@ -12,7 +12,7 @@ One line per check, `STATUS  name  detail`, in this order:
 4. Environment variables that change how distributed runs behave, each printed with a one-line
    explanation when set (`ENV_EXPLANATIONS`), plus OMP_NUM_THREADS against N x cores.
 5. A real collective: N workers started through torch's elastic launcher exactly as
-   `ganscale train --nproc N` starts them (c10d rendezvous on localhost, the same OMP_NUM_THREADS
+   `ganscale train --nproc N` starts them (c10d rendezvous on 127.0.0.1, the same OMP_NUM_THREADS
    default), each on the same runtime (`ganscale.runtime.start`) as training. Each rank all-reduces a
    known pattern and checks the result bit for bit, then times an all-reduce of 16 MiB (3 warm-up, 10
    timed; the slowest rank counts) and reports algorithm and bus bandwidth (busbw = algbw x 2(n-1)/n,
@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -474,6 +473,9 @@ def _worker(spec: dict[str, Any]) -> None:
         result[phase] = {**data, "time": time.time()}
         _write_json(out, result)
 
+    from ganscale.launch import follow_launcher
+
+    follow_launcher()
     record("started", {"ok": True})
     runtime = None
     try:
@@ -589,16 +591,16 @@ def multiprocess_checks(nproc: int, on_cuda: bool, backend: str) -> list[Check]:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
+
+    from ganscale.launch import local_agent
 
     device = "cuda" if on_cuda else "cpu"
     where = f"{_ranks(nproc)}, {backend} on {device}"
     with tempfile.TemporaryDirectory(prefix="ganscale-doctor-") as tmp:
         spec = {"out_dir": tmp, "device": device, "backend": backend, "timeout_s": TIMEOUT_S}
         logs = Path(tmp) / "logs"
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                              rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
-                              logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL))
+        config = local_agent(nproc, logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL))
         launch_error, exit_codes = None, {}
         quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
         levels = [logger.level for logger in quiet]
@@ -665,8 +667,8 @@ def _first_error(results: dict[int, dict], phases: tuple[str, ...], exit_codes: 
 def _interpret(nproc: int, where: str, results: dict[int, dict], exit_codes: dict[int, tuple[int, float]],
                launch_error: str | None, stderr_tails: dict[int, str]) -> list[Check]:
     phases = ("group", "collective", "bandwidth", "gan")
-    launch_fix = ("run `ganscale doctor --nproc 1`; check that localhost resolves (getent hosts localhost) and that "
-                  "MASTER_ADDR/GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME name a reachable interface")
+    launch_fix = ("run `ganscale doctor --nproc 1`; check that the loopback interface (lo, 127.0.0.1) is up and "
+                  "that GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, if set, name a reachable interface")
     if launch_error:
         return [Check(FAIL, "all_reduce", f"{where}: the elastic launcher failed", launch_error, launch_fix),
                 Check(SKIP, "bandwidth", "not measured", "the workers did not start", "fix the FAIL above"),

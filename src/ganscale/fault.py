@@ -243,6 +243,15 @@ class StopSignals:
             self._wakeup_write.close()
 
 
+DIAGNOSIS_S = 5.0  # the hang watchdog writing stacks, marks and the flight recorder, then leaving (well under 1 s here)
+
+
+def stop_grace_s(exit_timeout_s: float) -> float:
+    """The longest a rank takes from a stop signal to its exit: fault.exit_timeout_s, then the diagnosis (the hang
+    watchdog wakes at that deadline). A launcher's or scheduler's grace (SIGTERM, then SIGKILL) must be longer."""
+    return exit_timeout_s + DIAGNOSIS_S
+
+
 # ----------------------------------------------------------------------------------- fault injection
 # Test-only: GANSCALE_INJECT_FAULT="KIND@RANK:STEP[:SECONDS]" makes rank RANK misbehave at the start of
 # step STEP: `raise` an exception, or `sleep` SECONDS (a hang, for the watchdog).

@@ -7,8 +7,10 @@ Also decides the run directory and what to resume from, before anything is writt
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -232,14 +234,54 @@ NOT_RESTARTED = {EXIT_CONFIG: "a config, data or checkpoint error", EXIT_PREEMPT
                  EXIT_NON_FINITE: "non-finite training",
                  EXIT_FILE_REFUSED: "a file operation the system refused (permissions, a full disk)"}
 
+LAUNCHER_PID_ENV = "GANSCALE_LAUNCHER_PID"  # set by launch_local for its workers: the process they follow
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when its parent thread exits
+
+
+def follow_launcher() -> None:
+    """In a worker of `launch_local`: the kernel sends it SIGTERM when the launcher dies, even by kill -9, so the
+    ranks agree to stop, checkpoint and exit instead of training on unwatched. Linux only; elsewhere, and in a
+    process the launcher did not start, a no-op."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    # The agent's main thread starts the workers and lives as long as the launcher, so its exit is the launcher's.
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(launcher):  # it died before the prctl: no signal will come, so send it now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def local_agent(nproc: int, stop_grace_s: float = 0.0, **options):
+    """torch's elastic launcher's settings for `nproc` workers on this machine (`train --nproc`, `doctor --nproc`):
+    its stores and the workers' gloo listen on the loopback only (nothing from another host can connect), the
+    workers stop when this process dies (`follow_launcher`), and after passing a stop signal on, the agent waits
+    `stop_grace_s` (a worker's longest exit, `fault.stop_grace_s`) or its own grace, if longer, before SIGKILL."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from ganscale import loopback
+
+    loopback.register()
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if sys.platform.startswith("linux"):  # gloo listens on the address this host's name resolves to, else
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    granted = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))  # torch's agent's grace, as it reads it
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                        rdzv_backend=loopback.RENDEZVOUS, rdzv_endpoint=f"{loopback.ADDRESS}:0",
+                        local_addr=loopback.ADDRESS, max_restarts=0, monitor_interval=0.5,
+                        shutdown_timeout=max(granted, math.ceil(stop_grace_s) + 1), **options)
+
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,
-                 resume: str | None = None, held: runlock.RunLock | None = None) -> int:
+                 resume: str | None = None, held: runlock.RunLock | None = None, stop_grace_s: float = 0.0) -> int:
     """Start `nproc` workers running `python -m ganscale <worker_args> --run-dir RUN_DIR [--resume ...]` via torch's
     elastic agent; after a worker dies, start the group again (up to `max_restarts` times) from the newest intact
     checkpoint, unless the failure is one a restart repeats (NOT_RESTARTED). The restarts are ours, not the
     agent's: the agent restarts on any exit code, a config error included. `held`: this process's hold on the run
-    directory, which the workers then run under."""
+    directory, which the workers then run under. `stop_grace_s`: see `local_agent`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
@@ -251,7 +293,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
         while True:  # each pass ends in a return, or in a restart
             os.environ[RESTARTS_ENV] = str(restart)
             where = ["--run-dir", str(run_dir), *(["--resume", resume] if resume else [])]
-            code, failed = _launch_once(nproc, [*worker_args, *where], run_dir)
+            code, failed = _launch_once(nproc, [*worker_args, *where], run_dir, stop_grace_s)
             if not failed or restart == max_restarts:
                 return code
             if code in NOT_RESTARTED:
@@ -270,19 +312,17 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
         return EXIT_PREEMPTED
 
 
-def _launch_once(nproc: int, worker_args: list[str], run_dir: Path) -> tuple[int, bool]:
+def _launch_once(nproc: int, worker_args: list[str], run_dir: Path, stop_grace_s: float) -> tuple[int, bool]:
     """One start of the worker group: (exit code, whether a worker failed). The code is the root cause's where
     a worker failed; a signal to this process (the job is being stopped) is not a worker's failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     _quiet_agent_logs()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     started = time.time()
     try:
-        elastic_launch(config, sys.executable)("-m", "ganscale", *worker_args)
+        elastic_launch(local_agent(nproc, stop_grace_s), sys.executable)("-m", "ganscale", *worker_args)
     except SignalException as e:
         # The agent forwarded the signal; workers finish their step and checkpoint before exiting, unless a rank
         # could not within fault.exit_timeout_s: it then wrote diagnostics (the signal hides the exit codes).
@@ -338,6 +378,7 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
 
     from ganscale.fault import NonFiniteTraining, Preempted, ReplicaDivergence
 
+    follow_launcher()
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
     held = None
     try:

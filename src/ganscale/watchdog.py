@@ -39,6 +39,11 @@ STOP_SIGNALS = {int(sig) for sig in StopSignals.SIGNALS}
 COMPILE_PATIENCE_S = 1800.0  # compiling, max-autotune's tuning and CUDA-graph recording can take many minutes
 
 
+def watch_period(timeout_s: float, exit_timeout_s: float) -> float:
+    """How often the watchdog thread publishes progress and checks its clocks."""
+    return max(0.2, min(5.0, timeout_s / 4, exit_timeout_s / 4))
+
+
 class Watchdog:
     def __init__(self, rank: int, world: int, timeout_s: float, diagnostics_dir: Path, exit_timeout_s: float = 30.0):
         self.rank, self.world, self.timeout_s, self.exit_timeout_s = rank, world, timeout_s, exit_timeout_s
@@ -104,9 +109,13 @@ class Watchdog:
 
     # ------------------------------------------------------------------ watchdog thread
     def _run(self) -> None:
-        period = max(0.2, min(5.0, self.timeout_s / 4, self.exit_timeout_s / 4))
+        period = watch_period(self.timeout_s, self.exit_timeout_s)
         while not self._stop.is_set():
-            self._wait_for_signal(period)
+            if self.stop_requested_at is None:
+                self._wait_for_signal(period)
+            else:  # wake at the exit deadline, not up to a period after it: a stop's grace is short
+                left = self.stop_requested_at + self.exit_timeout_s - time.monotonic()
+                self._wait_for_signal(min(period, max(0.0, left) + 0.05))
             if self._stop.is_set():
                 return
             self._publish()
@@ -194,9 +203,9 @@ class Watchdog:
         progress[self.rank] = (self.count, _shown(self.where, self.compiling))
         ahead = max(count for count, _ in progress.values())
         behind = sorted(rank for rank in range(self.world) if progress.get(rank, (-1, ""))[0] < ahead)
-        if self.rank in behind:
+        if self.rank in behind and self.stop_requested_at is None:  # a stop's grace leaves no time to wait
             # Let a rank that did arrive report first (it names us); exit a little later.
-            time.sleep(2 * max(0.2, min(5.0, self.timeout_s / 4)) + 1)
+            time.sleep(2 * watch_period(self.timeout_s, self.exit_timeout_s) + 1)
         if behind:
             where = "; ".join(f"rank {r} last at '{progress[r][1]}'" if r in progress else f"rank {r} never reported"
                               for r in behind)

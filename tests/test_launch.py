@@ -1,0 +1,103 @@
+"""The single-machine launcher (`train --nproc`, `doctor --nproc`) lets nobody in: what it and its workers
+listen on, read from the kernel's socket tables."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_faults import endless_ring8, start_training, worker_pids
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc/net tables")]
+
+
+def listening_addresses(pid: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The local addresses of the TCP sockets (IPv4 and IPv6) that process `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            _, local, _, state, *_, inode = line.split()[:10]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                found.append(_address(local.split(":")[0]))
+    return found
+
+
+def _address(hexadecimal: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp* print it: each 32-bit word in this machine's byte order."""
+    raw = bytes.fromhex(hexadecimal)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(raw)
+    return getattr(address, "ipv4_mapped", None) or address
+
+
+def _listening_in_worker() -> dict[str, list[str]]:
+    """Run in a worker of `local_agent`, after its process group exists: what it and its launcher listen on."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()  # every rank's gloo connections exist
+    found = {"launcher": [str(a) for a in listening_addresses(os.getppid())],
+             "worker": [str(a) for a in listening_addresses(os.getpid())]}
+    dist.barrier()  # no rank closes its sockets while a peer still reads the tables
+    dist.destroy_process_group()
+    return found
+
+
+def test_the_local_launchers_stores_and_its_workers_gloo_listen_on_the_loopback_only():
+    """The agent's two TCP stores (rendezvous, and the workers' MASTER_ADDR) and each worker's gloo sockets
+    (`doctor --nproc` launches with the same settings as `train --nproc`)."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    from ganscale.launch import local_agent
+
+    found = elastic_launch(local_agent(2), _listening_in_worker)()
+    assert len(found[0]["launcher"]) >= 2, found  # the rendezvous store and the one the workers share
+    assert all(found[rank]["worker"] for rank in (0, 1)), found  # gloo listens for its peers
+    everything = [ipaddress.ip_address(a) for listing in found.values() for addresses in listing.values()
+                  for a in addresses]
+    assert all(address.is_loopback for address in everything), found
+
+
+def test_train_nproc_listens_on_the_loopback_only(tmp_path):
+    run = tmp_path / "run"
+    command = endless_ring8(run)
+    launcher = start_training(command, run)
+    try:
+        workers = worker_pids(launcher.pid)
+        launcher_listens = listening_addresses(launcher.pid)
+        listens = {pid: listening_addresses(pid) for pid in workers}
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=90)
+    assert len(workers) == 2 and len(launcher_listens) >= 2, (workers, launcher_listens)
+    assert all(address.is_loopback for address in launcher_listens), launcher_listens
+    assert all(address.is_loopback for addresses in listens.values() for address in addresses), listens
+    assert launcher.returncode == 3, stderr[-3000:]
+
+
+def test_the_local_launcher_waits_for_its_workers_longest_exit_before_sigkill(monkeypatch):
+    """torch's agent SIGKILLs the workers its grace after passing a stop on: a longer fault.exit_timeout_s
+    lengthens it, so a rank still finishing its step or writing its diagnostics is not killed meanwhile."""
+    from ganscale.fault import stop_grace_s
+    from ganscale.launch import local_agent
+
+    monkeypatch.setattr(os, "environ", {**os.environ})  # local_agent sets the workers' variables here
+    monkeypatch.delitem(os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    slow = stop_grace_s(60)
+    assert local_agent(2, slow).shutdown_timeout > slow
+    assert local_agent(2, stop_grace_s(20)).shutdown_timeout >= 30  # torch's own grace is never shortened
