@@ -137,25 +137,29 @@ def full_disk(monkeypatch):
 def test_train_with_a_full_disk_says_so_in_one_line_and_exits_7(tmp_path, monkeypatch):
     import io
 
-    import torch.distributed as dist
-    from click.testing import CliRunner
-
-    from ganscale.cli import main
-
     real = torch.save  # files fill the disk; in-memory pickling (the RNG states' all-gather) does not
     monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real(
         obj, f if isinstance(f, io.BytesIO) else _FullDisk(f, 1000), *a, **k))
-    monkeypatch.chdir(tmp_path)
-    try:
-        result = CliRunner().invoke(main, ["train", "--set", "train.steps=2", "--set", "train.batch_size=8",
-                                           "--set", "log.sample_every=0", "--run-dir", "run"])
-    finally:  # a rank's own failure leaves its group open until the process exits; this process goes on
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result = _train_two_steps_here(tmp_path, monkeypatch, sample_every=0)
     assert result.exit_code == 7, result.output
     assert "ganscale: could not write checkpoint" in result.output and "no space left" in result.output
     assert not list((tmp_path / "run" / "checkpoints").iterdir())  # no temporary file left
 
+
+
+def _train_two_steps_here(tmp_path, monkeypatch, sample_every: int):
+    """`ganscale train` in this process, into tmp_path/run (click's runner: monkeypatched writes apply)."""
+    import torch.distributed as dist
+
+    from ganscale.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        return CliRunner().invoke(main, ["train", "--set", "train.steps=2", "--set", "train.batch_size=8",
+                                         "--set", f"log.sample_every={sample_every}", "--run-dir", "run"])
+    finally:  # a rank's own failure leaves its group open until the process exits; this process goes on
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _fill_the_disk(monkeypatch, method: str, file_of, room: int = 10):
@@ -174,18 +178,8 @@ def _fill_the_disk(monkeypatch, method: str, file_of, room: int = 10):
 ])
 def test_a_full_disk_before_the_first_checkpoint_names_the_file_and_leaves_none_of_it(tmp_path, monkeypatch, written,
                                                                                      writer, file_of):
-    import torch.distributed as dist
-
-    from ganscale.cli import main
-
     _fill_the_disk(monkeypatch, writer, file_of)
-    monkeypatch.chdir(tmp_path)
-    try:
-        result = CliRunner().invoke(main, ["train", "--set", "train.steps=2", "--set", "train.batch_size=8",
-                                           "--set", "log.sample_every=1", "--run-dir", "run"])
-    finally:  # a rank's own failure leaves its group open until the process exits; this process goes on
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result = _train_two_steps_here(tmp_path, monkeypatch, sample_every=1)
     assert result.exit_code == 7, result.output
     assert f"ganscale: No space left on device: run/{written}. Fix:" in result.output, result.output
     target = tmp_path / "run" / written
