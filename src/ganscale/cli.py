@@ -148,8 +148,11 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         click.echo(f"ganscale: {e}", err=True)
         sys.stdout.flush()
         sys.stderr.flush()
-        # Leave without tearing down: freeing DDP's process group can deadlock (torch 2.13: ~ProcessGroupGloo joins
-        # its work thread, holding the GIL that thread needs), and a worker whose launcher died has no one to kill it.
+        if not worker:
+            sys.exit(e.exit_code)
+        # A worker leaves without tearing down: freeing DDP's process group can deadlock (torch 2.13:
+        # ~ProcessGroupGloo joins its work thread, holding the GIL that thread needs), and a worker whose launcher
+        # died has no one to kill it.
         os._exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - any error of this rank's own
         if isinstance(e, RuntimeError) and is_peer_failure(e):
