@@ -52,12 +52,12 @@ def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, step
                       resume: Path | None = None, recipe: str | None = None) -> dict:
     """Train a config (dict of dotted overrides on a recipe, default: the default one) and return the final
     weights."""
-    from ganscale import config
+    from ganscale import config, preflight
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
     cfg = config.load(recipe, [f"{k}={v}" for k, v in overrides.items()])
-    config.check(cfg, world, False)
+    preflight.check(cfg, world, False)
     trainer = Trainer(cfg, start("cpu"), Path(run_dir), resume)
     extra = steps_hook(trainer) if steps_hook else None
     summary = trainer.fit()

@@ -15,7 +15,7 @@ from ganscale.bench import overhead
 from ganscale.bench.report import markdown_table
 from ganscale.cli import main
 from ganscale.models import build_networks
-from ganscale import config
+from ganscale import config, preflight
 
 
 def run_bench(tmp_path: Path, *args: str) -> dict:
@@ -114,7 +114,7 @@ def test_each_bench_model_is_its_recipe_and_valid_under_two_process_ddp():
 
     for name, (recipe, base) in MODELS.items():
         cfg = config.load(recipe, [*base, "parallel.generator=ddp", "parallel.discriminator=ddp", "train.batch_size=16"])
-        config.check(cfg, 2, False)
+        preflight.check(cfg, 2, False)
         assert cfg.model.kind == name
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from ganscale import config
+from ganscale import config, preflight
 from ganscale.config import Config, ConfigError
 
 
@@ -27,10 +27,10 @@ def test_every_shipped_recipe_loads_and_passes_check(name, world, tmp_path):
     assert cfg.description, f"recipe {name} has no description"
     if cfg.train.batch_size % world:  # the reference pix2pix trains at batch 1: more ranks need a larger batch
         with pytest.raises(ConfigError) as info:
-            config.check(cfg, world, False)
+            preflight.check(cfg, world, False)
         assert info.value.key == "train.batch_size"
         return
-    config.check(cfg, world, False)  # raises on any bad combination
+    preflight.check(cfg, world, False)  # raises on any bad combination
     # the derived batch split is consistent for the world size the check accepted
     assert cfg.micro_batch(world) * world * cfg.accumulation_steps(world) == cfg.train.batch_size
 
@@ -107,33 +107,33 @@ def test_override_through_a_value_is_a_config_error():
 # ------------------------------------------------------------------------------------------- checks
 def test_batch_not_divisible_by_world():
     cfg = config.load(None, ["train.batch_size=63"])
-    config.check(cfg, 1, False)  # fine on one process
+    preflight.check(cfg, 1, False)  # fine on one process
     with pytest.raises(ConfigError) as info:
-        config.check(cfg, 2, False)
+        preflight.check(cfg, 2, False)
     assert info.value.key == "train.batch_size"
 
 
 def test_batch_not_divisible_by_world_times_micro_batch():
     cfg = config.load(None, ["train.batch_size=64", "train.micro_batch=5"])
     with pytest.raises(ConfigError) as info:
-        config.check(cfg, 2, False)
+        preflight.check(cfg, 2, False)
     assert info.value.key == "train.batch_size"
     # the same micro-batch fits a batch that is a multiple of world x micro
-    config.check(config.load(None, ["train.batch_size=60", "train.micro_batch=5"]), 2, False)
+    preflight.check(config.load(None, ["train.batch_size=60", "train.micro_batch=5"]), 2, False)
 
 
 def test_fp16_on_cpu_is_rejected_but_allowed_with_cuda():
     cfg = config.load(None, ["train.precision=fp16"])
     with pytest.raises(ConfigError) as info:
-        config.check(cfg, 1, False)
+        preflight.check(cfg, 1, False)
     assert info.value.key == "train.precision"
-    config.check(cfg, 1, True)  # device auto with a visible GPU: fine
-    config.check(config.load(None, ["train.precision=bf16"]), 1, False)  # bf16 is fine on the CPU
+    preflight.check(cfg, 1, True)  # device auto with a visible GPU: fine
+    preflight.check(config.load(None, ["train.precision=bf16"]), 1, False)  # bf16 is fine on the CPU
 
 
 def test_cuda_device_without_cuda_is_rejected():
     with pytest.raises(ConfigError) as info:
-        config.check(config.load(None, ["train.device=cuda"]), 1, False)
+        preflight.check(config.load(None, ["train.device=cuda"]), 1, False)
     assert info.value.key == "train.device"
 
 
@@ -141,23 +141,23 @@ def test_mlp_model_with_image_data_is_rejected():
     cfg = config.load(None, ["model.kind=mlp"])
     assert cfg.data.kind == "digits"
     with pytest.raises(ConfigError) as info:
-        config.check(cfg, 1, False)
+        preflight.check(cfg, 1, False)
     assert info.value.key == "model.kind"
 
 
 def test_dcgan_model_with_2d_data_is_rejected():
     with pytest.raises(ConfigError) as info:
-        config.check(config.load("ring8", ["model.kind=dcgan"]), 1, False)
+        preflight.check(config.load("ring8", ["model.kind=dcgan"]), 1, False)
     assert info.value.key == "model.kind"
 
 
 def test_batchnorm_with_one_sample_per_rank_is_rejected_unless_sync_bn():
     cfg = config.load(None, ["train.batch_size=2", "parallel.sync_bn=false"])
     with pytest.raises(ConfigError) as info:
-        config.check(cfg, 2, False)
+        preflight.check(cfg, 2, False)
     assert info.value.key == "train.micro_batch"
-    config.check(config.load(None, ["train.batch_size=2", "parallel.sync_bn=true"]), 2, False)
-    config.check(config.load(None, ["train.batch_size=2"]), 2, False)  # unset: cross-rank (the default)
+    preflight.check(config.load(None, ["train.batch_size=2", "parallel.sync_bn=true"]), 2, False)
+    preflight.check(config.load(None, ["train.batch_size=2"]), 2, False)  # unset: cross-rank (the default)
 
 
 @pytest.mark.parametrize("overrides, world, across", [
@@ -170,14 +170,14 @@ def test_batchnorm_with_one_sample_per_rank_is_rejected_unless_sync_bn():
     (["loss.r1_gamma=1"], 2, True),                    # DCGAN's D has no BatchNorm: R1 does not pass one
 ])
 def test_cross_rank_batchnorm_is_the_default_wherever_it_trains_as_one_process(overrides, world, across):
-    assert config.load(None, overrides).cross_rank_batchnorm(world) is across
+    assert preflight.cross_rank_batchnorm(config.load(None, overrides), world) is across
 
 
 def test_cross_rank_batchnorm_stays_off_unset_where_r1_passes_batchnorm_in_d(tmp_path):
     pix2pix = ["data.kind=paired", f"data.path={tmp_path}", "model.kind=pix2pix", "data.resolution=64",
                "data.channels=3", "train.batch_size=4", "model.norm=batch"]
-    assert config.load(None, [*pix2pix, "loss.r1_gamma=1"]).cross_rank_batchnorm(2) is False
-    assert config.load(None, pix2pix).cross_rank_batchnorm(2) is True
+    assert preflight.cross_rank_batchnorm(config.load(None, [*pix2pix, "loss.r1_gamma=1"]), 2) is False
+    assert preflight.cross_rank_batchnorm(config.load(None, pix2pix), 2) is True
 
 
 @pytest.mark.parametrize("recipe, network", [("pix2pix", "UNetGenerator"), ("digits-biggan", "BigGANGenerator")])
@@ -186,7 +186,7 @@ def test_pipeline_of_a_model_it_cannot_split_is_refused_for_that_first(tmp_path,
     pipeline = ["parallel.generator=pipeline", "parallel.discriminator=pipeline", "train.batch_size=4"]
     cfg = config.load(recipe, [*pipeline, f"data.path={tmp_path}"] if recipe == "pix2pix" else pipeline)
     with pytest.raises(ConfigError) as info:
-        config.check(cfg, 2, False)
+        preflight.check(cfg, 2, False)
     assert info.value.key == "parallel.generator"
     assert f"{network} is not a sequence of layers the pipeline can split" in str(info.value)
 
@@ -196,26 +196,26 @@ def test_r1_through_cross_rank_batchnorm_in_d_is_refused(tmp_path):
     pix2pix = ["data.kind=paired", f"data.path={tmp_path}", "model.kind=pix2pix", "data.resolution=64",
                "data.channels=3", "train.batch_size=4", "parallel.sync_bn=true", penalty]
     with pytest.raises(ConfigError) as info:  # the PatchGAN has BatchNorm with model.norm=batch
-        config.check(config.load(None, [*pix2pix, "model.norm=batch"]), 2, False)
+        preflight.check(config.load(None, [*pix2pix, "model.norm=batch"]), 2, False)
     assert info.value.key == "parallel.sync_bn" and "double backward" in str(info.value)
-    config.check(config.load(None, [*pix2pix, "model.norm=instance"]), 2, False)  # no BatchNorm in D
-    config.check(config.load(None, [*pix2pix, "model.norm=batch"]), 1, False)  # one process: plain BatchNorm
-    config.check(config.load(None, ["parallel.sync_bn=true", penalty]), 2, False)  # DCGAN: BatchNorm in G only
+    preflight.check(config.load(None, [*pix2pix, "model.norm=instance"]), 2, False)  # no BatchNorm in D
+    preflight.check(config.load(None, [*pix2pix, "model.norm=batch"]), 1, False)  # one process: plain BatchNorm
+    preflight.check(config.load(None, ["parallel.sync_bn=true", penalty]), 2, False)  # DCGAN: BatchNorm in G only
 
 
 def test_folder_data_needs_an_existing_directory(tmp_path):
     with pytest.raises(ConfigError) as info:
-        config.check(config.load(None, ["data.kind=folder"]), 1, False)
+        preflight.check(config.load(None, ["data.kind=folder"]), 1, False)
     assert info.value.key == "data.path"
     with pytest.raises(ConfigError) as info:
-        config.check(config.load(None, ["data.kind=folder", f"data.path={tmp_path / 'nope'}"]), 1, False)
+        preflight.check(config.load(None, ["data.kind=folder", f"data.path={tmp_path / 'nope'}"]), 1, False)
     assert info.value.key == "data.path"
-    config.check(config.load(None, ["data.kind=folder", f"data.path={tmp_path}"]), 1, False)
+    preflight.check(config.load(None, ["data.kind=folder", f"data.path={tmp_path}"]), 1, False)
 
 
 def test_dcgan_needs_power_of_two_resolution():
     with pytest.raises(ConfigError) as info:
-        config.check(config.load(None, ["data.resolution=12"]), 1, False)
+        preflight.check(config.load(None, ["data.resolution=12"]), 1, False)
     assert info.value.key == "data.resolution"
 
 
@@ -227,7 +227,7 @@ def test_yaml_file_source(tmp_path):
     assert cfg.name == "mine"  # the file's stem names the run
     assert (cfg.train.steps, cfg.train.batch_size, cfg.log.every, cfg.train.seed) == (7, 32, 2, 5)
     assert cfg.model == Config().model  # everything unspecified takes the defaults
-    config.check(cfg, 2, False)
+    preflight.check(cfg, 2, False)
 
 
 def test_yaml_file_with_explicit_name_keeps_it(tmp_path):

@@ -87,11 +87,11 @@ def test_compiled_ddp_reusing_d_steps_samples_equals_one_eager_process(tmp_path)
     ({"train.compile": "reduce-overhead", "parallel.generator": "fsdp"}, "fsdp"),
     ({"train.compile": "default", "parallel.generator": "pipeline", "parallel.discriminator": "pipeline"}, "pipeline")])
 def test_compile_is_refused_where_it_cannot_compute_what_eager_does(overrides, says):
-    from ganscale import config
+    from ganscale import config, preflight
 
     cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
     with pytest.raises(config.ConfigError) as refused:
-        config.check(cfg, 2, False)
+        preflight.check(cfg, 2, False)
     assert refused.value.key == "train.compile" and says in str(refused.value)
 
 
@@ -110,11 +110,11 @@ def test_every_compile_mode_that_records_cuda_graphs_marks_each_iteration(mode, 
 
 def test_channels_last_with_fsdp2_networks_is_refused():
     """FSDP2 shards only contiguous parameters: it raised NotImplementedError at start-up."""
-    from ganscale import config
+    from ganscale import config, preflight
 
     cfg = config.load(None, ["train.channels_last=true", "parallel.generator=zero2"])
     with pytest.raises(config.ConfigError) as refused:
-        config.check(cfg, 2, False)
+        preflight.check(cfg, 2, False)
     assert refused.value.key == "train.channels_last" and "zero2" in str(refused.value)
 
 

@@ -64,7 +64,7 @@ def test_shipped_recipes_fit_this_machine(recipe, world):
     """Every model kind builds and runs on the meta device, and no shipped recipe is refused."""
     cfg = config.load(recipe)
     if cfg.train.batch_size % world:
-        pytest.skip(f"{recipe}'s batch does not split over {world} ranks (config.check refuses it)")
+        pytest.skip(f"{recipe}'s batch does not split over {world} ranks (preflight.check refuses it)")
     estimate = memory.training_estimate(cfg, world, local_ranks=world)
     assert estimate.state > 0 and estimate.activations > 0
     memory.check_training(cfg, world, memory.host_available() // world, "available", local_ranks=world)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_helpers import max_relative_difference, run_ranks, train_and_collect
-from ganscale import config
+from ganscale import config, preflight
 from ganscale.config import ConfigError
 from ganscale.models import build_networks
 from ganscale.models.mlp import MLPDiscriminator
@@ -73,7 +73,7 @@ def test_unpacked_d_is_unchanged_by_the_new_options():
 def test_bad_pack_is_refused_naming_the_option_and_the_fix(recipe, overrides, world, key, hint):
     cfg = config.load(recipe, overrides)
     with pytest.raises(ConfigError) as info:
-        config.check(cfg, world, False)
+        preflight.check(cfg, world, False)
     assert info.value.key == key, str(info.value)
     assert hint in str(info.value)
 

@@ -300,10 +300,10 @@ def _pipelined_config(world: int, **changes):
 
 
 def test_a_valid_pipelined_config_passes():
-    from ganscale import config
+    from ganscale import preflight
 
-    config.check(_pipelined_config(4, **{"parallel.mesh": (2, 2), "parallel.microbatches": 2}), 4, False)
-    config.check(_pipelined_config(2, **{"model.kind": "dcgan", "data.kind": "digits", "model.g_batchnorm": True}), 2, False)
+    preflight.check(_pipelined_config(4, **{"parallel.mesh": (2, 2), "parallel.microbatches": 2}), 4, False)
+    preflight.check(_pipelined_config(2, **{"model.kind": "dcgan", "data.kind": "digits", "model.g_batchnorm": True}), 2, False)
 
 
 @pytest.mark.parametrize("world, changes, key, words", [
@@ -321,10 +321,10 @@ def test_a_valid_pipelined_config_passes():
      "D has 3 layers"),
 ])
 def test_refused_pipeline_combinations_name_the_key(world, changes, key, words):
-    from ganscale import config
+    from ganscale import config, preflight
 
     with pytest.raises(config.ConfigError) as refused:
-        config.check(_pipelined_config(world, **changes), world, False)
+        preflight.check(_pipelined_config(world, **changes), world, False)
     assert refused.value.key == key and words in str(refused.value)
 
 

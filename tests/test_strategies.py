@@ -342,12 +342,12 @@ def test_sharded_checkpoint_resumes_under_another_strategy_and_world_size(tmp_pa
 
 
 def test_sharded_checkpoints_are_refused_where_the_state_dict_api_does_not_reach(tmp_path):
-    from ganscale import config
+    from ganscale import config, preflight
     from ganscale.config import ConfigError
 
     cfg = config.load(None, ["checkpoint.format=sharded", "parallel.generator=zero1"])
     with pytest.raises(ConfigError) as info:
-        config.check(cfg, 2, False)
+        preflight.check(cfg, 2, False)
     assert info.value.key == "checkpoint.format" and "zero1" in str(info.value)
 
 
@@ -365,13 +365,13 @@ def test_cpu_offload_runs_host_memory_collectives_on_gloo_beside_nccl():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="FSDP2's CPU offload needs a CUDA device")
 def test_cpu_offload_keeps_shards_and_optimizer_state_in_host_memory(tmp_path):
     """ZeRO-offload on one GPU: FSDP2 over a group of one (NCCL), parameters and Adam state on the CPU."""
-    from ganscale import config
+    from ganscale import config, preflight
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
     cfg = config.load(None, [f"{k}={v}" for k, v in {**MLP_ADAM, "train.device": "cuda", "parallel.generator": "fsdp",
                                                        "parallel.cpu_offload": "true"}.items()])
-    config.check(cfg, 1, True)
+    preflight.check(cfg, 1, True)
     runtime = start("cuda", cpu_collectives=True)  # as launch.run_worker starts it for cpu_offload
     try:
         trainer = Trainer(cfg, runtime, tmp_path)

@@ -10,7 +10,7 @@ import torch
 
 from dist_helpers import (assert_same_functions, max_relative_difference, run_ranks, train_and_collect,
                           train_in_process)
-from ganscale import config
+from ganscale import config, preflight
 from ganscale.config import ConfigError
 from ganscale.data.synthetic import write_synthetic_facades
 from ganscale.tasks import ClassConditional, Paired
@@ -32,7 +32,7 @@ def tiny_pix2pix(path) -> dict:
 
 def build(overrides: dict, world: int = 1) -> config.Config:
     cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
-    config.check(cfg, world, False)
+    preflight.check(cfg, world, False)
     return cfg
 
 
@@ -226,7 +226,7 @@ def test_make_facades_writes_a_set_the_pix2pix_recipe_trains_on(tmp_path):
     assert result.exit_code == 0, result.output
     assert len(list(folder.glob("*.jpg"))) == 3 and "data.path=" in result.output
     cfg = config.load("pix2pix", [f"data.path={folder}"])
-    config.check(cfg, 1, False)
+    preflight.check(cfg, 1, False)
     assert (cfg.model.kind, cfg.data.direction, cfg.loss.l1_weight, cfg.train.batch_size) == ("pix2pix", "BtoA", 100, 1)
     bad = CliRunner().invoke(main, ["make-facades", str(tmp_path / "x"), "--size", "wide"])
     assert bad.exit_code == 2 and "--size" in bad.output
@@ -282,7 +282,7 @@ def test_sample_draws_one_class_on_request_and_refuses_unknown_classes(tmp_path)
 
 def test_the_conditional_digits_recipe_is_valid():
     cfg = config.load("digits-biggan")
-    config.check(cfg, 2, False)
+    preflight.check(cfg, 2, False)
     assert cfg.model.kind == "biggan" and cfg.data.labels and cfg.loss.kind == "hinge"
 
 

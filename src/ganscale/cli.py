@@ -99,7 +99,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
 
     import torch
 
-    from ganscale import launch, memory
+    from ganscale import launch, memory, preflight
     from ganscale.runtime import environment_world_size
 
     worker = launch.under_launcher()
@@ -120,7 +120,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     try:
         cfg = config_mod.load(recipe, overrides)
         world = environment_world_size() if worker else (nproc or 1)
-        config_mod.check(cfg, world, torch.cuda.is_available())
+        preflight.check(cfg, world, torch.cuda.is_available())
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
             memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run

@@ -64,10 +64,22 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    kind: Literal["dcgan", "mlp", "biggan", "pix2pix"] = "dcgan"
+    kind: Literal["dcgan", "mlp", "biggan", "pix2pix", "custom"] = "dcgan"
     """Architecture family of G and D: dcgan and mlp (unconditional), biggan (class-conditional ResNet G
     and projection D; needs data.labels), pix2pix (U-Net G and PatchGAN D on (input, target) pairs;
-    needs data.kind=paired)."""
+    needs data.kind=paired), custom (the user's own: model.generator and model.discriminator)."""
+    generator: str | None = None
+    """custom only: G's factory as "module:attribute", a class or a function returning an nn.Module."""
+    generator_args: dict[str, Any] = {}
+    """custom only: keyword arguments of model.generator."""
+    discriminator: str | None = None
+    """custom only: D's factory as "module:attribute"."""
+    discriminator_args: dict[str, Any] = {}
+    """custom only: keyword arguments of model.discriminator."""
+    task: Literal["unconditional", "class-conditional", "paired"] = "unconditional"
+    """custom only: what G is given and D judges. unconditional: G(z), D(x); class-conditional: G(z, labels),
+    D(x, labels) with model.n_classes classes; paired: G(input, seeds=None) -> output, D(input and output
+    concatenated on channels), as pix2pix."""
     z_dim: int = Field(64, gt=0)
     """Latent dimension."""
     g_width: int = Field(64, gt=0)
@@ -90,7 +102,7 @@ class ModelConfig(Section):
     d_maxout: int = Field(0, ge=0)
     """mlp only: maxout units in D with this many pieces (PacGAN's 2D D: 5); 0 = LeakyReLU(0.2)."""
     n_classes: int = Field(10, ge=1)
-    """biggan only: number of classes (the digits have 10)."""
+    """biggan and custom class-conditional models: number of classes (the digits have 10)."""
     shared_dim: int = Field(32, gt=0)
     """biggan only: size of G's shared class embedding."""
     attn_resolution: int = Field(8, ge=0)
@@ -99,11 +111,21 @@ class ModelConfig(Section):
     """pix2pix only: normalisation in the U-Net and the PatchGAN (the reference uses batch at batch 1;
     with larger micro-batches use instance, or batch with parallel.sync_bn)."""
 
+    @property
+    def conditioning(self) -> str:
+        """What G is given and D judges: unconditional, class-conditional or paired (tasks.py)."""
+        return {"biggan": "class-conditional", "pix2pix": "paired", "custom": self.task}.get(self.kind, "unconditional")
+
 
 class DataConfig(Section):
-    kind: Literal["digits", "ring8", "grid25", "folder", "paired"] = "digits"
+    kind: Literal["digits", "ring8", "grid25", "folder", "paired", "custom"] = "digits"
     """digits: scikit-learn's bundled 8x8 digits; ring8/grid25: 2D Gaussian mixtures; folder: images;
-    paired: a folder of A|B image pairs side by side (the pix2pix facades layout)."""
+    paired: a folder of A|B image pairs side by side (the pix2pix facades layout); custom: data.dataset."""
+    dataset: str | None = None
+    """custom only: "module:attribute" returning a map-style Dataset whose items are an image tensor in [-1, 1]
+    of shape (data.channels, data.resolution, data.resolution), or (image, label), or (input, target)."""
+    dataset_args: dict[str, Any] = {}
+    """custom only: keyword arguments of data.dataset."""
     path: str | None = None
     """folder: directory of images (searched recursively); paired: directory holding the A|B files."""
     labels: bool = False
@@ -123,10 +145,21 @@ class DataConfig(Section):
     several file descriptors (queues, pipes, shared memory) in its rank, so hundreds push them past select()'s
     1024 and the usual open-files limit, and workers beyond the cores do not load any faster."""
 
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape: a 2D point, or an image (channels, resolution, resolution)."""
+        return (2,) if self.kind in ("ring8", "grid25") else (self.channels, self.resolution, self.resolution)
+
+
+SHIPPED_LOSSES = ("nonsaturating", "hinge", "wgan-gp", "lsgan")
+
 
 class LossConfig(Section):
-    kind: Literal["nonsaturating", "hinge", "wgan-gp", "lsgan"] = "nonsaturating"
-    """Adversarial objective."""
+    kind: str = "nonsaturating"
+    """Adversarial objective: nonsaturating, hinge, wgan-gp, lsgan, or the user's "module:attribute" naming an
+    object (or a class of one) with d_loss(real_logits, fake_logits) and g_loss(fake_logits)."""
+    gradient_penalty: bool | None = None
+    """The gradient penalty on interpolates (weight loss.gp_weight). Unset: on for wgan-gp only."""
     n_critic: int = Field(1, ge=1)
     """D steps per G step (each on a fresh global batch)."""
     r1_gamma: float = Field(0.0, ge=0)
@@ -135,9 +168,27 @@ class LossConfig(Section):
     """Lazy R1: every k iterations, scaled by k, in that iteration's D loss (no extra optimizer step, no lr
     correction)."""
     gp_weight: float = Field(10.0, ge=0)
-    """wgan-gp only: gradient-penalty weight."""
+    """Gradient-penalty weight (wgan-gp, or loss.gradient_penalty)."""
     l1_weight: float = Field(0.0, ge=0)
     """pix2pix only: weight of the L1 distance between G's output and the target in G's loss (pix2pix: 100)."""
+
+    @field_validator("kind")
+    @classmethod
+    def _shipped_or_user(cls, kind: str) -> str:
+        module, sep, attribute = kind.partition(":")
+        if kind not in SHIPPED_LOSSES and not (sep and module and attribute):
+            raise PydanticCustomError("loss_kind", "Input should be one of {shipped}, or module:attribute for your own "
+                                      "loss", {"shipped": ", ".join(SHIPPED_LOSSES)})
+        return kind
+
+    @property
+    def with_gradient_penalty(self) -> bool:
+        return self.kind == "wgan-gp" if self.gradient_penalty is None else self.gradient_penalty
+
+    @property
+    def penalises_input_gradient(self) -> bool:
+        """R1 or the gradient penalty: a double backward through D."""
+        return self.r1_gamma > 0 or self.with_gradient_penalty
 
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -203,7 +254,6 @@ class TrainConfig(Section):
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # timeouts: a week at most (a timedelta overflows near 1e14 s)
 
 STRATEGIES = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp", "pipeline"]
-FULLY_SHARDED = ("zero2", "fsdp", "hsdp")  # FSDP2-based strategies: parameters are DTensor shards
 
 
 class ParallelConfig(Section):
@@ -222,7 +272,7 @@ class ParallelConfig(Section):
     (FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU). CUDA runs only."""
     sync_bn: bool | None = None
     """Batch statistics over the global micro-batch (all ranks) instead of each rank's. Unset: on wherever that is
-    what one process does and nothing forbids it (see Config.cross_rank_batchnorm); true or false: as set."""
+    what one process does and nothing forbids it (see preflight.cross_rank_batchnorm); true or false: as set."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
     timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
@@ -311,6 +361,10 @@ class Config(Section):
     name: str = "run"
     """Recipe name, used for the default run directory runs/<name>-<time>: one path component."""
     description: str = ""
+    code_path: list[str] = []
+    """Folders searched first for the user's modules (model.generator, model.discriminator, data.dataset, a
+    module:attribute loss.kind), then the current directory and PYTHONPATH. Loading a YAML file adds its own
+    folder; entries are made absolute when loaded, so every worker and every resume imports the same code."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     loss: LossConfig = LossConfig()
@@ -342,17 +396,6 @@ class Config(Section):
     def micro_batch(self, world_size: int) -> int:
         """Samples per rank per micro-step (a pipeline replica's whole share: its micro-batches are the pipeline's)."""
         return self.train.micro_batch or self.train.batch_size // self.data_ranks(world_size)
-
-    def cross_rank_batchnorm(self, world_size: int) -> bool:
-        """Whether BatchNorm statistics span the ranks: parallel.sync_bn as set, or, unset, wherever one process
-        normalises what the ranks hold together. Not with a set train.micro_batch (each rank normalises it as one
-        process does), the pipeline (each of its micro-batches by design), or R1 / the gradient penalty through
-        a D with BatchNorm (their double backward cannot pass a cross-rank BatchNorm)."""
-        if world_size == 1:
-            return False
-        if self.parallel.sync_bn is not None:
-            return self.parallel.sync_bn
-        return self.train.micro_batch is None and not self.parallel.pipelined and not penalty_through_batchnorm(self)
 
 
 DEFAULT_RECIPE = "digits"
@@ -477,281 +520,20 @@ def load(source: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Con
     raw.setdefault("name", source or DEFAULT_RECIPE)
     for assignment in overrides:
         apply_override(raw, assignment)
-    return build(raw)
+    cfg = build(raw)
+    yaml_folder = None if (source or DEFAULT_RECIPE) in recipe_names() else Path(source).resolve().parent
+    cfg.code_path = _absolute_folders(cfg.code_path, yaml_folder)
+    return cfg
 
 
-def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
-    """Combinations that cannot be right, checked once the world size is known."""
-    t = cfg.train
-    pipelined = cfg.parallel.pipelined
-    if pipelined:
-        _check_pipeline(cfg, world_size)  # first: the batch split below depends on stages and replicas
-    elif t.micro_batch is not None and t.batch_size % (world_size * t.micro_batch):
-        raise ConfigError("train.batch_size",
-                          f"global batch {t.batch_size} is not divisible by world size {world_size} "
-                          f"x micro_batch {t.micro_batch}",
-                          f"make train.batch_size a multiple of {world_size * t.micro_batch}, "
-                          "or change train.micro_batch")
-    elif t.micro_batch is None and t.batch_size % world_size:
-        raise ConfigError("train.batch_size",
-                          f"global batch {t.batch_size} is not divisible by world size {world_size}",
-                          f"make train.batch_size a multiple of {world_size}")
-    on_cuda = t.device == "cuda" or (t.device == "auto" and cuda_available)
-    if t.device == "cuda" and not cuda_available:
-        raise ConfigError("train.device", "cuda requested but no CUDA device is visible",
-                          "set train.device=cpu or auto")
-    if t.precision == "fp16" and not on_cuda:
-        raise ConfigError("train.precision", "fp16 with a GradScaler needs a CUDA device; this run is on the CPU",
-                          "use train.precision=bf16 (or fp32) on the CPU")
-    if cfg.parallel.backend == "nccl" and not on_cuda:
-        raise ConfigError("parallel.backend", "nccl runs only on CUDA devices; this run is on the CPU",
-                          "use parallel.backend=gloo or auto")
-    _check_task(cfg)
-    _check_reuse_fake(cfg, world_size)
-    micro = cfg.micro_batch(world_size)
-    if (not pipelined and cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1
-            and not cfg.cross_rank_batchnorm(world_size)):
-        raise ConfigError("train.micro_batch", "BatchNorm in G with one sample per rank has no batch statistics",
-                          "raise train.micro_batch, set parallel.sync_bn=true, or model.g_batchnorm=false")
-    if cfg.data.kind in ("folder", "paired") and not cfg.data.path:
-        raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a directory", "set data.path=/path/to/images")
-    if cfg.data.kind in ("folder", "paired") and not Path(cfg.data.path).is_dir():
-        raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
-    if cfg.loss.kind == "wgan-gp" and cfg.loss.gp_weight == 0:
-        raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
-                          "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
-    _check_parallel(cfg.parallel, world_size, on_cuda)
-    _check_eval(cfg)
-    _check_compile(cfg)
-    _check_channels_last(cfg)
-    unsupported = sorted({s for s in cfg.parallel.strategies() if s in ("zero1", "pipeline")})
-    if cfg.checkpoint.format == "sharded" and unsupported:
-        raise ConfigError("checkpoint.format", f"sharded checkpoints are written through torch's state-dict API, "
-                          f"which {', '.join(unsupported)} does not offer", "use checkpoint.format=full with "
-                          f"{', '.join(unsupported)}, or zero2/fsdp/hsdp (which shard the optimizer state too)")
-    sharded_d = cfg.parallel.discriminator in FULLY_SHARDED
-    if sharded_d and (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
-        raise ConfigError("parallel.discriminator",
-                          f"{cfg.parallel.discriminator} cannot take the double backward of R1 / gradient penalty "
-                          "(FSDP2 crashes, or silently leaves every D gradient empty)",
-                          "keep D on ddp or zero1 (set parallel.discriminator=zero1 to still shard its optimizer "
-                          "state), or drop the penalty")
-    if cfg.parallel.sync_bn and world_size > 1 and penalty_through_batchnorm(cfg):
-        raise ConfigError("parallel.sync_bn", "D has BatchNorm, and the double backward of R1 / the gradient penalty "
-                          "cannot pass through a cross-rank BatchNorm",
-                          "use a D without BatchNorm (model.norm=instance for pix2pix), drop the penalty "
-                          "(loss.r1_gamma=0, a loss.kind other than wgan-gp), or leave parallel.sync_bn unset")
-    is_2d = cfg.data.kind in ("ring8", "grid25")
-    if is_2d != (cfg.model.kind == "mlp"):
-        raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
-                          "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
-    _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
-    if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
-        raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
-                          "use 8, 16, 32, 64, ...")
-
-
-def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
-    m = cfg.model
-    for key, value, default in (("model.pack", m.pack, 1), ("model.d_maxout", m.d_maxout, 0)):
-        if value != default and m.kind != "mlp":
-            raise ConfigError(key, f"{key}={value} applies to the mlp discriminator only, not model.kind={m.kind}",
-                              f"set {key}={default}, or use model.kind=mlp (ring8/grid25)")
-    if m.d_maxout == 1:
-        raise ConfigError("model.d_maxout", "maxout with 1 piece is no non-linearity (a linear D)",
-                          "set model.d_maxout=0 (LeakyReLU) or 2 or more pieces (PacGAN: 5)")
-    if m.pack == 1:
-        return
-    if cfg.parallel.pipelined:
-        raise ConfigError("model.pack", "a packed D reshapes its input before its layers, which the pipeline's "
-                          "stages do not see", "set model.pack=1 with the pipeline strategy, or use ddp/zero1")
-    if cfg.loss.kind == "wgan-gp":
-        raise ConfigError("model.pack", "the gradient penalty is taken per sample, not per packed input",
-                          "set model.pack=1 with loss.kind=wgan-gp, or use another loss.kind (R1 works with packing)")
-    if micro % m.pack:
-        how = "train.micro_batch" if cfg.train.micro_batch else "train.batch_size / world size"
-        raise ConfigError("model.pack", f"each rank's micro-batch of {micro} samples ({how}) does not split into "
-                          f"packs of {m.pack}", f"make model.pack a divisor of {micro}, or change {how.split(' ')[0]}")
-
-
-def _check_task(cfg: Config) -> None:
-    """The model, the data and the loss must agree on what G is given and what D judges."""
-    m, d, loss = cfg.model, cfg.data, cfg.loss
-    if (m.kind == "pix2pix") != (d.kind == "paired"):
-        raise ConfigError("model.kind", f"model.kind={m.kind} with data.kind={d.kind}: pix2pix translates paired "
-                          "images and only pix2pix takes them",
-                          "use model.kind=pix2pix with data.kind=paired, or neither")
-    if (m.kind == "biggan") != d.labels:
-        raise ConfigError("data.labels", f"data.labels={d.labels} with model.kind={m.kind}: class labels are for the "
-                          "class-conditional biggan model only",
-                          "use model.kind=biggan with data.labels=true, or neither")
-    if d.labels and d.kind != "digits":
-        raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels", "use data.kind=digits (10 classes)")
-    if d.labels and m.n_classes != 10:
-        raise ConfigError("model.n_classes", f"{m.n_classes} classes, but the digits have 10", "set model.n_classes=10")
-    if loss.l1_weight > 0 and m.kind != "pix2pix":
-        raise ConfigError("loss.l1_weight", f"an L1 term needs a target image; model.kind={m.kind} has none",
-                          "set loss.l1_weight=0, or train model.kind=pix2pix on paired data")
-    if loss.kind == "wgan-gp" and m.kind in ("biggan", "pix2pix"):
-        raise ConfigError("loss.kind", f"wgan-gp interpolates real and generated inputs, which {m.kind} pairs with "
-                          "conditions",
-                          "use loss.kind=hinge (BigGAN) or nonsaturating (pix2pix), with loss.r1_gamma if needed")
-    if m.kind == "pix2pix" and d.resolution < 32:
-        raise ConfigError("data.resolution", f"{d.resolution}: the 70x70 PatchGAN reduces a crop by 2^3 and then "
-                          "by its 4x4 convolutions, which leaves nothing to judge below 32 pixels",
-                          "use data.resolution >= 32 (the reference crops 256)")
-    if d.kind == "paired" and d.load_size < d.resolution:
-        raise ConfigError("data.load_size", f"{d.load_size} is smaller than the crop data.resolution={d.resolution}",
-                          "set data.load_size >= data.resolution (pix2pix: 286 and 256)")
-
-
-def reuse_fake_conflict(cfg: Config, world_size: int) -> tuple[str, str] | None:
-    """Why G's step cannot judge D's step's samples (one G forward per iteration), and the fix; None if it can.
-    It needs D's one micro-batch of samples to be G's whole batch."""
-    if cfg.loss.n_critic > 1:
-        return (f"with loss.n_critic={cfg.loss.n_critic} the D steps judge {cfg.loss.n_critic} batches of samples "
-                "and G's step one", "set loss.n_critic=1, or train.reuse_fake=false")
-    if cfg.parallel.pipelined:
-        return ("the pipeline's stages run G's forward inside each step",
-                "set train.reuse_fake=false, or another strategy")
-    if cfg.accumulation_steps(world_size) > 1:
-        return (f"{cfg.accumulation_steps(world_size)} accumulation micro-steps would keep every micro-batch's G "
-                "graph alive until G's step",
-                "set train.reuse_fake=false, or raise train.micro_batch to batch_size / world size")
-    return None
-
-
-def _check_reuse_fake(cfg: Config, world_size: int) -> None:
-    conflict = reuse_fake_conflict(cfg, world_size) if cfg.train.reuse_fake else None
-    if conflict is not None:
-        raise ConfigError("train.reuse_fake", *conflict)
-
-
-def _check_pipeline(cfg: Config, world_size: int) -> None:
-    """The pipeline strategy (parallel/pipeline.py): what it cannot compute like one process, refused."""
-    p, t = cfg.parallel, cfg.train
-    if p.generator != p.discriminator:
-        raise ConfigError("parallel.discriminator",
-                          f"pipeline for one network only ({p.generator}, {p.discriminator}): "
-                          "the G step runs G's stages and then D's in one pipeline",
-                          "set parallel.generator=pipeline and parallel.discriminator=pipeline, or neither")
-    # Next, the networks themselves: for a model the pipeline cannot split (biggan, pix2pix), every other
-    # setting below is moot, and a fix that one of them suggests (model.g_batchnorm) would not apply to it.
-    from ganscale.models import meta_networks  # here: checking the stages against the layers builds both networks
-    from ganscale.parallel.pipeline import split
-    generator, discriminator = meta_networks(cfg)
-    split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
-    split(discriminator, p.pipeline_stages, "D")
-    if world_size % p.pipeline_stages:
-        raise ConfigError("parallel.pipeline_stages",
-                          f"{p.pipeline_stages} stages do not divide the world size {world_size}",
-                          f"use a number of stages that divides {world_size}, "
-                          f"or {p.pipeline_stages} x replicas processes")
-    replicas = world_size // p.pipeline_stages
-    if p.mesh is not None and tuple(p.mesh) != (replicas, p.pipeline_stages):
-        raise ConfigError("parallel.mesh", f"{list(p.mesh)} is not [pipeline replicas, pipeline_stages]",
-                          f"set parallel.mesh=[{replicas}, {p.pipeline_stages}] or remove it")
-    if t.batch_size % (replicas * p.microbatches):
-        raise ConfigError("parallel.microbatches", f"global batch {t.batch_size} does not split into {replicas} "
-                          f"pipeline replica(s) x {p.microbatches} micro-batches",
-                          f"make train.batch_size a multiple of {replicas * p.microbatches}, "
-                          "or change parallel.microbatches")
-    if t.micro_batch is not None:
-        raise ConfigError("train.micro_batch", "the pipeline's micro-batches replace train.micro_batch",
-                          "remove train.micro_batch and set parallel.microbatches (micro-batches per pipeline replica)")
-    if cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp":
-        raise ConfigError("parallel.discriminator", "a pipelined D cannot take the double backward of R1 / gradient "
-                          "penalty (the input gradient would have to flow back through every stage twice)",
-                          "set loss.r1_gamma=0 and a loss.kind other than wgan-gp, or another strategy")
-    if t.precision == "fp16":
-        raise ConfigError("train.precision", "fp16's GradScaler would scale the loss on the last stage only and find "
-                          "overflows in each stage's own gradients: after one overflow the stages would unscale by "
-                          "different factors", "use train.precision=bf16 (no loss scale) or fp32 with the pipeline")
-    if p.sync_bn:
-        raise ConfigError("parallel.sync_bn", "with the pipeline, BatchNorm normalises each micro-batch of a stage; "
-                          "statistics across ranks would mix stages and micro-batches",
-                          "set parallel.sync_bn=false (raise parallel.microbatches' size instead), or another strategy")
-    if cfg.model.g_batchnorm and t.batch_size == replicas * p.microbatches:
-        raise ConfigError("parallel.microbatches", "BatchNorm in G with one sample per pipeline micro-batch has no "
-                          "batch statistics",
-                          "lower parallel.microbatches, raise train.batch_size, or model.g_batchnorm=false")
-
-
-def penalty_through_batchnorm(cfg: Config) -> bool:
-    """R1 / the gradient penalty through a D with BatchNorm: a cross-rank BatchNorm's backward is not differentiable
-    again, so its double backward cannot pass one."""
-    if not (cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp"):
-        return False
-    import torch
-
-    from ganscale.models import meta_networks
-    _, discriminator = meta_networks(cfg)
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in discriminator.modules())
-
-
-def _check_compile(cfg: Config) -> None:
-    """torch.compile where it computes what eager does: no double backward, no FSDP2 hooks or pipeline stages."""
-    if cfg.train.compile == "off":
-        return
-    if cfg.loss.r1_gamma > 0 or cfg.loss.kind == "wgan-gp":
-        raise ConfigError("train.compile", "compiled networks cannot take the double backward of R1 or the gradient "
-                          "penalty (aot_autograd does not support it)",
-                          "set train.compile=off, or loss.r1_gamma=0 with a loss other than wgan-gp")
-    eager_only = sorted({s for s in cfg.parallel.strategies() if s in (*FULLY_SHARDED, "pipeline")})
-    if eager_only:
-        raise ConfigError("train.compile", f"compiling {', '.join(eager_only)} networks is not supported by ganscale "
-                          "(their communication runs in hooks and stages the compiled graph would have to cross)",
-                          "set train.compile=off, or use ddp or zero1 for both networks")
-
-
-def _check_channels_last(cfg: Config) -> None:
-    """FSDP2 shards only contiguous parameters, and channels-last 4-D weights are not (torch 2.13)."""
-    sharded = sorted({s for s in cfg.parallel.strategies() if s in FULLY_SHARDED})
-    if cfg.train.channels_last and sharded:
-        raise ConfigError("train.channels_last", f"{', '.join(sharded)} networks cannot hold channels-last weights "
-                          "(FSDP2 shards only contiguous parameters)",
-                          "set train.channels_last=false, or use ddp or zero1 for both networks")
-
-
-def _check_eval(cfg: Config) -> None:
-    e = cfg.eval
-    if not e.every:
-        return
-    if cfg.data.kind in ("ring8", "grid25", "paired"):
-        how = ("2D mixtures are scored (modes, % high quality) at every sample grid: set log.sample_every"
-               if cfg.data.kind != "paired" else "score pix2pix runs with `ganscale eval RUN --pairs HELD_OUT_DIR`")
-        raise ConfigError("eval.every", f"image metrics do not apply to data.kind={cfg.data.kind}",
-                          f"set eval.every=0; {how}")
-    if cfg.parallel.pipelined:
-        raise ConfigError("eval.every", "periodic image metrics are not wired to the pipeline yet (each rank would "
-                          "need its own noise through the shared stages)",
-                          "set eval.every=0 and run `ganscale eval RUN`")
-    if e.extractor(cfg.data.kind) == "inception" and not (e.inception_weights and Path(e.inception_weights).is_file()):
-        raise ConfigError("eval.inception_weights",
-                          f"Inception features need a local weights file; got {e.inception_weights!r}",
-                          "set eval.inception_weights to pytorch-fid's pt_inception-2015-12-05 .pth file "
-                          "(or torch-fidelity's), or eval.every=0")
-
-
-def _check_parallel(p: ParallelConfig, world_size: int, on_cuda: bool) -> None:
-    uses_mesh = "hsdp" in p.strategies() or "pipeline" in p.strategies()
-    if p.mesh is not None and not uses_mesh:
-        raise ConfigError("parallel.mesh",
-                          f"a mesh is set but no network uses it (strategies {p.generator}, {p.discriminator})",
-                          "set parallel.generator or parallel.discriminator to hsdp (or both to pipeline), "
-                          "or remove parallel.mesh")
-    if p.mesh is not None and (min(p.mesh) < 1 or p.mesh[0] * p.mesh[1] != world_size):
-        raise ConfigError("parallel.mesh", f"{list(p.mesh)} does not multiply to the world size {world_size}",
-                          f"use two positive sizes whose product is {world_size}, "
-                          f"e.g. [{max(world_size // 2, 1)}, {min(2, world_size)}]")
-    if p.cpu_offload and not any(s in FULLY_SHARDED for s in p.strategies()):
-        raise ConfigError("parallel.cpu_offload",
-                          f"only zero2/fsdp/hsdp networks can offload; these are {p.generator}, {p.discriminator}",
-                          "set parallel.generator=fsdp (or zero2/hsdp), or parallel.cpu_offload=false")
-    if p.cpu_offload and not on_cuda:
-        raise ConfigError("parallel.cpu_offload", "FSDP2's CPU offload moves shards between a GPU and host memory; "
-                          "this run is on the CPU, where everything already lives in host memory",
-                          "set parallel.cpu_offload=false on CPU runs")
+def _absolute_folders(folders: list[str], yaml_folder: Path | None) -> list[str]:
+    """code_path made absolute (relative entries from the YAML file's folder, else the current one), then the
+    YAML file's folder: what every worker, on any node, and every resume searches for the user's modules."""
+    base = yaml_folder or Path.cwd()
+    absolute = [str((base / folder).resolve()) for folder in folders]
+    if yaml_folder is not None:
+        absolute.append(str(yaml_folder))
+    return list(dict.fromkeys(absolute))
 
 
 def to_yaml(cfg: Config) -> str:

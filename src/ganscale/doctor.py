@@ -560,12 +560,12 @@ def gan_overrides(spec: dict[str, Any], nproc: int) -> list[str]:
 def _gan_step(spec: dict[str, Any], runtime) -> dict[str, Any]:
     import torch
 
-    from ganscale import config
+    from ganscale import config, preflight
     from ganscale.trainer import Trainer, check_replicas
 
     started = time.perf_counter()
     cfg = config.load(None, gan_overrides(spec, runtime.world))
-    config.check(cfg, runtime.world, torch.cuda.is_available())
+    preflight.check(cfg, runtime.world, torch.cuda.is_available())
     trainer = Trainer(cfg, runtime, Path(spec["out_dir"]) / "run")
     summary = trainer.fit()
     check_replicas({"G": trainer.G.replicated(), "D": trainer.D.replicated(),

@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ganscale.config import FULLY_SHARDED, Config, ConfigError, LogConfig, ModelConfig, TrainConfig
+from ganscale.config import Config, ConfigError, LogConfig, ModelConfig, TrainConfig
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES
 from ganscale.models import meta_networks
 from ganscale.observe.samples import grid_bytes
+from ganscale.parallel import FULLY_SHARDED
 from ganscale.runtime import uses_cuda
 from ganscale.tasks import Paired, Unconditional, build_task
 
@@ -143,7 +144,7 @@ def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Modul
         real = _real_sample(cfg, task, micro)
         z = torch.empty(micro, cfg.model.z_dim)
         labels = torch.zeros(micro, dtype=torch.int64) if task.n_classes else None
-        parts = 3 if cfg.loss.kind == "wgan-gp" else 2  # D judges [real, fake(, interpolates)] in one forward
+        parts = 3 if cfg.loss.with_gradient_penalty else 2  # D judges [real, fake(, interpolates)] in one forward
         with outputs_of(generator) as g_outputs:
             fake = task.generate(generator, real, z, labels)
         critic_input = torch.cat([task.critic_view(real, fake)] * parts)

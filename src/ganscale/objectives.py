@@ -3,17 +3,28 @@
 Every loss is a mean over the micro-batch; the trainer divides by the accumulation steps and
 DDP averages over ranks, so the optimized quantity is the mean over the global batch.
 Losses take logits (never probabilities): BCE on probabilities is unsafe under autocast.
+A loss.kind "module:attribute" names the user's object (or class of one) with the same two terms,
+`d_loss(real, fake)` and `g_loss(fake)`, given float32 logits.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ganscale import usercode
+from ganscale.config import SHIPPED_LOSSES, ConfigError
+
 
 def d_loss(kind: str, real: Tensor, fake: Tensor) -> Tensor:
     real, fake = real.float(), fake.float()
+    if kind not in SHIPPED_LOSSES:
+        return user_loss(kind).d_loss(real, fake)
     if kind == "nonsaturating":
         return F.softplus(-real).mean() + F.softplus(fake).mean()
     if kind == "hinge":
@@ -27,6 +38,8 @@ def d_loss(kind: str, real: Tensor, fake: Tensor) -> Tensor:
 
 def g_loss(kind: str, fake: Tensor) -> Tensor:
     fake = fake.float()
+    if kind not in SHIPPED_LOSSES:
+        return user_loss(kind).g_loss(fake)
     if kind == "nonsaturating":
         return F.softplus(-fake).mean()
     if kind in ("hinge", "wgan-gp"):
@@ -34,6 +47,17 @@ def g_loss(kind: str, fake: Tensor) -> Tensor:
     if kind == "lsgan":
         return 0.5 * (fake - 1).square().mean()
     raise ValueError(f"unknown loss.kind {kind!r}")
+
+
+@functools.cache
+def user_loss(kind: str) -> Any:
+    """The user's loss object named by loss.kind (its module found on the search path usercode.search set up)."""
+    found = usercode.find(kind, "loss.kind")
+    loss = found() if inspect.isclass(found) else found
+    if not all(callable(getattr(loss, term, None)) for term in ("d_loss", "g_loss")):
+        raise ConfigError("loss.kind", f"'{kind}' has no d_loss(real_logits, fake_logits) and g_loss(fake_logits)",
+                          "name an object or class with both methods (see objectives.py), or a shipped loss.kind")
+    return loss
 
 
 def input_gradient_sq_norm(output: Tensor, inputs: Tensor, grad_scale: float = 1.0) -> Tensor:

@@ -118,15 +118,18 @@ class Paired(Unconditional):
 
 def build_task(cfg: Config, previews: bool = True) -> Unconditional:
     """The config's task; `previews=False`: without reading pix2pix's fixed preview pairs from the data."""
-    if cfg.model.kind == "biggan":
+    task = cfg.model.conditioning
+    if task == "class-conditional":
         return ClassConditional(cfg.model.n_classes)
-    if cfg.model.kind == "pix2pix" and not previews:
+    if task == "paired" and not previews:
         return Paired(cfg.loss.l1_weight, [])
-    if cfg.model.kind == "pix2pix":
+    if task == "paired":
+        from ganscale.data import build_dataset
         from ganscale.data.paired import PairedImages
 
         d = cfg.data
-        fixed = PairedImages(d.path, d.load_size, d.resolution, d.direction, augment=False, channels=d.channels)
+        fixed = build_dataset(cfg) if d.kind == "custom" else PairedImages(
+            d.path, d.load_size, d.resolution, d.direction, augment=False, channels=d.channels)
         count = min(len(fixed), max(1, cfg.log.samples // 3))
         return Paired(cfg.loss.l1_weight, [fixed[i] for i in range(count)])
     return Unconditional()

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ganscale import checkpoint, objectives
-from ganscale.config import Config, ConfigError, penalty_through_batchnorm, reuse_fake_conflict, to_yaml
+from ganscale import checkpoint, objectives, usercode
+from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
@@ -42,6 +42,7 @@ from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.speed import compiled, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
+from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuse_fake_conflict
 from ganscale.runtime import Runtime, calm_gloo_polling, seed_rank_streams
 from ganscale.seeds import StepSeeds, derive_seed
 from ganscale.tasks import build_task
@@ -62,7 +63,7 @@ def lr_factor(step: int, total_steps: int, decay_start: float) -> float:
 
 def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discriminator: nn.Module) -> str | None:
     """The warning for BatchNorm whose statistics stay per rank (more than one rank, parallel.sync_bn false, or unset
-    where Config.cross_rank_batchnorm leaves it off), or for cross-rank statistics over more samples than one
+    where preflight.cross_rank_batchnorm leaves it off), or for cross-rank statistics over more samples than one
     process normalises; None where the run normalises as one process does.
 
     Allowed and documented (README, "Cross-rank BatchNorm"), but such a run is not the one the same config gives
@@ -73,7 +74,7 @@ def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discrimina
         return None
     with_batchnorm = [name for name, net in (("G", generator), ("D", discriminator))
                       if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())]
-    if cfg.cross_rank_batchnorm(world):
+    if cross_rank_batchnorm(cfg, world):
         # Cross-rank statistics pool world x micro_batch samples; one process with the same config normalises
         # micro_batch. Unset, the micro-batch is batch / world per rank: pooled, one process's whole batch.
         micro = cfg.train.micro_batch
@@ -98,7 +99,7 @@ def per_rank_batchnorm(cfg: Config, world: int, generator: nn.Module, discrimina
     if not with_batchnorm:
         return None
     fix = "--set parallel.sync_bn=true"
-    if penalty_through_batchnorm(cfg):  # config.check refuses parallel.sync_bn=true with it
+    if penalty_through_batchnorm(cfg):  # preflight.check refuses parallel.sync_bn=true with it
         fix += (" with loss.r1_gamma=0 and a loss.kind other than wgan-gp (their double backward cannot pass a "
                 "cross-rank BatchNorm in D)")
     return (f"BatchNorm statistics in {' and '.join(with_batchnorm)} are per rank (each rank normalises its own "
@@ -135,6 +136,7 @@ class Trainer:
         self._noise = torch.Generator()  # latents and labels: reseeded per (step, phase), on the CPU
         self._seed_of = StepSeeds(cfg.train.seed)  # derive_seed(seed, step, ...), a block of steps at a time
 
+        usercode.search(cfg.code_path)  # the user's modules (networks, data, loss) import alike in every process
         # Same seed on every rank: identical init; in the memory layout the fast path asks for.
         generator, discriminator = (in_layout(net, cfg.train.channels_last) for net in build_networks(cfg))
         warning = per_rank_batchnorm(cfg, world, generator, discriminator)
@@ -144,7 +146,7 @@ class Trainer:
         if cfg.parallel.pipelined:  # the one capability branch: G and D split into stages of one pipeline
             self.G, self.D = pipeline_networks(generator, discriminator, runtime, cfg.parallel, cfg.loss.kind)
         else:
-            layout = Layout(runtime, cfg.parallel, cfg.cross_rank_batchnorm(world))
+            layout = Layout(runtime, cfg.parallel, cross_rank_batchnorm(cfg, world))
             self.G = compiled(parallelize(generator, cfg.parallel.generator, layout), cfg.train.compile)
             self.D = compiled(parallelize(discriminator, cfg.parallel.discriminator, layout), cfg.train.compile)
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
@@ -172,7 +174,7 @@ class Trainer:
         self.dataset = build_dataset(cfg)
         self.task = build_task(cfg)  # what G is given and D judges (unconditional, classes, pairs)
         # G's output (and its classes) from the D step, kept with its graph for the G step: one G forward per
-        # iteration. Asked for (train.reuse_fake; config.check refused it where it cannot be), or the task's
+        # iteration. Asked for (train.reuse_fake; preflight.check refused it where it cannot be), or the task's
         # way (pix2pix) where nothing conflicts: one D step, no accumulation, no pipeline.
         self.reuse_fake = cfg.train.reuse_fake if cfg.train.reuse_fake is not None else (
             self.task.same_fake_for_g and reuse_fake_conflict(cfg, world) is None)
@@ -370,7 +372,7 @@ class Trainer:
         of the whole batch in one micro-step does, whatever the accumulation (models/spectral.py).
         Returns the adversarial loss and the penalty (None on a step without one), means over micro-batches."""
         z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
-        alpha_all = self._global_uniform(step, phase) if self.cfg.loss.kind == "wgan-gp" else None
+        alpha_all = self._global_uniform(step, phase) if self.cfg.loss.with_gradient_penalty else None
         accumulation = len(reals)
         means = MicroStepMeans(accumulation)
         for micro, real in enumerate(reals):
@@ -445,7 +447,7 @@ class Trainer:
         reused, self._fake_for_g = self._fake_for_g, None  # D's step's samples (with graph) and classes, if kept
         if reused is None:
             z_all, labels_all = self._global_latents(step, PHASE_G), self._global_labels(step, PHASE_G)
-        accumulation = self.slicing.accumulation  # 1 when reused (config.reuse_fake_conflict)
+        accumulation = self.slicing.accumulation  # 1 when reused (preflight.reuse_fake_conflict)
         means = MicroStepMeans(accumulation)
         for micro, sample in enumerate(reals):
             # D is frozen here: its forward skips DDP (Wrapped.__call__), but a compiled D still runs through

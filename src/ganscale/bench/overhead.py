@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ganscale import config
+from ganscale import config, preflight
 from ganscale.bench.report import median, spread
 from ganscale.data import build_dataset
 from ganscale.models import build_networks
@@ -98,7 +98,7 @@ def measure(steps: int, repeats: int, warmup: int = 20, batch: int | None = None
     if batch is not None:
         overrides.append(f"train.batch_size={batch}")
     cfg = config.load(RECIPE, overrides)
-    config.check(cfg, 1, False)
+    preflight.check(cfg, 1, False)
     plain = PlainDCGAN(cfg, build_dataset(cfg).tensors[0])
     # Per step, per loop: wall seconds and this process's CPU seconds (all its threads). On a shared
     # machine, wall time also holds the waits for a core; CPU time is what the code itself costs.

@@ -38,12 +38,12 @@ def _rank(rank: int, world: int, port: int, out_dir: str, recipe: str, overrides
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
-    from ganscale import config
+    from ganscale import config, preflight
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
     cfg = config.load(recipe, overrides)
-    config.check(cfg, 1 if independent else world, False)
+    preflight.check(cfg, 1 if independent else world, False)
     runtime = start("cpu")
     steps: list[tuple[float, float]] = []
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch.utils.data import Dataset
 
 from ganscale.config import Config
+from ganscale.data.custom import user_dataset
 from ganscale.data.folder import ImageFolder
 from ganscale.data.images import digits
 from ganscale.data.mixtures import grid25, ring8
@@ -26,6 +27,8 @@ def build_dataset(cfg: Config) -> Dataset:
         return ring8(d.size, seed=cfg.train.seed)
     if d.kind == "grid25":
         return grid25(d.size, seed=cfg.train.seed)
+    if d.kind == "custom":
+        return user_dataset(cfg)
     if d.kind == "paired":
         return PairedImages(d.path, d.load_size, d.resolution, d.direction, seed=cfg.train.seed, channels=d.channels)
     return ImageFolder(d.path, d.resolution, d.channels)

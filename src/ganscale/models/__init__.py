@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ganscale.config import Config
+from ganscale import usercode
+from ganscale.config import Config, ConfigError
 from ganscale.models.biggan import BigGANDiscriminator, BigGANGenerator
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
@@ -22,6 +23,9 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
     elif m.kind == "biggan":
         G = BigGANGenerator(d.resolution, m.g_width, m.z_dim, m.n_classes, d.channels, m.shared_dim, m.attn_resolution)
         D = BigGANDiscriminator(d.resolution, m.d_width, m.n_classes, d.channels, m.attn_resolution)
+    elif m.kind == "custom":
+        G = user_network(m.generator, m.generator_args, "model.generator", cfg.code_path)
+        D = user_network(m.discriminator, m.discriminator_args, "model.discriminator", cfg.code_path)
     elif m.kind == "pix2pix":
         G = UNetGenerator(d.channels, d.channels, d.resolution, m.g_width, m.norm)
         D = PatchDiscriminator(2 * d.channels, m.d_width, norm=m.norm)
@@ -29,6 +33,15 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
         G = DCGANGenerator(m.z_dim, d.channels, d.resolution, m.g_width, m.g_batchnorm)
         D = DCGANDiscriminator(d.channels, d.resolution, m.d_width, m.d_spectral_norm)
     return G, D
+
+
+def user_network(spec: str, args: dict, key: str, code_path: list[str]) -> nn.Module:
+    """The user's network from its factory (model.kind=custom)."""
+    network = usercode.build(spec, args, key, code_path)
+    if not isinstance(network, nn.Module):
+        raise ConfigError(key, f"{spec} returned a {type(network).__name__}, not a torch.nn.Module",
+                          "return an nn.Module from the factory")
+    return network
 
 
 def meta_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:

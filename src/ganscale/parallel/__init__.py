@@ -39,10 +39,33 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ganscale.config import FULLY_SHARDED, ParallelConfig
+from ganscale.config import ParallelConfig
 from ganscale.models.spectral import power_iteration_paused, spectral_norms
 from ganscale.parallel.syncbn import average_batchnorm_stats, convert_batchnorm
 from ganscale.runtime import Runtime
+
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a strategy can take: preflight asks this instead of listing strategy names."""
+    fully_sharded: bool      # FSDP2: parameters are DTensor shards (cpu_offload; no channels-last weights)
+    compiles: bool           # torch.compile computes what eager does (no hooks or stages to cross)
+    double_backward: bool    # R1 / the gradient penalty through it, as D
+    sharded_checkpoint: bool # torch's distributed state-dict API writes its shards (checkpoint.format=sharded)
+
+
+CAPABILITIES = {
+    "ddp": Capabilities(fully_sharded=False, compiles=True, double_backward=True, sharded_checkpoint=True),
+    "zero1": Capabilities(fully_sharded=False, compiles=True, double_backward=True, sharded_checkpoint=False),
+    # FSDP2 crashes on, or silently leaves empty, a double backward's D gradients
+    "zero2": Capabilities(fully_sharded=True, compiles=False, double_backward=False, sharded_checkpoint=True),
+    "fsdp": Capabilities(fully_sharded=True, compiles=False, double_backward=False, sharded_checkpoint=True),
+    "hsdp": Capabilities(fully_sharded=True, compiles=False, double_backward=False, sharded_checkpoint=True),
+    # the input gradient would have to flow back through every stage twice
+    "pipeline": Capabilities(fully_sharded=False, compiles=False, double_backward=False, sharded_checkpoint=False),
+}
+FULLY_SHARDED = tuple(name for name, can in CAPABILITIES.items() if can.fully_sharded)
 
 FULL = StateDictOptions(full_state_dict=True)
 SAVED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered into rank 0's host memory only
@@ -57,7 +80,7 @@ class Layout:
     """
     runtime: Runtime
     options: ParallelConfig
-    cross_rank_batchnorm: bool = False  # Config.cross_rank_batchnorm: parallel.sync_bn as it applies to this run
+    cross_rank_batchnorm: bool = False  # preflight.cross_rank_batchnorm: parallel.sync_bn as it applies to this run
 
     @property
     def mesh_shape(self) -> tuple[int, int]:

@@ -21,9 +21,9 @@ What is exact and what is not (the promise: same training as one process, or say
 - Without BatchNorm the passes equal one process on the same batch up to float rounding.
 - BatchNorm normalises each pipeline micro-batch on its own: the same training as one process only
   when that process uses the same micro-batch (`train.micro_batch` = batch / (dp x microbatches)).
-  `parallel.sync_bn` is refused (config.check).
+  `parallel.sync_bn` is refused (preflight.check).
 - No double backward goes through a pipeline: R1 and the gradient penalty are refused for a
-  pipelined D (config.check).
+  pipelined D (preflight.check).
 - Spectral norm refines its estimate (power iteration) in a part's first micro-batch of a pass only: once
   per step, as the trainer's first micro-step does (models/spectral.py). The schedule runs the forwards,
   so a forward hook pauses it after the first.

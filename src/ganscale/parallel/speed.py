@@ -13,7 +13,7 @@
   norm gets a second graph (per form of its forward) for its later micro-steps, compiled once, not per step.
 - Fused Adam is the optimizer's own option (`optim.fused`), set where the trainer builds its optimizers.
 
-What compilation cannot do is refused by config.check: double backward (R1, gradient penalty), FSDP2's
+What compilation cannot do is refused by preflight.check: double backward (R1, gradient penalty), FSDP2's
 hooks and pipeline stages.
 """
 

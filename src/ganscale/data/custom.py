@@ -1,0 +1,69 @@
+"""The user's own data set (data.kind=custom): built from data.dataset, its first item checked."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+from ganscale import usercode
+from ganscale.config import Config, ConfigError
+
+ITEMS = {"unconditional": "an image tensor", "class-conditional": "(image, label)", "paired": "(input, target)"}
+
+
+class UserDataset(Dataset):
+    """The user's map-style data set, each item as a tuple of fields: (image,), (image, label) or (input, target)."""
+
+    def __init__(self, items: Dataset):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple:
+        item = self.items[index]
+        return tuple(item) if isinstance(item, (tuple, list)) else (item,)
+
+
+def user_dataset(cfg: Config) -> UserDataset:
+    d = cfg.data
+    items = usercode.build(d.dataset, d.dataset_args, "data.dataset", cfg.code_path)
+    if not (hasattr(items, "__getitem__") and hasattr(items, "__len__")):
+        raise ConfigError("data.dataset", f"{d.dataset} returned a {type(items).__name__}, not a map-style data set",
+                          "return a torch.utils.data.Dataset with __len__ and __getitem__")
+    if len(items) == 0:
+        raise ConfigError("data.dataset", f"{d.dataset} returned an empty data set", "return at least one item")
+    dataset = UserDataset(items)
+    _check_item(dataset[0], cfg)
+    return dataset
+
+
+def _check_item(item: tuple, cfg: Config) -> None:
+    """The first item has the fields the task takes, each of the sample's shape and in [-1, 1]."""
+    task, shape = cfg.model.conditioning, cfg.data.sample_shape
+    expected = f"{ITEMS[task]}, each image a float tensor of shape {tuple(shape)} in [-1, 1]"
+    fields = 1 if task == "unconditional" else 2
+    images = item if task == "paired" else item[:1]
+    if len(item) != fields or not all(isinstance(image, torch.Tensor) for image in images):
+        raise ConfigError("data.dataset", f"item 0 is {_describe(item)}; model task {task} takes {expected}",
+                          f"return {ITEMS[task]} from __getitem__, or change model.task")
+    for image in images:
+        if not image.is_floating_point() or tuple(image.shape) != tuple(shape):
+            raise ConfigError("data.dataset", f"item 0 holds a {image.dtype} tensor of shape {tuple(image.shape)}, "
+                              f"not {tuple(shape)}", "return float images, or set data.channels and data.resolution "
+                              "to the data's shape")
+        if image.numel() and not -1 <= float(image.min()) <= float(image.max()) <= 1:
+            raise ConfigError("data.dataset", f"item 0 has values in [{float(image.min()):g}, {float(image.max()):g}]",
+                              "scale images to [-1, 1] (x / 127.5 - 1 for bytes)")
+    if task == "class-conditional":
+        label = item[1]
+        value = int(label) if isinstance(label, int) or (isinstance(label, torch.Tensor) and label.numel() == 1
+                                                         and not label.is_floating_point()) else None
+        if value is None or not 0 <= value < cfg.model.n_classes:
+            raise ConfigError("data.dataset", f"item 0's label is {label!r}, not an integer class in "
+                              f"[0, {cfg.model.n_classes})", "return (image, class index), or set model.n_classes")
+
+
+def _describe(item: tuple) -> str:
+    parts = [f"tensor{tuple(f.shape)}" if isinstance(f, torch.Tensor) else type(f).__name__ for f in item]
+    return parts[0] if len(parts) == 1 else f"({', '.join(parts)})"

@@ -1,0 +1,410 @@
+"""Preflight: every combination of options that cannot be right, refused before any process starts or anything is
+written (ConfigError: exit 2, one line naming the key and the fix).
+
+It sits above models, data and parallel: it asks a network what it holds (BatchNorm, layers the pipeline can
+split), a strategy what it can take (parallel.CAPABILITIES), and runs the user's own networks, data set and loss
+once on a tiny batch (model.kind, data.kind or loss.kind naming the user's code).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ganscale import objectives, usercode
+from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
+from ganscale.data import build_dataset
+from ganscale.models import build_networks, meta_networks
+from ganscale.parallel import CAPABILITIES
+from ganscale.parallel.pipeline import split
+from ganscale.tasks import build_task
+
+
+def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
+    """Combinations that cannot be right, checked once the world size is known."""
+    _check_user_code_named(cfg)
+    t = cfg.train
+    pipelined = cfg.parallel.pipelined
+    if pipelined:
+        _check_pipeline(cfg, world_size)  # first: the batch split below depends on stages and replicas
+    elif t.micro_batch is not None and t.batch_size % (world_size * t.micro_batch):
+        raise ConfigError("train.batch_size",
+                          f"global batch {t.batch_size} is not divisible by world size {world_size} "
+                          f"x micro_batch {t.micro_batch}",
+                          f"make train.batch_size a multiple of {world_size * t.micro_batch}, "
+                          "or change train.micro_batch")
+    elif t.micro_batch is None and t.batch_size % world_size:
+        raise ConfigError("train.batch_size",
+                          f"global batch {t.batch_size} is not divisible by world size {world_size}",
+                          f"make train.batch_size a multiple of {world_size}")
+    on_cuda = t.device == "cuda" or (t.device == "auto" and cuda_available)
+    if t.device == "cuda" and not cuda_available:
+        raise ConfigError("train.device", "cuda requested but no CUDA device is visible",
+                          "set train.device=cpu or auto")
+    if t.precision == "fp16" and not on_cuda:
+        raise ConfigError("train.precision", "fp16 with a GradScaler needs a CUDA device; this run is on the CPU",
+                          "use train.precision=bf16 (or fp32) on the CPU")
+    if cfg.parallel.backend == "nccl" and not on_cuda:
+        raise ConfigError("parallel.backend", "nccl runs only on CUDA devices; this run is on the CPU",
+                          "use parallel.backend=gloo or auto")
+    _check_task(cfg)
+    _check_reuse_fake(cfg, world_size)
+    micro = cfg.micro_batch(world_size)
+    if (not pipelined and cfg.model.kind in ("dcgan", "mlp") and cfg.model.g_batchnorm and micro == 1
+            and not cross_rank_batchnorm(cfg, world_size)):
+        raise ConfigError("train.micro_batch", "BatchNorm in G with one sample per rank has no batch statistics",
+                          "raise train.micro_batch, set parallel.sync_bn=true, or model.g_batchnorm=false")
+    if cfg.data.kind in ("folder", "paired") and not cfg.data.path:
+        raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a directory", "set data.path=/path/to/images")
+    if cfg.data.kind in ("folder", "paired") and not Path(cfg.data.path).is_dir():
+        raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
+    if cfg.loss.with_gradient_penalty and cfg.loss.gp_weight == 0:
+        raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
+                          "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
+    _check_parallel(cfg.parallel, world_size, on_cuda)
+    _check_user_code(cfg)
+    _check_eval(cfg)
+    _check_compile(cfg)
+    _check_channels_last(cfg)
+    unsupported = sorted({s for s in cfg.parallel.strategies() if not CAPABILITIES[s].sharded_checkpoint})
+    if cfg.checkpoint.format == "sharded" and unsupported:
+        raise ConfigError("checkpoint.format", f"sharded checkpoints are written through torch's state-dict API, "
+                          f"which {', '.join(unsupported)} does not offer", "use checkpoint.format=full with "
+                          f"{', '.join(unsupported)}, or zero2/fsdp/hsdp (which shard the optimizer state too)")
+    if not CAPABILITIES[cfg.parallel.discriminator].double_backward and cfg.loss.penalises_input_gradient:
+        raise ConfigError("parallel.discriminator",
+                          f"{cfg.parallel.discriminator} cannot take the double backward of R1 / gradient penalty "
+                          "(FSDP2 crashes, or silently leaves every D gradient empty)",
+                          "keep D on ddp or zero1 (set parallel.discriminator=zero1 to still shard its optimizer "
+                          "state), or drop the penalty")
+    if cfg.parallel.sync_bn and world_size > 1 and penalty_through_batchnorm(cfg):
+        raise ConfigError("parallel.sync_bn", "D has BatchNorm, and the double backward of R1 / the gradient penalty "
+                          "cannot pass through a cross-rank BatchNorm",
+                          "use a D without BatchNorm (model.norm=instance for pix2pix), drop the penalty "
+                          "(loss.r1_gamma=0, a loss.kind other than wgan-gp), or leave parallel.sync_bn unset")
+    is_2d = cfg.data.kind in ("ring8", "grid25")
+    if cfg.model.kind != "custom" and cfg.data.kind != "custom" and is_2d != (cfg.model.kind == "mlp"):
+        raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
+                          "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
+    _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
+    if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
+        raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
+                          "use 8, 16, 32, 64, ...")
+
+
+def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
+    m = cfg.model
+    for key, value, default in (("model.pack", m.pack, 1), ("model.d_maxout", m.d_maxout, 0)):
+        if value != default and m.kind != "mlp":
+            raise ConfigError(key, f"{key}={value} applies to the mlp discriminator only, not model.kind={m.kind}",
+                              f"set {key}={default}, or use model.kind=mlp (ring8/grid25)")
+    if m.d_maxout == 1:
+        raise ConfigError("model.d_maxout", "maxout with 1 piece is no non-linearity (a linear D)",
+                          "set model.d_maxout=0 (LeakyReLU) or 2 or more pieces (PacGAN: 5)")
+    if m.pack == 1:
+        return
+    if cfg.parallel.pipelined:
+        raise ConfigError("model.pack", "a packed D reshapes its input before its layers, which the pipeline's "
+                          "stages do not see", "set model.pack=1 with the pipeline strategy, or use ddp/zero1")
+    if cfg.loss.with_gradient_penalty:
+        raise ConfigError("model.pack", "the gradient penalty is taken per sample, not per packed input",
+                          "set model.pack=1 with loss.kind=wgan-gp, or use another loss.kind (R1 works with packing)")
+    if micro % m.pack:
+        how = "train.micro_batch" if cfg.train.micro_batch else "train.batch_size / world size"
+        raise ConfigError("model.pack", f"each rank's micro-batch of {micro} samples ({how}) does not split into "
+                          f"packs of {m.pack}", f"make model.pack a divisor of {micro}, or change {how.split(' ')[0]}")
+
+
+def _check_task(cfg: Config) -> None:
+    """The model, the data and the loss must agree on what G is given and what D judges."""
+    m, d, loss = cfg.model, cfg.data, cfg.loss
+    task = m.conditioning
+    if d.kind != "custom" and (task == "paired") != (d.kind == "paired"):
+        raise ConfigError("model.kind", f"model.kind={m.kind} with data.kind={d.kind}: pix2pix translates paired "
+                          "images and only pix2pix takes them",
+                          "use model.kind=pix2pix with data.kind=paired, or neither")
+    if d.kind != "custom" and (task == "class-conditional") != d.labels:
+        raise ConfigError("data.labels", f"data.labels={d.labels} with model.kind={m.kind}: class labels are for the "
+                          "class-conditional biggan model only",
+                          "use model.kind=biggan with data.labels=true, or neither")
+    if d.labels and d.kind != "digits":
+        raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels", "use data.kind=digits (10 classes)")
+    if d.labels and m.n_classes != 10:
+        raise ConfigError("model.n_classes", f"{m.n_classes} classes, but the digits have 10", "set model.n_classes=10")
+    if loss.l1_weight > 0 and task != "paired":
+        raise ConfigError("loss.l1_weight", f"an L1 term needs a target image; model.kind={m.kind} has none",
+                          "set loss.l1_weight=0, or train model.kind=pix2pix on paired data")
+    if loss.with_gradient_penalty and task != "unconditional":
+        raise ConfigError("loss.kind" if loss.kind == "wgan-gp" else "loss.gradient_penalty",
+                          f"the gradient penalty interpolates real and generated inputs, which {m.kind} pairs with "
+                          "conditions",
+                          "use loss.kind=hinge (BigGAN) or nonsaturating (pix2pix), with loss.r1_gamma if needed")
+    if m.kind == "pix2pix" and d.resolution < 32:
+        raise ConfigError("data.resolution", f"{d.resolution}: the 70x70 PatchGAN reduces a crop by 2^3 and then "
+                          "by its 4x4 convolutions, which leaves nothing to judge below 32 pixels",
+                          "use data.resolution >= 32 (the reference crops 256)")
+    if d.kind == "paired" and d.load_size < d.resolution:
+        raise ConfigError("data.load_size", f"{d.load_size} is smaller than the crop data.resolution={d.resolution}",
+                          "set data.load_size >= data.resolution (pix2pix: 286 and 256)")
+
+
+def reuse_fake_conflict(cfg: Config, world_size: int) -> tuple[str, str] | None:
+    """Why G's step cannot judge D's step's samples (one G forward per iteration), and the fix; None if it can.
+    It needs D's one micro-batch of samples to be G's whole batch."""
+    if cfg.loss.n_critic > 1:
+        return (f"with loss.n_critic={cfg.loss.n_critic} the D steps judge {cfg.loss.n_critic} batches of samples "
+                "and G's step one", "set loss.n_critic=1, or train.reuse_fake=false")
+    if cfg.parallel.pipelined:
+        return ("the pipeline's stages run G's forward inside each step",
+                "set train.reuse_fake=false, or another strategy")
+    if cfg.accumulation_steps(world_size) > 1:
+        return (f"{cfg.accumulation_steps(world_size)} accumulation micro-steps would keep every micro-batch's G "
+                "graph alive until G's step",
+                "set train.reuse_fake=false, or raise train.micro_batch to batch_size / world size")
+    return None
+
+
+def _check_reuse_fake(cfg: Config, world_size: int) -> None:
+    conflict = reuse_fake_conflict(cfg, world_size) if cfg.train.reuse_fake else None
+    if conflict is not None:
+        raise ConfigError("train.reuse_fake", *conflict)
+
+
+def _check_pipeline(cfg: Config, world_size: int) -> None:
+    """The pipeline strategy (parallel/pipeline.py): what it cannot compute like one process, refused."""
+    p, t = cfg.parallel, cfg.train
+    if p.generator != p.discriminator:
+        raise ConfigError("parallel.discriminator",
+                          f"pipeline for one network only ({p.generator}, {p.discriminator}): "
+                          "the G step runs G's stages and then D's in one pipeline",
+                          "set parallel.generator=pipeline and parallel.discriminator=pipeline, or neither")
+    # Next, the networks themselves: for a model the pipeline cannot split (biggan, pix2pix), every other
+    # setting below is moot, and a fix that one of them suggests (model.g_batchnorm) would not apply to it.
+    generator, discriminator = meta_networks(cfg)
+    split(generator, p.pipeline_stages, "G")  # ConfigError: not a sequence of layers, or fewer layers than stages
+    split(discriminator, p.pipeline_stages, "D")
+    if world_size % p.pipeline_stages:
+        raise ConfigError("parallel.pipeline_stages",
+                          f"{p.pipeline_stages} stages do not divide the world size {world_size}",
+                          f"use a number of stages that divides {world_size}, "
+                          f"or {p.pipeline_stages} x replicas processes")
+    replicas = world_size // p.pipeline_stages
+    if p.mesh is not None and tuple(p.mesh) != (replicas, p.pipeline_stages):
+        raise ConfigError("parallel.mesh", f"{list(p.mesh)} is not [pipeline replicas, pipeline_stages]",
+                          f"set parallel.mesh=[{replicas}, {p.pipeline_stages}] or remove it")
+    if t.batch_size % (replicas * p.microbatches):
+        raise ConfigError("parallel.microbatches", f"global batch {t.batch_size} does not split into {replicas} "
+                          f"pipeline replica(s) x {p.microbatches} micro-batches",
+                          f"make train.batch_size a multiple of {replicas * p.microbatches}, "
+                          "or change parallel.microbatches")
+    if t.micro_batch is not None:
+        raise ConfigError("train.micro_batch", "the pipeline's micro-batches replace train.micro_batch",
+                          "remove train.micro_batch and set parallel.microbatches (micro-batches per pipeline replica)")
+    if cfg.loss.penalises_input_gradient:
+        raise ConfigError("parallel.discriminator", "a pipelined D cannot take the double backward of R1 / gradient "
+                          "penalty (the input gradient would have to flow back through every stage twice)",
+                          "set loss.r1_gamma=0 and a loss.kind other than wgan-gp, or another strategy")
+    if t.precision == "fp16":
+        raise ConfigError("train.precision", "fp16's GradScaler would scale the loss on the last stage only and find "
+                          "overflows in each stage's own gradients: after one overflow the stages would unscale by "
+                          "different factors", "use train.precision=bf16 (no loss scale) or fp32 with the pipeline")
+    if p.sync_bn:
+        raise ConfigError("parallel.sync_bn", "with the pipeline, BatchNorm normalises each micro-batch of a stage; "
+                          "statistics across ranks would mix stages and micro-batches",
+                          "set parallel.sync_bn=false (raise parallel.microbatches' size instead), or another strategy")
+    if cfg.model.g_batchnorm and t.batch_size == replicas * p.microbatches:
+        raise ConfigError("parallel.microbatches", "BatchNorm in G with one sample per pipeline micro-batch has no "
+                          "batch statistics",
+                          "lower parallel.microbatches, raise train.batch_size, or model.g_batchnorm=false")
+
+
+def cross_rank_batchnorm(cfg: Config, world_size: int) -> bool:
+    """Whether BatchNorm statistics span the ranks: parallel.sync_bn as set, or, unset, wherever one process
+    normalises what the ranks hold together. Not with a set train.micro_batch (each rank normalises it as one
+    process does), the pipeline (each of its micro-batches by design), or R1 / the gradient penalty through
+    a D with BatchNorm (their double backward cannot pass a cross-rank BatchNorm)."""
+    if world_size == 1:
+        return False
+    if cfg.parallel.sync_bn is not None:
+        return cfg.parallel.sync_bn
+    return cfg.train.micro_batch is None and not cfg.parallel.pipelined and not penalty_through_batchnorm(cfg)
+
+
+def has_batchnorm(network: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in network.modules())
+
+
+def penalty_through_batchnorm(cfg: Config) -> bool:
+    """R1 / the gradient penalty through a D with BatchNorm: a cross-rank BatchNorm's backward is not differentiable
+    again, so its double backward cannot pass one."""
+    if not cfg.loss.penalises_input_gradient:
+        return False
+    return has_batchnorm(meta_networks(cfg)[1])
+
+
+def _check_compile(cfg: Config) -> None:
+    """torch.compile where it computes what eager does: no double backward, no FSDP2 hooks or pipeline stages."""
+    if cfg.train.compile == "off":
+        return
+    if cfg.loss.penalises_input_gradient:
+        raise ConfigError("train.compile", "compiled networks cannot take the double backward of R1 or the gradient "
+                          "penalty (aot_autograd does not support it)",
+                          "set train.compile=off, or loss.r1_gamma=0 with a loss other than wgan-gp")
+    eager_only = sorted({s for s in cfg.parallel.strategies() if not CAPABILITIES[s].compiles})
+    if eager_only:
+        raise ConfigError("train.compile", f"compiling {', '.join(eager_only)} networks is not supported by ganscale "
+                          "(their communication runs in hooks and stages the compiled graph would have to cross)",
+                          "set train.compile=off, or use ddp or zero1 for both networks")
+
+
+def _check_channels_last(cfg: Config) -> None:
+    """FSDP2 shards only contiguous parameters, and channels-last 4-D weights are not (torch 2.13)."""
+    sharded = sorted({s for s in cfg.parallel.strategies() if CAPABILITIES[s].fully_sharded})
+    if cfg.train.channels_last and sharded:
+        raise ConfigError("train.channels_last", f"{', '.join(sharded)} networks cannot hold channels-last weights "
+                          "(FSDP2 shards only contiguous parameters)",
+                          "set train.channels_last=false, or use ddp or zero1 for both networks")
+
+
+def _check_eval(cfg: Config) -> None:
+    e = cfg.eval
+    if not e.every:
+        return
+    if cfg.data.kind in ("ring8", "grid25", "paired"):
+        how = ("2D mixtures are scored (modes, % high quality) at every sample grid: set log.sample_every"
+               if cfg.data.kind != "paired" else "score pix2pix runs with `ganscale eval RUN --pairs HELD_OUT_DIR`")
+        raise ConfigError("eval.every", f"image metrics do not apply to data.kind={cfg.data.kind}",
+                          f"set eval.every=0; {how}")
+    if cfg.parallel.pipelined:
+        raise ConfigError("eval.every", "periodic image metrics are not wired to the pipeline yet (each rank would "
+                          "need its own noise through the shared stages)",
+                          "set eval.every=0 and run `ganscale eval RUN`")
+    if e.extractor(cfg.data.kind) == "inception" and not (e.inception_weights and Path(e.inception_weights).is_file()):
+        raise ConfigError("eval.inception_weights",
+                          f"Inception features need a local weights file; got {e.inception_weights!r}",
+                          "set eval.inception_weights to pytorch-fid's pt_inception-2015-12-05 .pth file "
+                          "(or torch-fidelity's), or eval.every=0")
+
+
+def _check_parallel(p: ParallelConfig, world_size: int, on_cuda: bool) -> None:
+    uses_mesh = "hsdp" in p.strategies() or "pipeline" in p.strategies()
+    if p.mesh is not None and not uses_mesh:
+        raise ConfigError("parallel.mesh",
+                          f"a mesh is set but no network uses it (strategies {p.generator}, {p.discriminator})",
+                          "set parallel.generator or parallel.discriminator to hsdp (or both to pipeline), "
+                          "or remove parallel.mesh")
+    if p.mesh is not None and (min(p.mesh) < 1 or p.mesh[0] * p.mesh[1] != world_size):
+        raise ConfigError("parallel.mesh", f"{list(p.mesh)} does not multiply to the world size {world_size}",
+                          f"use two positive sizes whose product is {world_size}, "
+                          f"e.g. [{max(world_size // 2, 1)}, {min(2, world_size)}]")
+    if p.cpu_offload and not any(CAPABILITIES[s].fully_sharded for s in p.strategies()):
+        raise ConfigError("parallel.cpu_offload",
+                          f"only zero2/fsdp/hsdp networks can offload; these are {p.generator}, {p.discriminator}",
+                          "set parallel.generator=fsdp (or zero2/hsdp), or parallel.cpu_offload=false")
+    if p.cpu_offload and not on_cuda:
+        raise ConfigError("parallel.cpu_offload", "FSDP2's CPU offload moves shards between a GPU and host memory; "
+                          "this run is on the CPU, where everything already lives in host memory",
+                          "set parallel.cpu_offload=false on CPU runs")
+
+
+def _check_user_code_named(cfg: Config) -> None:
+    """The options naming the user's code are set where they are used, and only there."""
+    m, d = cfg.model, cfg.data
+    for key, value in (("model.generator", m.generator), ("model.discriminator", m.discriminator)):
+        if m.kind == "custom" and not value:
+            raise ConfigError(key, "model.kind=custom needs the network's factory", f"set {key}=my_module:ClassName")
+    for key, used in (("model.generator", m.generator), ("model.generator_args", m.generator_args),
+                      ("model.discriminator", m.discriminator), ("model.discriminator_args", m.discriminator_args),
+                      ("model.task", m.task != "unconditional")):
+        if used and m.kind != "custom":
+            raise ConfigError(key, f"{key} applies to model.kind=custom only, not model.kind={m.kind}",
+                              f"set model.kind=custom, or remove {key}")
+    if d.kind == "custom" and not d.dataset:
+        raise ConfigError("data.dataset", "data.kind=custom needs the data set's factory",
+                          "set data.dataset=my_module:make_dataset")
+    for key, used in (("data.dataset", d.dataset), ("data.dataset_args", d.dataset_args)):
+        if used and d.kind != "custom":
+            raise ConfigError(key, f"{key} applies to data.kind=custom only, not data.kind={d.kind}",
+                              f"set data.kind=custom, or remove {key}")
+
+
+def _check_user_code(cfg: Config) -> None:
+    """The user's data set, loss and networks, run once on the CPU (the data set: its first item; the networks:
+    a batch of 2), without touching the global RNG."""
+    user_loss = cfg.loss.kind not in SHIPPED_LOSSES
+    if not (cfg.model.kind == "custom" or cfg.data.kind == "custom" or user_loss):
+        return
+    usercode.search(cfg.code_path)
+    with torch.random.fork_rng(devices=[]):
+        if cfg.data.kind == "custom":
+            build_dataset(cfg)  # checks its first item against the task and the sample shape
+        if user_loss:
+            _check_user_loss(cfg.loss.kind)
+        if cfg.model.kind == "custom":
+            _check_user_networks(cfg)
+
+
+def _check_user_loss(kind: str) -> None:
+    real, fake = torch.randn(2, 1, requires_grad=True), torch.randn(2, 1, requires_grad=True)
+    for term, compute in (("d_loss", lambda: objectives.d_loss(kind, real, fake)),
+                          ("g_loss", lambda: objectives.g_loss(kind, fake))):
+        value = _run("loss.kind", f"{kind}'s {term} on logits of shape (2, 1)", compute,
+                     "make it a function of logit tensors (see objectives.py)")
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.requires_grad):
+            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ConfigError("loss.kind", f"{kind}'s {term} returned {got}, not a scalar computed from the logits",
+                              "return a 0-dim tensor of the logits, e.g. a mean over the batch")
+
+
+SIGNATURES = {  # how the trainer calls the user's G and D, per task (tasks.py)
+    "unconditional": ("forward(z)", "forward(x)"),
+    "class-conditional": ("forward(z, labels)", "forward(x, labels)"),
+    "paired": ("forward(input, seeds=None)", "forward(input and output concatenated on channels)"),
+}
+
+
+def _check_user_networks(cfg: Config) -> None:
+    """G's output has the data's sample shape, D gives one logit per sample (per patch, paired), and D can be
+    differentiated twice where R1 or the gradient penalty needs it."""
+    m, shape, batch = cfg.model, cfg.data.sample_shape, 2
+    generator, discriminator = build_networks(cfg)
+    task = build_task(cfg, previews=False)
+    g_call, d_call = SIGNATURES[m.conditioning]
+    labels = torch.randint(m.n_classes, (batch,)) if task.n_classes else None
+    images = torch.zeros(batch, *shape)
+    real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
+    fake = _run("model.generator", f"{m.generator} on {batch} latents",
+                lambda: task.generate(generator, real, torch.randn(batch, m.z_dim), labels), f"give G {g_call}")
+    if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (batch, *shape):
+        got = f"shape {tuple(fake.shape)}" if isinstance(fake, torch.Tensor) else f"a {type(fake).__name__}"
+        raise ConfigError("model.generator", f"{m.generator} returns {got} for {batch} latents of size {m.z_dim}, "
+                          f"but the data's samples are {tuple(shape)}",
+                          f"make G return ({batch}, {', '.join(map(str, shape))}) for {batch} latents, or set "
+                          "data.channels and data.resolution to the shape G draws")
+    critic_input = task.critic_view(real, fake.detach()).requires_grad_(True)
+    logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
+                  lambda: discriminator(critic_input, *task.critic_conditions(None, labels)), f"give D {d_call}")
+    per_patch = m.conditioning == "paired"
+    if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or logits.shape[0] != batch or (
+            not per_patch and logits.numel() != batch):
+        got = f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
+        raise ConfigError("model.discriminator", f"{m.discriminator} returns {got} for {batch} samples, not one "
+                          f"logit per sample{' (or per patch)' if per_patch else ''}",
+                          f"return ({batch},) or ({batch}, 1){f' or ({batch}, 1, h, w)' if per_patch else ''} logits")
+    if cfg.loss.penalises_input_gradient:
+        key = "loss.r1_gamma" if cfg.loss.r1_gamma > 0 else "loss.kind"
+        _run(key, f"R1 / the gradient penalty through {m.discriminator} (a double backward)",
+             lambda: objectives.r1_penalty(logits, critic_input).backward(),
+             "set loss.r1_gamma=0 and no gradient penalty, or build D from layers that support double backward")
+
+
+def _run(key: str, what: str, compute, fix: str):
+    """compute(), its failure a ConfigError naming `key`."""
+    try:
+        return compute()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code failing: one line naming the option, not a traceback
+        raise ConfigError(key, f"{what} failed ({usercode.one_line(e)})", fix) from None

@@ -1,0 +1,201 @@
+"""The user's own GAN: G, D, data set and loss from a package written here, trained like a shipped recipe."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_helpers import assert_same_functions, max_relative_difference, run_ranks, train_and_collect
+from test_cli import explain, ganscale
+from test_distributed import TOLERANCE
+
+NETS = '''
+import torch
+from torch import nn
+
+
+class Generator(nn.Module):
+    def __init__(self, z_dim, width=16, n_classes=0):
+        super().__init__()
+        self.embed = nn.Embedding(n_classes, z_dim) if n_classes else None
+        self.net = nn.Sequential(nn.Linear(z_dim, width), nn.LeakyReLU(0.2), nn.Linear(width, 64), nn.Tanh())
+
+    def forward(self, z, labels=None):
+        if self.embed is not None:
+            z = z * self.embed(labels)
+        return self.net(z).view(-1, 1, 8, 8)
+
+
+class Discriminator(nn.Module):
+    def __init__(self, width=16, n_classes=0):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.LeakyReLU(0.2))
+        self.head = nn.Linear(width, 1)
+        self.embed = nn.Embedding(n_classes, width) if n_classes else None
+
+    def forward(self, x, labels=None):
+        h = self.body(x)
+        logits = self.head(h).squeeze(1)
+        return logits if self.embed is None else logits + (self.embed(labels) * h).sum(1)
+
+
+def make_discriminator(width=16, n_classes=0):
+    return Discriminator(width, n_classes)
+
+
+class WrongShape(Generator):
+    def forward(self, z, labels=None):
+        return self.net(z)
+
+
+class TwoLogits(Discriminator):
+    def forward(self, x, labels=None):
+        return torch.cat([self.head(self.body(x))] * 2, 1)
+
+
+class NoDoubleBackward(Discriminator):
+    def forward(self, x, labels=None):
+        return torch.nn.functional.relu(self.head(self.body(x.detach()))).squeeze(1)
+
+
+NOT_A_FACTORY = 3
+'''
+
+DATA = '''
+import torch
+from torch.utils.data import Dataset
+
+
+class Blobs(Dataset):
+    """Deterministic 1x8x8 images in [-1, 1], with a class each."""
+
+    def __init__(self, size=96, labels=False, scale=1.0):
+        g = torch.Generator().manual_seed(0)
+        self.images = (torch.rand(size, 1, 8, 8, generator=g) * 2 - 1) * scale
+        self.classes = torch.arange(size) % 10
+        self.labels = labels
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return (self.images[i], int(self.classes[i])) if self.labels else self.images[i]
+
+
+def make_dataset(size=96, labels=False, scale=1.0):
+    return Blobs(size, labels, scale)
+'''
+
+LOSSES = '''
+import torch.nn.functional as F
+
+
+class Hinge:
+    def d_loss(self, real, fake):
+        return F.relu(1 - real).mean() + F.relu(1 + fake).mean()
+
+    def g_loss(self, fake):
+        return -fake.mean()
+
+
+class NotScalar(Hinge):
+    def g_loss(self, fake):
+        return -fake
+'''
+
+CONFIG = '''
+name: blobs
+model:
+  kind: custom
+  generator: {package}.nets:Generator
+  generator_args: {{z_dim: 8, width: 16}}
+  discriminator: {package}.nets:make_discriminator
+  discriminator_args: {{width: 16}}
+  z_dim: 8
+data: {{kind: custom, dataset: {package}.data:make_dataset, dataset_args: {{size: 96}}, resolution: 8, channels: 1}}
+loss: {{kind: "{package}.losses:Hinge"}}
+train: {{steps: 3, batch_size: 8, seed: 3, ema_half_life_images: 50, device: cpu}}
+log: {{every: 1, sample_every: 0, tensorboard: false, step_times: false, samples: 4}}
+checkpoint: {{every: 0}}
+'''
+
+
+def write_user_gan(folder: Path, package: str) -> Path:
+    """A user's package (nets, data, losses) and a config.yaml beside it; returns the YAML path."""
+    (folder / package).mkdir(parents=True)
+    for name, text in (("__init__", ""), ("nets", NETS), ("data", DATA), ("losses", LOSSES)):
+        (folder / package / f"{name}.py").write_text(textwrap.dedent(text))
+    yaml_path = folder / "config.yaml"
+    yaml_path.write_text(CONFIG.format(package=package))
+    return yaml_path
+
+
+CLASSES = {"model.task": "class-conditional", "model.n_classes": 10, "model.generator_args": "{z_dim: 8, n_classes: 10}",
+           "model.discriminator_args": "{n_classes: 10}", "data.dataset_args": "{size: 96, labels: true}"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    {},                                                          # ddp, the user's hinge loss
+    {"parallel.generator": "fsdp", "loss.r1_gamma": 1},          # G sharded; R1 through the user's D
+    CLASSES,                                                     # class-conditional: G(z, labels), D(x, labels)
+], ids=["ddp", "fsdp-g-r1", "class-conditional"])
+def test_a_user_gan_on_two_ranks_equals_one_process(tmp_path, case):
+    recipe = str(write_user_gan(tmp_path / "code", f"user_gan_{len(case)}"))
+    one = run_ranks(train_and_collect, 1, case, str(tmp_path / "one"), None, None, recipe)[0]
+    two = run_ranks(train_and_collect, 2, case, str(tmp_path / "two"), None, None, recipe)
+    assert one["summary"]["steps"] == 3
+    labels = torch.arange(4) % 10
+    conditions = (labels,) if case is CLASSES else ()
+    inputs = {"G": (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), *conditions),
+              "D": (torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(2)) * 2 - 1, *conditions)}
+    assert_same_functions(case, one, two, inputs, recipe)
+    for rank in two:
+        assert max_relative_difference(one["D"], rank["D"]) <= TOLERANCE
+
+
+def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(tmp_path):
+    """The modules sit beside the YAML, not in the working directory: every worker finds them."""
+    recipe = write_user_gan(tmp_path / "project", "cli_user_gan")
+    (tmp_path / "elsewhere").mkdir()
+    result = ganscale("train", str(recipe), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                      cwd=tmp_path / "elsewhere", timeout=300)
+    assert result.returncode == 0, explain(result)
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert str(tmp_path / "project") in saved  # the folder every resume searches, absolute
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
+
+
+@pytest.mark.parametrize("override, key, said", [
+    ("model.generator=no_such_module:G", "model.generator", "No module named 'no_such_module'"),
+    ("model.generator={pkg}.nets:Missing", "model.generator", "has no attribute 'Missing'"),
+    ("model.generator={pkg}.nets:NOT_A_FACTORY", "model.generator", "not a class or a function"),
+    ("model.generator=Generator", "model.generator", "module:attribute"),
+    ("model.generator_args={{z_dim: 8, depth: 3}}", "model.generator_args", "depth"),
+    ("model.generator={pkg}.nets:WrongShape", "model.generator", "(2, 64)"),
+    ("model.discriminator={pkg}.nets:TwoLogits", "model.discriminator", "one logit per sample"),
+    ("model.discriminator={pkg}.nets:NoDoubleBackward", "loss.r1_gamma", "double backward"),
+    ("data.dataset_args={{scale: 3.0}}", "data.dataset", "[-1, 1]"),
+    ("data.resolution=16", "data.dataset", "(1, 16, 16)"),
+    ("model.task=class-conditional", "data.dataset", "(image, label)"),
+    ("loss.kind={pkg}.losses:NotScalar", "loss.kind", "not a scalar"),
+    ("loss.kind={pkg}.losses:Absent", "loss.kind", "has no attribute"),
+    ("parallel.generator=pipeline", "parallel.generator", "another strategy"),
+    ("model.kind=dcgan", "model.generator", "model.kind=custom only"),
+])
+def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, override, key, said):
+    package = f"bad_user_gan_{abs(hash(override)) % 10**8}"
+    recipe = write_user_gan(tmp_path, package)
+    extra = ["--set", "loss.r1_gamma=1"] if key == "loss.r1_gamma" else []
+    if override.startswith("parallel."):
+        extra += ["--set", "parallel.discriminator=pipeline"]
+    result = ganscale("train", str(recipe), "--set", override.format(pkg=package), *extra,
+                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert "Traceback" not in result.stderr, explain(result)
+    message = result.stderr.strip().splitlines()
+    assert len(message) == 1 and f"'{key}'" in message[0] and said in message[0], explain(result)
+    assert not (tmp_path / "run").exists()
