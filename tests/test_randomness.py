@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -11,6 +14,7 @@ from ganscale import randomness
 from ganscale.randomness import batch_seeds, sample_seeds, seeds_from
 
 TOLERANCE = 1e-5  # max |difference| relative to each tensor's scale, fp32, as tests/test_distributed.py
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "noise_injection" / "nets.py"
 
 
 def _latents(n: int = 6, z_dim: int = 4) -> Tensor:
@@ -85,9 +89,43 @@ def test_it_compiles_into_one_graph_with_the_trainer_s_seeds():
             assert torch.equal(compiled(x), forward(x))
 
 
+def _example():
+    """examples/noise_injection/nets.py, imported from its file."""
+    spec = importlib.util.spec_from_file_location("noise_injection_nets", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_s_noise_and_dropout_are_per_sample():
+    """examples/noise_injection: G's noise and D's dropout masks are a sample's own, whatever batch (or rank's
+    micro-batch) it is in; its noise changes G's output."""
+    nets = _example()
+    torch.manual_seed(0)
+    G, D = nets.NoiseInjectionGenerator(width=8), nets.DropoutDiscriminator(width=8)
+    for injection in G.modules():
+        if isinstance(injection, nets.NoiseInjection):
+            nn.init.ones_(injection.weight)
+    z = _latents(6, 32)
+    images = G(z)
+    assert images.shape == (6, 1, 8, 8) and images.abs().max() <= 1
+    assert torch.allclose(G(z[[4, 2]]), images[[4, 2]], atol=1e-6)
+    assert not torch.allclose(G(torch.cat([z[:, :1] + 1, z[:, 1:]], 1)), G(z.clone()), atol=1e-3)  # other seeds
+    both = torch.cat([images, images.flip(0)])  # [real, fake] as D's step sees them
+    with seeds_from(z):
+        logits = D(both)
+    with seeds_from(z[[4, 2]]):
+        assert torch.allclose(D(both[[4, 2, 10, 8]]), logits[[4, 2, 10, 8]], atol=1e-6)
+    assert logits.shape == (12, 1)
+    with seeds_from(z):
+        assert not torch.equal(D(both), D.eval()(both))  # the dropout is on in training
+
+
 # ------------------------------------------------------------------------------------------ 2 ranks vs 1 process
-RING8 = {"model.kind": "mlp", "data.kind": "ring8", "data.size": 500, "model.z_dim": 4, "train.batch_size": 16,
-         "train.steps": 4, "log.every": 100, "log.sample_every": 0, "checkpoint.every": 0, "log.tensorboard": "false"}
+QUIET = {"train.batch_size": 16, "train.steps": 4, "log.every": 100, "log.sample_every": 0, "checkpoint.every": 0,
+         "log.tensorboard": "false"}
+RING8 = {**QUIET, "model.kind": "mlp", "data.kind": "ring8", "data.size": 500, "model.z_dim": 4}
+DIGITS = {**QUIET, "data.kind": "digits", "model.z_dim": 32}
 
 
 class NoisyGenerator(nn.Module):
@@ -125,11 +163,15 @@ class DropoutDiscriminator(nn.Module):
 
 
 def _train_user_networks(rank: int, world: int, overrides: dict, run_dir: str, draw: str) -> dict:
-    """train_and_collect with the user networks above in place of the config's (the trainer's build_networks)."""
+    """train_and_collect with user networks in place of the config's (the trainer's build_networks): the MLPs above
+    (`draw`: how G draws its noise), or examples/noise_injection's ("example")."""
     from ganscale import trainer
 
     def user_networks(cfg):
         torch.manual_seed(cfg.train.seed)  # identical initialisation on every rank, as build_networks does
+        if draw == "example":
+            nets = _example()
+            return nets.NoiseInjectionGenerator(cfg.model.z_dim, width=8), nets.DropoutDiscriminator(width=8)
         return NoisyGenerator(cfg.model.z_dim, draw=draw), DropoutDiscriminator()
     trainer.build_networks = user_networks
     return train_and_collect(rank, world, overrides, run_dir, record_steps)
@@ -142,15 +184,17 @@ def _differences(one: dict, two: dict) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("one_process, two_ranks", [({}, {"train.micro_batch": 4}),
-                                                    ({"train.reuse_fake": "true"}, {"train.reuse_fake": "true"})],
-                         ids=["accumulating", "reusing-fake"])
-def test_per_sample_noise_in_g_and_dropout_in_d_train_on_two_ranks_as_on_one_process(tmp_path, one_process, two_ranks):
+@pytest.mark.parametrize("networks, one_process, two_ranks", [
+    ("per_sample", RING8, {**RING8, "train.micro_batch": 4}),
+    ("per_sample", {**RING8, "train.reuse_fake": "true"}, {**RING8, "train.reuse_fake": "true"}),
+    ("example", DIGITS, {**DIGITS, "train.micro_batch": 4})], ids=["accumulating", "reusing-fake", "example"])
+def test_per_sample_noise_in_g_and_dropout_in_d_train_on_two_ranks_as_on_one_process(tmp_path, networks, one_process,
+                                                                                    two_ranks):
     """Noise injection in G (seeds from its latents) and dropout in D (seeds the trainer sets per row), on 2 ranks
     of 2 micro-steps each (or with G's step judging D's step's fake) and on one process: the same losses at every
     step and the same weights."""
-    one = run_ranks(_train_user_networks, 1, {**RING8, **one_process}, str(tmp_path / "one"), "per_sample")[0]
-    two = run_ranks(_train_user_networks, 2, {**RING8, **two_ranks}, str(tmp_path / "two"), "per_sample")
+    one = run_ranks(_train_user_networks, 1, one_process, str(tmp_path / "one"), networks)[0]
+    two = run_ranks(_train_user_networks, 2, two_ranks, str(tmp_path / "two"), networks)
     assert len(one["extra"]) == 2 * RING8["train.steps"]
     assert max(_differences(one, two[0])) <= TOLERANCE
     assert max(_differences(one, two[1])) <= TOLERANCE
