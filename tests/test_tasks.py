@@ -199,7 +199,7 @@ def test_pix2pix_on_two_ranks_equals_one_process(tmp_path, facades, generator, d
 def test_a_sample_s_dropout_mask_depends_on_its_seed_alone():
     """pix2pix's dropout: the same mask for a sample alone or in any batch (on any rank, in any micro-step);
     half the units dropped, the kept ones scaled by 2; another layer (salt) or seed, another mask."""
-    from ganscale.models.pix2pix import SampleDropout, sample_seeds
+    from ganscale.randomness import SampleDropout, sample_seeds
 
     seeds = sample_seeds(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
     x = torch.ones(6, 64, 8, 8)
@@ -376,7 +376,7 @@ def test_image_metrics_during_training_on_two_sharded_ranks_equal_one_process(tm
 
 def _forwards(cfg: config.Config, run_dir) -> tuple[int, list[list[torch.Tensor]], bool]:
     """Train `cfg` in this process; G's forward count and every D call's arguments (images, classes), in order."""
-    from ganscale.models.pix2pix import SampleDropout
+    from ganscale.randomness import SampleDropout
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ganscale.config import Config
 from ganscale.data.stream import Sample
-from ganscale.models.pix2pix import sample_seeds
+from ganscale.randomness import sample_seeds
 
 
 class Unconditional:

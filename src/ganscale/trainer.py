@@ -43,6 +43,7 @@ from ganscale.parallel.speed import compiled, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuse_fake_conflict
+from ganscale.randomness import seeds_from
 from ganscale.runtime import Runtime, calm_gloo_polling, seed_rank_streams
 from ganscale.seeds import StepSeeds, derive_seed
 from ganscale.tasks import build_task
@@ -178,7 +179,7 @@ class Trainer:
         # way (pix2pix) where nothing conflicts: one D step, no accumulation, no pipeline.
         self.reuse_fake = cfg.train.reuse_fake if cfg.train.reuse_fake is not None else (
             self.task.same_fake_for_g and reuse_fake_conflict(cfg, world) is None)
-        self._fake_for_g: tuple[Tensor, Tensor | None] | None = None
+        self._fake_for_g: tuple[Tensor, Tensor | None, Tensor] | None = None
         self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
                                      start=self.step * cfg.loss.n_critic)
         self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
@@ -378,10 +379,11 @@ class Trainer:
         for micro, real in enumerate(reals):
             z, labels = self._take(z_all, micro), self._take(labels_all, micro)
             with (self.D.gradient_sync(micro == accumulation - 1),  # no_sync covers forward and backward
-                  self.G.power_iteration(micro == 0), self.D.power_iteration(micro == 0)):
+                  self.G.power_iteration(micro == 0), self.D.power_iteration(micro == 0),
+                  seeds_from(z)):  # the networks' own randomness, per sample (ganscale.randomness)
                 with torch.set_grad_enabled(self.reuse_fake), self.precision.autocast():
                     fake = self.task.generate(self.G, real, z, labels)
-                self._fake_for_g = (fake, labels) if self.reuse_fake else None
+                self._fake_for_g = (fake, labels, z) if self.reuse_fake else None
                 adversarial, penalty = self._d_objective(real, fake.detach(), labels, with_r1,
                                                          self._take(alpha_all, micro))
                 loss = adversarial if penalty is None else adversarial + penalty
@@ -444,23 +446,24 @@ class Trainer:
         Spectral norm refines its estimate in the first micro-step only, as in D's step (the frozen D's too:
         a step of the whole batch refines it in its one forward).
         Returns G's loss and its reconstruction part (None for tasks without one), means over micro-batches."""
-        reused, self._fake_for_g = self._fake_for_g, None  # D's step's samples (with graph) and classes, if kept
+        reused, self._fake_for_g = self._fake_for_g, None  # D's step's samples (with graph), classes, latents, if kept
         if reused is None:
             z_all, labels_all = self._global_latents(step, PHASE_G), self._global_labels(step, PHASE_G)
         accumulation = self.slicing.accumulation  # 1 when reused (preflight.reuse_fake_conflict)
         means = MicroStepMeans(accumulation)
         for micro, sample in enumerate(reals):
+            z = reused[2] if reused is not None else self._take(z_all, micro)
             # D is frozen here: its forward skips DDP (Wrapped.__call__), but a compiled D still runs through
             # it, and must not arm a gradient reduction it would fire during the next D step's first no_sync
             # micro-step (an extra all-reduce per iteration).
             with (self.G.gradient_sync(micro == accumulation - 1), self.D.gradient_sync(False),
-                  self.G.power_iteration(micro == 0), self.D.power_iteration(micro == 0)):
+                  self.G.power_iteration(micro == 0), self.D.power_iteration(micro == 0), seeds_from(z)):
                 with self.precision.autocast():
                     if reused is not None:
-                        fake, labels = reused
+                        fake, labels, _ = reused
                     else:
                         labels = self._take(labels_all, micro)
-                        fake = self.task.generate(self.G, sample, self._take(z_all, micro), labels)
+                        fake = self.task.generate(self.G, sample, z, labels)
                     logits = self.D(self.task.critic_view(sample, fake), *self.task.critic_conditions(None, labels))
                 loss = objectives.g_loss(self.cfg.loss.kind, logits)
                 reconstruction = self.task.reconstruction(fake, sample)

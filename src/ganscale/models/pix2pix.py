@@ -15,7 +15,7 @@ activation plus every skip not yet consumed.
 
 Dropout (0.5, in the non-innermost decoder blocks of width 8 * ngf: three at 256) is pix2pix's
 only noise source; the reference keeps it on at test time as well. Its masks are a function of each
-sample's seed (`SampleDropout`), which the trainer derives from the latents it draws per global sample
+sample's seed (`ganscale.randomness`), which the trainer derives from the latents it draws per global sample
 position: a sample gets the same mask on any rank and in any micro-step, so N ranks train as one process.
 """
 
@@ -24,49 +24,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ganscale.config import ConfigError
 from ganscale.models.layers import conv_bias, norm_layer, normal_init
+from ganscale.randomness import SampleDropout
 
 MAX_WIDTH_FACTOR = 8  # widths are ngf * min(2**level, 8): 64, 128, 256, 512, 512, ...
-BITS = 0xFFFFFFFF  # the hash below works on 32-bit values held in int64: no product overflows
-
-
-def sample_seeds(z: Tensor) -> Tensor:
-    """One 32-bit seed per sample (int64), the bits of its latent vector's first value: the trainer draws latents
-    per global sample position, step and phase, so a sample's seed is the same whichever rank draws it."""
-    return z[:, 0].float().contiguous().view(torch.int32).long() & BITS
-
-
-def _hashed_bits(seeds: Tensor, salt: int, shape: torch.Size) -> Tensor:
-    """Uniform 32-bit values of shape (len(seeds), *shape): each a hash of (its sample's seed, `salt`, its index),
-    so a sample's values do not depend on the batch around it. Integer tensor ops only: the same on every
-    device, and torch.compile and CUDA graphs take them."""
-    index = torch.arange(math.prod(shape), device=seeds.device, dtype=torch.int64).view(1, *shape)
-    x = (seeds.view(-1, *[1] * len(shape)) * 0x7FEB352D + salt * 0x2C1B3C6D + index) & BITS
-    for _ in range(2):  # a 32-bit integer hash (xor-shift, multiply) of good avalanche
-        x = ((x >> 16) ^ x) * 0x45D9F3B & BITS
-    return (x >> 16) ^ x
-
-
-class SampleDropout(nn.Module):
-    """Dropout whose mask for a sample is a function of that sample's seed and this layer's `salt`, not of the
-    process's RNG stream (which differs by rank and would make N ranks train differently from one process).
-    Without seeds (a direct call in train mode), plain dropout."""
-
-    def __init__(self, p: float, salt: int):
-        super().__init__()
-        self.p, self.salt = p, salt
-
-    def forward(self, x: Tensor, seeds: Tensor | None = None) -> Tensor:
-        if not self.training:
-            return x
-        if seeds is None:
-            return F.dropout(x, self.p, training=True)
-        keep = _hashed_bits(seeds, self.salt, x.shape[1:]) >= round(self.p * 2**32)
-        return x * keep.to(x.dtype) / (1 - self.p)
 
 
 class DownBlock(nn.Module):
