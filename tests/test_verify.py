@@ -32,7 +32,7 @@ def test_the_digits_recipe_on_two_processes_is_equal(tmp_path):
     assert verdict.startswith("EQUAL: 2 processes train as 1 process; largest relative difference"), explain(result)
     assert "criterion: every optimizer step's losses within 1e-05" in result.stdout  # stated, with the precision's
     for run in ("one", "n2"):  # both runs kept where --run-dir says, with their per-step fingerprints
-        assert len((tmp_path / "kept" / run / "fingerprints.jsonl").read_text().splitlines()) == 3 * 4
+        assert len((tmp_path / "kept" / run / "fingerprints.jsonl").read_text().splitlines()) == 3 * 4  # D, G and after, per step
 
 
 @pytest.mark.slow

@@ -45,13 +45,15 @@ class Tolerance:
     state: float
 
 
-# fp32: the README's measured criterion (2 ranks against 1: up to 1e-6). bf16 rounds to 8 significant bits; on the
-# digits recipe its 2 ranks part from 1 process by up to 1e-5 in the losses, 5e-2 in the gradients and 5e-3 in
-# buffers and outputs (per-rank BatchNorm: 3e-1, 1e0 and 1e-2). fp16's 11 bits round less, and get bf16's bounds.
+# fp32: the README's measured criterion. bf16 rounds to 8 significant bits: `ganscale verify digits --set
+# train.precision=bf16` on 2 CPU processes measures up to 1e-5 in the losses, 5e-2 in the gradients and 5e-3 in
+# buffers and outputs (with parallel.sync_bn=false too: 3e-1 in the gradients, 1e0 in the buffers). fp16's 11 bits
+# round less than bf16's, and get its bounds.
 TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": Tolerance(1e-4, 1e-1, 2e-2),
               "fp16": Tolerance(1e-4, 1e-1, 2e-2)}
 FIXED_INPUTS = 64  # samples G, G_ema and D are run on after the last step
 RESULTS = {"one": "one", "many": "n{}"}  # run folders under the verify folder
+KINDS = {"loss": "losses", "gradient": "gradients", "buffer": "buffers", "output": "outputs"}  # in reporting order
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,10 @@ class Difference:
 
     step: int
     phase: str  # "D" / "G" (that network's update), "after" (the state after the step), "outputs"
+    kind: str  # "loss", "gradient", "buffer" or "output"
     what: str
     relative: float
     tolerance: float
-    tensor: bool = True  # a tensor (gradient, buffer, output), not a loss
 
     @property
     def exceeds(self) -> bool:
@@ -86,28 +88,23 @@ def compare_steps(one: list[dict], many: list[dict], tolerance: Tolerance) -> li
     for a, b in zip(one, many, strict=True):
         step, phase = a["step"], a["net"]
         if phase == "after":
-            for name, (norm, total) in a["tensors"].items():
-                if _is_buffer(name):
-                    other = b["tensors"][name]
-                    found.append(Difference(step, phase, name, max(relative(norm, other[0], norm),
-                                                                   relative(total, other[1], norm)), tolerance.state))
+            for name, (norm, total) in a["buffers"].items():
+                other = b["buffers"][name]
+                found.append(Difference(step, phase, "buffer", name, max(relative(norm, other[0], norm),
+                                                                         relative(total, other[1], norm)),
+                                        tolerance.state))
             continue
         for term, (x, y) in zip(("loss_d", "penalty_d") if phase == "D" else ("loss_g", "l1_g"),
                                 zip(a["losses"], b["losses"])):
-            found.append(Difference(step, phase, f"{phase}'s {term}", relative(x, y, max(abs(x), abs(y))), tolerance.loss,
-                                    tensor=False))
+            found.append(Difference(step, phase, "loss", f"{phase}'s {term}", relative(x, y, max(abs(x), abs(y))),
+                                    tolerance.loss))
         scale = max((norm for norm, _ in a["grads"].values()), default=0.0)
         for name, (norm, total) in a["grads"].items():
             other = b["grads"][name]
-            found.append(Difference(step, phase, f"{phase}.{name} (gradient)",
+            found.append(Difference(step, phase, "gradient", f"{phase}.{name} (gradient)",
                                     max(relative(norm, other[0], scale), relative(total, other[1], scale)),
                                     tolerance.gradient))
     return found
-
-
-def _is_buffer(name: str) -> bool:
-    """A floating buffer of a fingerprint record (BatchNorm's running statistics, spectral norm's vectors)."""
-    return name.rsplit(".", 1)[-1].startswith(("running_", "_u", "_v"))
 
 
 # ----------------------------------------------------------------------------------- fixed inputs
@@ -153,7 +150,7 @@ def compare_outputs(cfg: Config, one: Path, many: Path, step: int, tolerance: fl
     n = FIXED_INPUTS - FIXED_INPUTS % cfg.model.pack  # a packed D judges whole packs
     real = fixed_batch(cfg, n)
     expected, got = (network_outputs(cfg, state, real) for state in states)
-    return [Difference(step, "outputs", name, float((expected[name] - got[name]).abs().max()
+    return [Difference(step, "outputs", "output", name, float((expected[name] - got[name]).abs().max()
                                                      / expected[name].abs().max().clamp_min(1e-12)), tolerance)
             for name in expected]
 
@@ -379,15 +376,18 @@ def report(differences: list[Difference], evidence: Evidence, cfg: Config, nproc
     """The verdict's lines: the criterion, then EQUAL with the largest difference, or DIFFERENT with where the runs
     part, the first tensor that differs and the probable cause."""
     criterion = "criterion: " + CRITERION.format(t=tolerance, precision=cfg.train.precision)
+    compared = "compared: " + ", ".join(
+        f"{label} up to {max(d.relative for d in differences if d.kind == kind):.1e}"
+        for kind, label in KINDS.items() if any(d.kind == kind for d in differences))
     first = next((d for d in differences if d.exceeds), None)
     if first is None:
         worst = max(differences, key=lambda d: d.relative / d.tolerance)
-        return [criterion, f"EQUAL: {nproc} processes train as 1 process; largest relative difference "
-                           f"{worst.relative:.1e} ({worst.what}, tolerance {worst.tolerance:.0e})"]
-    tensor = next((d for d in differences if d.exceeds and d.tensor), first)
+        return [criterion, compared, f"EQUAL: {nproc} processes train as 1 process; largest relative difference "
+                                     f"{worst.relative:.1e} ({worst.what}, tolerance {worst.tolerance:.0e})"]
+    tensor = next((d for d in differences if d.exceeds and d.kind != "loss"), first)
     cause, problem, fix = probable_cause(evidence)
     size = "not finite" if not math.isfinite(first.relative) else f"{first.relative:.1e}"
-    return [criterion,
+    return [criterion, compared,
             f"DIFFERENT: {nproc} processes do not train as 1 process",
             f"  first divergence: {first.where()}: {first.what} differs by {size} (tolerance {first.tolerance:.0e})",
             f"  first tensor that differs: {tensor.what} ({tensor.where()}, {tensor.relative:.1e})",

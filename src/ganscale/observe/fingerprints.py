@@ -52,14 +52,16 @@ class StepFingerprints:
 
     def after_step(self, step: int) -> None:
         """After iteration `step` (0-based), its EMA update included: every parameter and floating buffer."""
-        tensors = {f"{prefix}.{name}": summary(_full(t)) for prefix, module in self.networks.items()
-                   for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_floating_point()}
-        self._write({"step": step + 1, "net": "after", "tensors": tensors})
+        record = {"step": step + 1, "net": "after"}
+        for kind in ("parameters", "buffers"):
+            record[kind] = {f"{prefix}.{name}": summary(_full(t)) for prefix, module in self.networks.items()
+                            for name, t in getattr(module, f"named_{kind}")() if t.is_floating_point()}
+        self._write(record)
 
     def _write(self, record: dict) -> None:
         if not self.is_main:
             return
-        if self.file is None:  # a run that starts over: the records of an earlier attempt go
+        if self.file is None:  # each start of a run writes it anew (verify trains from the first step)
             self.file = open(self.path, "w", buffering=1)
         self.file.write(json.dumps(record) + "\n")
 
