@@ -1,4 +1,4 @@
-"""Command line: `ganscale` train, recipes, export, sample, eval, doctor, bench, make-facades and
+"""Command line: `ganscale` train, verify, recipes, export, sample, eval, doctor, bench, make-facades and
 fit-digits-features.
 
 Configuration errors exit with code 2 and one message naming the key and the fix, before any
@@ -80,10 +80,13 @@ def main() -> None:
     """Train GANs on one process or many, with the same config and the same result."""
 
 
+SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                   help="Override a config value, e.g. --set train.steps=500 (repeatable).")
+
+
 @main.command()
 @click.argument("recipe", required=False)
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a config value, e.g. --set train.steps=500 (repeatable).")
+@SET
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Start N local worker processes through torch's elastic launcher.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
@@ -174,6 +177,28 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         os._exit(known[1] if known else 1)
     if launch.rank_from_environment() == 0:
         click.echo(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
+
+
+@main.command()
+@click.argument("recipe", required=False)
+@SET
+@click.option("--nproc", type=int, default=2, show_default=True, help="Processes of the run compared with one process.")
+@click.option("--steps", type=int, default=4, show_default=True, help="Steps each of the two runs trains.")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep both runs in this new folder (RUN_DIR/one, RUN_DIR/nN); default: a temporary folder.")
+def verify(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, run_dir: str | None) -> None:
+    """Check that RECIPE (a shipped recipe or a YAML file) trains on N processes as on one: EQUAL (exit 0), or
+    DIFFERENT (exit 1) with the step where the runs part, the first tensor that differs and the probable cause."""
+    from ganscale import verify as verifying
+
+    try:
+        code = verifying.run(recipe, overrides, nproc, steps, run_dir, click.echo)
+    except ConfigError as e:
+        _fail(e)
+    except verifying.TrainingFailed as e:
+        click.echo(f"ganscale: {e}", err=True)
+        sys.exit(e.exit_code)
+    sys.exit(code)
 
 
 @main.command()

@@ -318,6 +318,9 @@ class LogConfig(Section):
     samples: int = Field(64, ge=1)
     """Images in a sample grid (fixed noise)."""
     tensorboard: bool = True
+    fingerprints: bool = False
+    """Write RUN_DIR/fingerprints.jsonl: each optimizer step's losses and per-tensor gradient norms and sums, and
+    after each step those of every parameter and buffer (what `ganscale verify` compares; gathers sharded tensors)."""
     step_times: bool = True
     """Log where each step's time goes (time_<part>_ms: data, D and G forward/backward, sync, optimizer,
     outputs); on CUDA this synchronises the device at each part's boundary, in one step out of 8."""

@@ -102,7 +102,7 @@ ENV_EXPLANATIONS: dict[str, str] = {
     "WORLD_SIZE": "number of processes in the group; set by a launcher for each worker",
     "LOCAL_RANK": "this process's rank on its node (its GPU index); set by a launcher for each worker",
     "TORCHELASTIC_RUN_ID": "the elastic launcher's job id; set for each worker",
-    "GANSCALE_INJECT_FAULT": "test-only fault injection: a rank raises or sleeps at a given step on purpose",
+    "GANSCALE_INJECT_FAULT": "test-only fault injection: a rank raises, sleeps or adds noise at a given step on purpose",
 }
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 

@@ -254,9 +254,12 @@ def stop_grace_s(exit_timeout_s: float) -> float:
 
 # ----------------------------------------------------------------------------------- fault injection
 # Test-only: GANSCALE_INJECT_FAULT="KIND@RANK:STEP[:SECONDS]" makes rank RANK misbehave at the start of
-# step STEP: `raise` an exception, or `sleep` SECONDS (a hang, for the watchdog).
+# step STEP: `raise` an exception, `sleep` SECONDS (a hang, for the watchdog), or `noise`: from then on, every
+# linear and convolution layer in training mode adds noise drawn from the rank's own RNG stream (a network whose
+# randomness is per rank, for `ganscale verify`).
 # Used by the fault-injection tests; read once per process, checked once per step.
 INJECT_ENV = "GANSCALE_INJECT_FAULT"
+NOISE_SCALE = 0.01  # of the injected noise: far above rounding, small enough to keep training finite
 
 
 class InjectedFault(RuntimeError):
@@ -267,10 +270,20 @@ def _parse_injection(spec: str | None) -> tuple[str, int, int, float] | None:
     if not spec:
         return None
     kind, _, where = spec.partition("@")
-    if kind not in ("raise", "sleep"):
-        raise ValueError(f"{INJECT_ENV}: unknown fault kind {kind!r} (known: raise, sleep)")
+    if kind not in ("raise", "sleep", "noise"):
+        raise ValueError(f"{INJECT_ENV}: unknown fault kind {kind!r} (known: raise, sleep, noise)")
     rank, step, *seconds = where.split(":")
     return kind, int(rank), int(step), float(seconds[0]) if seconds else 3600.0
+
+
+def _per_rank_noise(module, args, output):
+    """A global forward hook: noise from this rank's RNG stream on the output of a training layer."""
+    import torch
+
+    layers = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.ConvTranspose2d)
+    if isinstance(module, layers) and module.training and isinstance(output, torch.Tensor):
+        return output + NOISE_SCALE * torch.randn_like(output)
+    return output
 
 
 def injected_fault(environ: dict | None = None) -> Callable[[int, int], None]:
@@ -288,5 +301,10 @@ def injected_fault(environ: dict | None = None) -> Callable[[int, int], None]:
             return
         if kind == "raise":
             raise InjectedFault(f"injected fault on rank {rank} at step {step}")
+        if kind == "noise":
+            from torch.nn.modules.module import register_module_forward_hook
+
+            register_module_forward_hook(_per_rank_noise)
+            return
         time.sleep(seconds)
     return fire

@@ -34,6 +34,7 @@ from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe import RunLog
+from ganscale.observe.fingerprints import fingerprints_for
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.observe.timing import StepTimes
 from ganscale.outputs import write_output
@@ -202,6 +203,8 @@ class Trainer:
                 if written is not None:  # whole or not at all: a full disk left a 0-byte config.yaml
                     write_output(written, lambda tmp: tmp.write_text(resolved), "--run-dir")
             self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
+        self.fingerprints = fingerprints_for(cfg.log.fingerprints, self.run_dir, runtime.is_main, device,
+                                             {"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema})
 
     @staticmethod
     def _adam(net: Wrapped, opt_cfg, fused: bool) -> torch.optim.Optimizer:
@@ -272,6 +275,7 @@ class Trainer:
             if self.skipped_steps == skipped_before_g:  # a skipped G step leaves G_ema as it was too
                 with self.times.part("optimizer"):
                     self.update_ema(beta)
+            self.fingerprints.after_step(step)  # log.fingerprints: for `ganscale verify`
             self.log.advance()
             if self.step == start_step + 1:  # optimizer state exists after the first step
                 self.memory = self._memory_report()
@@ -514,6 +518,9 @@ class Trainer:
         *sums, stops = sums
         skip = not all(math.isfinite(v) for v in (*sums, norm_sum))
         self.stop_agreed = self.stop_agreed or stops > 0
+        present_sums = iter(sums)  # in the order of the terms the step has
+        means = [0.0 if t is None else next(present_sums) / self.runtime.world for t in terms]
+        self.fingerprints.optimizer_step(self.step, "G" if net is self.G else "D", net.module, means)
         with self.times.part("optimizer"):
             if skip:  # every rank alike: the parameters stay, and the buffers its forwards moved go back
                 self.skipped_steps += 1
@@ -521,8 +528,6 @@ class Trainer:
             else:
                 self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-        present_sums = iter(sums)  # in the order of the terms the step has
-        means = [0.0 if t is None else next(present_sums) / self.runtime.world for t in terms]
         return (*means, norm)
 
     # ----------------------------------------------------------------------------------- outputs

@@ -1,0 +1,86 @@
+"""Per-step fingerprints of a training (log.fingerprints): what `ganscale verify` compares between a run on N
+processes and one on a single process.
+
+Rank 0 appends one JSON record per optimizer step (its global mean losses, and the L2 norm and sum of each
+gradient as the optimizer gets it) and one per iteration (the same of every parameter and floating buffer of G,
+D and G_ema after the step) to RUN_DIR/fingerprints.jsonl. Steps are counted from 1, as the logs count them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+FILE = "fingerprints.jsonl"
+
+
+def summary(tensor: Tensor) -> list[float]:
+    """[L2 norm, sum] of a tensor, in float64."""
+    values = tensor.detach().double()
+    return [float(values.norm()), float(values.sum())]
+
+
+def _full(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective when sharded
+
+
+def _drawn_state(device: torch.device) -> list[Tensor]:
+    """The RNG states a network's own randomness (torch.randn, dropout) draws from on this rank."""
+    return [torch.get_rng_state(), *([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])]
+
+
+class StepFingerprints:
+    """Writes the fingerprints of every step of a run. Every rank calls it (gathering a sharded tensor is a
+    collective); rank 0 writes."""
+
+    def __init__(self, run_dir: Path, is_main: bool, device: torch.device, networks: dict[str, nn.Module]):
+        self.path, self.is_main, self.device, self.networks = Path(run_dir) / FILE, is_main, device, networks
+        self.rng = _drawn_state(device)
+        self.file = None
+
+    def optimizer_step(self, step: int, net: str, gradients: nn.Module, losses: list[float]) -> None:
+        """Before the optimizer steps `net` in iteration `step` (0-based): its losses and gradients, and whether
+        this rank drew from its own RNG stream since the last record (a network's randomness does)."""
+        rng, self.rng = self.rng, _drawn_state(self.device)
+        drawn = any(not torch.equal(a, b) for a, b in zip(rng, self.rng))
+        grads = {name: summary(_full(p.grad)) for name, p in gradients.named_parameters() if p.grad is not None}
+        self._write({"step": step + 1, "net": net, "losses": losses, "rng_drawn": drawn, "grads": grads})
+
+    def after_step(self, step: int) -> None:
+        """After iteration `step` (0-based), its EMA update included: every parameter and floating buffer."""
+        record = {"step": step + 1, "net": "after"}
+        for kind in ("parameters", "buffers"):
+            record[kind] = {f"{prefix}.{name}": summary(_full(t)) for prefix, module in self.networks.items()
+                            for name, t in getattr(module, f"named_{kind}")() if t.is_floating_point()}
+        self._write(record)
+
+    def _write(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        if self.file is None:  # each start of a run writes it anew (verify trains from the first step)
+            self.file = open(self.path, "w", buffering=1)
+        self.file.write(json.dumps(record) + "\n")
+
+
+class NoFingerprints:
+    """log.fingerprints off: nothing is measured or written."""
+
+    def optimizer_step(self, step: int, net: str, gradients: nn.Module, losses: list[float]) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        pass
+
+
+def fingerprints_for(enabled: bool, run_dir: Path, is_main: bool, device: torch.device,
+                     networks: dict[str, nn.Module]) -> StepFingerprints | NoFingerprints:
+    return StepFingerprints(run_dir, is_main, device, networks) if enabled else NoFingerprints()
+
+
+def read(run_dir: Path) -> list[dict]:
+    """The records of a run's fingerprints.jsonl, in order."""
+    return [json.loads(line) for line in (Path(run_dir) / FILE).read_text().splitlines() if line.strip()]

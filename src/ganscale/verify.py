@@ -1,0 +1,395 @@
+"""`ganscale verify`: the test suite's proof, for a user's own config. It trains a few steps on N processes and on
+one process with the same global batch, compares the two trainings, and gives one verdict: EQUAL, or DIFFERENT
+with the first step at which they part, the first tensor that differs and the probable cause.
+
+What is compared is what rounding cannot move and a real difference does: every optimizer step's losses and
+gradients before the optimizer (per-tensor L2 norms and sums, from log.fingerprints), the floating buffers after
+every step, and what G, G_ema and D compute on fixed inputs after the last step. Not the parameters one by one: a
+parameter whose gradient is pure rounding noise (a bias feeding a normalisation) moves by about one Adam step
+either way on any hardware, while the function the network computes does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ganscale import checkpoint, preflight
+from ganscale import config as config_mod
+from ganscale.config import Config, ConfigError
+from ganscale.fault import EXIT_CONFIG
+from ganscale.observe import fingerprints
+from ganscale.preflight import cross_rank_batchnorm
+
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest relative difference that counts as rounding: of each step's losses, of its gradients, and of the
+    state after a step (buffers, and network outputs after the last)."""
+
+    loss: float
+    gradient: float
+    state: float
+
+
+# fp32: the README's measured criterion. bf16 rounds to 8 significant bits: `ganscale verify digits --set
+# train.precision=bf16` on 2 CPU processes measures up to 1e-5 in the losses, 5e-2 in the gradients and 5e-3 in
+# buffers and outputs (with parallel.sync_bn=false too: 3e-1 in the gradients, 1e0 in the buffers). fp16's 11 bits
+# round less than bf16's, and get its bounds.
+TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": Tolerance(1e-4, 1e-1, 2e-2),
+              "fp16": Tolerance(1e-4, 1e-1, 2e-2)}
+FIXED_INPUTS = 64  # samples G, G_ema and D are run on after the last step
+RESULTS = {"one": "one", "many": "n{}"}  # run folders under the verify folder
+KINDS = {"loss": "losses", "gradient": "gradients", "buffer": "buffers", "output": "outputs"}  # in reporting order
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One compared quantity: where (step, phase, tensor) and how far apart, relative, against its tolerance."""
+
+    step: int
+    phase: str  # "D" / "G" (that network's update), "after" (the state after the step), "outputs"
+    kind: str  # "loss", "gradient", "buffer" or "output"
+    what: str
+    relative: float
+    tolerance: float
+
+    @property
+    def exceeds(self) -> bool:
+        return not self.relative <= self.tolerance  # NaN exceeds
+
+    def where(self) -> str:
+        phase = {"D": "D's update", "G": "G's update", "after": "after the step"}.get(self.phase)
+        return f"after step {self.step}, on fixed inputs" if phase is None else f"step {self.step}, {phase}"
+
+
+def relative(a: float, b: float, scale: float) -> float:
+    return abs(a - b) / max(scale, 1e-12)
+
+
+def compare_steps(one: list[dict], many: list[dict], tolerance: Tolerance) -> list[Difference]:
+    """Every quantity of the per-step fingerprints, in training order: each optimizer step's losses (relative to
+    the loss) and gradients (norm and sum per tensor, relative to the network's largest gradient norm), then the
+    floating buffers after the step (relative to the buffer's norm)."""
+    found = []
+    for a, b in zip(one, many, strict=True):
+        step, phase = a["step"], a["net"]
+        if phase == "after":
+            for name, (norm, total) in a["buffers"].items():
+                other = b["buffers"][name]
+                found.append(Difference(step, phase, "buffer", name, max(relative(norm, other[0], norm),
+                                                                         relative(total, other[1], norm)),
+                                        tolerance.state))
+            continue
+        for term, (x, y) in zip(("loss_d", "penalty_d") if phase == "D" else ("loss_g", "l1_g"),
+                                zip(a["losses"], b["losses"])):
+            found.append(Difference(step, phase, "loss", f"{phase}'s {term}", relative(x, y, max(abs(x), abs(y))),
+                                    tolerance.loss))
+        scale = max((norm for norm, _ in a["grads"].values()), default=0.0)
+        for name, (norm, total) in a["grads"].items():
+            other = b["grads"][name]
+            found.append(Difference(step, phase, "gradient", f"{phase}.{name} (gradient)",
+                                    max(relative(norm, other[0], scale), relative(total, other[1], scale)),
+                                    tolerance.gradient))
+    return found
+
+
+# ----------------------------------------------------------------------------------- fixed inputs
+def fixed_batch(cfg: Config, n: int, dataset=None) -> tuple[Tensor, ...]:
+    """The first global batch of `n` samples of the data set, as one process takes it (the trainer's own stream)."""
+    from ganscale.data import GlobalBatches, Slicing, build_dataset
+
+    dataset = dataset if dataset is not None else build_dataset(cfg)
+    stream = GlobalBatches(dataset, Slicing(0, 1, n, 1), cfg.train.seed, torch.device("cpu"))
+    return next(stream)[0]
+
+
+def network_outputs(cfg: Config, states: dict[str, dict], real: tuple[Tensor, ...]) -> dict[str, Tensor]:
+    """What G and G_ema compute on fixed latents in training mode (batch statistics) and G_ema in eval mode (its
+    running statistics), and what D computes in eval mode on real samples and on uniform noise of their shape."""
+    from ganscale.models import build_networks
+    from ganscale.tasks import build_task
+
+    task = build_task(cfg, previews=False)
+    generator, discriminator = build_networks(cfg)
+    inputs = torch.Generator().manual_seed(1)
+    n = len(real[0])
+    z = torch.randn(n, cfg.model.z_dim, generator=inputs)
+    labels = task.labels(n, inputs) if task.n_classes else None
+    seen = task.critic_view(real, task.real_images(real))
+    judged = torch.cat([seen, torch.rand(seen.shape, generator=inputs) * 2 - 1])
+    real_labels = real[1] if task.n_classes else None
+    conditions = task.critic_conditions(None, None if real_labels is None else torch.cat([real_labels] * 2))
+    out = {}
+    with torch.no_grad():
+        for name, net, train in (("G", "G", True), ("G_ema", "G_ema", True), ("G_ema (eval)", "G_ema", False)):
+            generator.load_state_dict(states[net])
+            out[f"{name} output"] = task.generate(generator.train(train), real, z, labels)
+        discriminator.load_state_dict(states["D"])
+        out["D output (eval)"] = discriminator.eval()(judged, *conditions)
+    return out
+
+
+def compare_outputs(cfg: Config, one: Path, many: Path, step: int, tolerance: float) -> list[Difference]:
+    """The networks of both runs' final checkpoints on the same fixed inputs, each output relative to its largest
+    value in the one-process run."""
+    states = [checkpoint.load(checkpoint.newest_intact(run, "--run-dir", "train again")) for run in (one, many)]
+    n = FIXED_INPUTS - FIXED_INPUTS % cfg.model.pack  # a packed D judges whole packs
+    real = fixed_batch(cfg, n)
+    expected, got = (network_outputs(cfg, state, real) for state in states)
+    return [Difference(step, "outputs", "output", name, float((expected[name] - got[name]).abs().max()
+                                                     / expected[name].abs().max().clamp_min(1e-12)), tolerance)
+            for name in expected]
+
+
+# ----------------------------------------------------------------------------------- causes
+@dataclass
+class Evidence:
+    """What the causes are recognised from: the config, the world size, both runs' fingerprints."""
+
+    cfg: Config
+    nproc: int
+    many: list[dict]
+
+    @cached_property
+    def batchnorm(self) -> str | None:
+        """The trainer's own warning for BatchNorm that does not normalise as one process does, or None."""
+        from ganscale.models import meta_networks
+        from ganscale.trainer import per_rank_batchnorm
+
+        return per_rank_batchnorm(self.cfg, self.nproc, *meta_networks(self.cfg))
+
+    @cached_property
+    def rng_steps(self) -> list[int]:
+        """Steps in which rank 0 of the N-process run drew from its own RNG stream. Not the first: a DataLoader
+        with workers draws their seed from it once, at the first batch."""
+        return sorted({r["step"] for r in self.many if r.get("rng_drawn") and r["step"] > 1})
+
+    @cached_property
+    def data_differs(self) -> bool:
+        """Whether the data set, built again as another rank with other RNG states would build it, holds other
+        samples (its first global batch, and its size)."""
+        from ganscale.data import build_dataset
+
+        first = build_dataset(self.cfg)
+        with _as_another_process():
+            second = build_dataset(self.cfg)
+        if len(first) != len(second):
+            return True
+        n = min(FIXED_INPUTS, len(first))
+        return any(not torch.equal(a, b) for a, b in zip(fixed_batch(self.cfg, n, first),
+                                                          fixed_batch(self.cfg, n, second)))
+
+    def precision_or_strategy(self) -> str | None:
+        """What rounds differently from one DDP process in fp32, named; None when nothing does."""
+        t, p = self.cfg.train, self.cfg.parallel
+        named = [f"train.precision={t.precision}"] if t.precision != "fp32" else []
+        named += [f"parallel.{net}={s}" for net, s in (("generator", p.generator), ("discriminator", p.discriminator))
+                  if s != "ddp"]
+        named += [f"train.compile={t.compile}"] if t.compile != "off" else []
+        return ", ".join(named) or None
+
+
+@contextlib.contextmanager
+def _as_another_process() -> Iterator[None]:
+    """Rank 1's environment and RNG states other than this process's, restored on leaving."""
+    saved = (os.environ.get("RANK"), torch.get_rng_state(), np.random.get_state(), random.getstate())
+    os.environ["RANK"] = "1"
+    torch.manual_seed(1_000_003)
+    np.random.seed(1_000_003)
+    random.seed(1_000_003)
+    try:
+        yield
+    finally:
+        rank, torch_state, numpy_state, python_state = saved
+        if rank is None:
+            os.environ.pop("RANK", None)
+        else:
+            os.environ["RANK"] = rank
+        torch.set_rng_state(torch_state)
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+
+
+def _split_fix(warning: str, fallback: str) -> tuple[str, str]:
+    problem, _, fix = warning.partition(" Fix: ")
+    return problem.rstrip("."), fix or fallback
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One entry of the catalogue: how it is recognised, and what is said of it: (problem, fix)."""
+
+    name: str
+    recognised: Callable[[Evidence], bool]
+    explain: Callable[[Evidence], tuple[str, str]]
+
+
+# In order: the first recognised cause is named. Certain causes (read from the config) before inferred ones.
+CAUSES = (
+    Cause("BatchNorm statistics per rank",
+          lambda e: e.batchnorm is not None and not cross_rank_batchnorm(e.cfg, e.nproc),
+          lambda e: _split_fix(e.batchnorm, "leave train.micro_batch unset, so that cross-rank BatchNorm normalises "
+                                            "what one process does")),
+    Cause("cross-rank BatchNorm over another number of samples than one process",
+          lambda e: e.batchnorm is not None and cross_rank_batchnorm(e.cfg, e.nproc),
+          lambda e: _split_fix(e.batchnorm, "leave train.micro_batch unset")),
+    Cause("a data set whose items differ between processes",
+          lambda e: e.data_differs,
+          lambda e: ("built as another rank with other RNG states would build it, the data set holds other samples",
+                     "make the data set a function of its config alone: draw its randomness from a generator "
+                     "seeded from train.seed, never from the process's RNG, its rank or the clock")),
+    Cause("randomness drawn from the per-rank RNG inside a network",
+          lambda e: bool(e.rng_steps),
+          lambda e: (f"a network drew from its rank's own RNG stream in step {e.rng_steps[0]} (torch.randn, "
+                     "dropout or another random op in forward): each rank draws other numbers than one process does",
+                     "derive per-sample randomness from the sample's global position, e.g. from its latent (as "
+                     "pix2pix's dropout does: ganscale.randomness's normal, uniform and dropout), or remove it")),
+    Cause("a strategy or precision whose tolerance was exceeded",
+          lambda e: e.precision_or_strategy() is not None,
+          lambda e: (f"{e.precision_or_strategy()} sums in another order than one process in fp32 does, and the "
+                     "difference exceeded the tolerance",
+                     "verify with --set train.precision=fp32 and ddp for both networks: EQUAL there means the "
+                     "difference is this setting's rounding")),
+    Cause("no known cause",
+          lambda e: True,
+          lambda e: ("none of the catalogue's causes was recognised",
+                     "look at the tensor named above for state that differs by rank: a buffer updated per rank, "
+                     "a branch on the rank, data read per process")),
+)
+
+
+def probable_cause(evidence: Evidence) -> tuple[str, str, str]:
+    """(cause, problem, fix) of the first catalogue entry the evidence fits."""
+    cause = next(c for c in CAUSES if c.recognised(evidence))
+    return (cause.name, *cause.explain(evidence))
+
+
+# ----------------------------------------------------------------------------------- the command
+def plan(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int) -> tuple[Config, list[str]]:
+    """(config as both runs train it, the --set overrides that make it): refused with a ConfigError where the two
+    runs cannot be compared."""
+    if nproc < 2:
+        raise ConfigError("--nproc", f"{nproc} process: verify compares N processes with one",
+                          "pass --nproc 2 or more")
+    if steps < 2:
+        raise ConfigError("--steps", f"{steps}: a network's randomness shows from the second step on",
+                          "pass --steps 2 or more (default 4)")
+    forced = [f"train.steps={steps}", "checkpoint.every=0", "log.sample_every=0", f"log.every={steps}",
+              "log.tensorboard=false", "eval.every=0", "log.fingerprints=true"]
+    sets = [*overrides, *forced]  # after the user's: these are what verify needs
+    cfg = config_mod.load(recipe, sets)
+    cuda = torch.cuda.is_available()
+    for world in (nproc, 1):
+        try:
+            preflight.check(cfg, world, cuda)
+        except ConfigError as e:
+            raise ConfigError(e.key, f"{e.problem} (the {world}-process run)", e.fix) from None
+    return cfg, sets
+
+
+def verify_folder(run_dir: str | None) -> contextlib.AbstractContextManager[Path]:
+    """RUN_DIR (new or empty: nothing there is overwritten), or a temporary folder removed afterwards."""
+    if run_dir is None:
+        return tempfile.TemporaryDirectory(prefix="ganscale-verify-")
+    path = Path(run_dir)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError("--run-dir", f"'{run_dir}' already exists and is not an empty folder",
+                          "choose a new or empty --run-dir (or leave it out: a temporary folder)")
+    return contextlib.nullcontext(path)
+
+
+class TrainingFailed(Exception):
+    """One of the two trainings exited with an error; its exit code and the end of its output."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.exit_code = code
+
+
+def train(recipe: str | None, sets: list[str], nproc: int, run_dir: Path) -> None:
+    """`ganscale train` with `--nproc nproc` into `run_dir`, its output into run_dir.log; TrainingFailed on an
+    error (a config error keeps exit 2 and its own line)."""
+    command = [sys.executable, "-m", "ganscale", "train", *([recipe] if recipe else []),
+               *sum((["--set", s] for s in sets), []), "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    log = run_dir.with_name(run_dir.name + ".log")
+    with open(log, "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    if code:
+        lines = log.read_text(errors="replace").splitlines()
+        said = [line for line in lines if line.startswith("ganscale: ")]
+        if code == EXIT_CONFIG and said:
+            raise TrainingFailed(said[-1][len("ganscale: "):], code)
+        tail = "\n".join(lines[-15:])
+        raise TrainingFailed(f"the {nproc}-process training failed with exit code {code}; its output ends:\n{tail}",
+                             code)
+
+
+def run(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, run_dir: str | None,
+        say: Callable[[str], None]) -> int:
+    """The command: exit code 0 (EQUAL) or 1 (DIFFERENT). ConfigError (exit 2) before anything is written."""
+    from ganscale import launch
+
+    if launch.under_launcher():
+        raise ConfigError("verify", "it starts its own processes, and runs here under a launcher (torchrun)",
+                          "run `ganscale verify --nproc N` directly")
+    cfg, sets = plan(recipe, overrides, nproc, steps)
+    tolerance = TOLERANCES[cfg.train.precision]
+    with verify_folder(run_dir) as folder:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        one, many = folder / RESULTS["one"], folder / RESULTS["many"].format(nproc)
+        say(f"training {steps} steps of '{cfg.name}' on 1 process and on {nproc} (global batch "
+            f"{cfg.train.batch_size}, {cfg.train.precision}) in {folder}")
+        for world, where in ((1, one), (nproc, many)):
+            train(recipe, sets, world, where)
+        records = [fingerprints.read(one), fingerprints.read(many)]
+        differences = compare_steps(*records, tolerance)
+        differences += compare_outputs(cfg, one, many, steps, tolerance.state)
+        verdict = report(differences, Evidence(cfg, nproc, records[1]), cfg, nproc, tolerance)
+        for line in verdict:
+            say(line)
+        return 1 if any(d.exceeds for d in differences) else 0
+
+
+CRITERION = ("every optimizer step's losses within {t.loss:.0e} and gradients (before the optimizer) within "
+             "{t.gradient:.0e}, buffers after every step and what G, G_ema and D compute on fixed inputs after the "
+             "last within {t.state:.0e}, each relative to the largest value compared ({precision}); parameters are "
+             "not compared one by one")
+
+
+def report(differences: list[Difference], evidence: Evidence, cfg: Config, nproc: int,
+           tolerance: Tolerance) -> list[str]:
+    """The verdict's lines: the criterion, then EQUAL with the largest difference, or DIFFERENT with where the runs
+    part, the first tensor that differs and the probable cause."""
+    criterion = "criterion: " + CRITERION.format(t=tolerance, precision=cfg.train.precision)
+    compared = "compared: " + ", ".join(
+        f"{label} up to {max(d.relative for d in differences if d.kind == kind):.1e}"
+        for kind, label in KINDS.items() if any(d.kind == kind for d in differences))
+    first = next((d for d in differences if d.exceeds), None)
+    if first is None:
+        worst = max(differences, key=lambda d: d.relative / d.tolerance)
+        return [criterion, compared, f"EQUAL: {nproc} processes train as 1 process; largest relative difference "
+                                     f"{worst.relative:.1e} ({worst.what}, tolerance {worst.tolerance:.0e})"]
+    tensor = next((d for d in differences if d.exceeds and d.kind != "loss"), first)
+    cause, problem, fix = probable_cause(evidence)
+    size = "not finite" if not math.isfinite(first.relative) else f"{first.relative:.1e}"
+    return [criterion, compared,
+            f"DIFFERENT: {nproc} processes do not train as 1 process",
+            f"  first divergence: {first.where()}: {first.what} differs by {size} (tolerance {first.tolerance:.0e})",
+            f"  first tensor that differs: {tensor.what} ({tensor.where()}, {tensor.relative:.1e})",
+            f"  probable cause: {cause}: {problem}. Fix: {fix}"]

@@ -1,0 +1,130 @@
+"""`ganscale verify`: N processes against one, through the CLI on real processes (gloo, CPU), and its cause
+catalogue on its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ganscale import config
+from test_cli import clean_env, explain
+
+# A small ring8 MLP (the recipe's R1 and maxout D included): a few seconds a run.
+SMALL_RING8 = ["--set", "model.g_width=32", "--set", "model.d_width=32", "--set", "model.g_layers=2",
+               "--set", "model.d_layers=2", "--set", "train.batch_size=16", "--set", "data.size=500"]
+
+
+def verify(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ganscale", "verify", *args], cwd=cwd, env={**clean_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.slow
+def test_the_digits_recipe_on_two_processes_is_equal(tmp_path):
+    result = verify("digits", "--run-dir", "kept", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    verdict = result.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("EQUAL: 2 processes train as 1 process; largest relative difference"), explain(result)
+    assert "criterion: every optimizer step's losses within 1e-05" in result.stdout  # stated, with the precision's
+    for run in ("one", "n2"):  # both runs kept where --run-dir says, with their per-step fingerprints
+        assert len((tmp_path / "kept" / run / "fingerprints.jsonl").read_text().splitlines()) == 3 * 4  # D, G and after, per step
+
+
+@pytest.mark.slow
+def test_per_rank_batchnorm_is_different_and_named(tmp_path):
+    result = verify("digits", "--steps", "2", "--set", "parallel.sync_bn=false", cwd=tmp_path)
+    assert result.returncode == 1, explain(result)
+    assert "DIFFERENT: 2 processes do not train as 1 process" in result.stdout
+    assert "first divergence: step 1, D's update" in result.stdout  # G's per-rank statistics reach D's first loss
+    assert "first tensor that differs: D.net.0.weight (gradient)" in result.stdout
+    assert "probable cause: BatchNorm statistics per rank" in result.stdout
+    assert "Fix: --set parallel.sync_bn=true" in result.stdout
+    assert not list(tmp_path.iterdir())  # without --run-dir: a temporary folder, removed
+
+
+@pytest.mark.slow
+def test_randomness_per_rank_is_found_at_the_step_it_starts(tmp_path):
+    """Per-rank noise in every layer from the third step (0-based step 2) on: the steps before are equal, so the
+    divergence is found from the per-step fingerprints, not from the end state."""
+    result = verify("ring8", *SMALL_RING8, cwd=tmp_path, env={"GANSCALE_INJECT_FAULT": "noise@0:2"})
+    assert result.returncode == 1, explain(result)
+    assert "first divergence: step 3, D's update" in result.stdout, explain(result)
+    assert "probable cause: randomness drawn from the per-rank RNG inside a network" in result.stdout
+    assert "in step 3" in result.stdout
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--nproc", "1"], "--nproc"),
+    (["--steps", "1"], "--steps"),
+    (["--set", "train.batch_size=63"], "train.batch_size"),  # 2 processes cannot split it
+    (["--set", "parallel.generator=hsdp", "--set", "parallel.mesh=[1,2]"], "parallel.mesh"),  # 1 process cannot
+])
+def test_configs_it_cannot_compare_exit_2_naming_the_key(tmp_path, args, key):
+    result = verify(*args, "--run-dir", "kept", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert result.stderr.count("\n") == 1 and f"'{key}'" in result.stderr, explain(result)
+    assert not (tmp_path / "kept").exists()
+
+
+def test_a_run_dir_that_holds_files_is_refused_and_kept(tmp_path):
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    result = verify("--run-dir", "kept", cwd=tmp_path)
+    assert result.returncode == 2 and "'--run-dir'" in result.stderr, explain(result)
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]
+
+
+# ------------------------------------------------------------------------------ the catalogue on its own
+def _cause(overrides: list[str], nproc: int = 2, many: list[dict] = ()) -> str:
+    from ganscale.verify import Evidence, probable_cause
+
+    return probable_cause(Evidence(config.load("digits", overrides), nproc, list(many)))[0]
+
+
+def test_batchnorm_causes_come_from_the_config():
+    assert _cause(["parallel.sync_bn=false"]) == "BatchNorm statistics per rank"
+    assert _cause(["parallel.sync_bn=true", "train.micro_batch=8"]) == (
+        "cross-rank BatchNorm over another number of samples than one process")
+    assert _cause([]) == "no known cause"  # cross-rank BatchNorm over what one process normalises
+    assert _cause(["train.precision=bf16"]) == "a strategy or precision whose tolerance was exceeded"
+
+
+def test_randomness_is_recognised_from_draws_after_the_first_step():
+    drawn = [{"step": 1, "net": "D", "rng_drawn": True}]  # a DataLoader's workers draw their seed there
+    assert _cause([], many=drawn) == "no known cause"
+    assert _cause([], many=[*drawn, {"step": 2, "net": "G", "rng_drawn": True}]) == (
+        "randomness drawn from the per-rank RNG inside a network")
+
+
+def test_a_data_set_drawn_from_the_process_rng_is_recognised(monkeypatch):
+    import ganscale.data
+
+    assert _cause([]) == "no known cause"  # the shipped digits: the same in every process
+    monkeypatch.setattr(ganscale.data, "build_dataset", lambda cfg: TensorDataset(torch.rand(100, 1, 8, 8) * 2 - 1))
+    assert _cause([]) == "a data set whose items differ between processes"
+
+
+def test_the_noise_fault_draws_from_the_rank_stream_from_its_step_on():
+    from torch.nn.modules import module as module_hooks
+
+    from ganscale.fault import _per_rank_noise, injected_fault
+
+    layer = torch.nn.Linear(3, 3)
+    x = torch.ones(2, 3)
+    fire = injected_fault({"GANSCALE_INJECT_FAULT": "noise@0:1"})
+    fire(0, 0)
+    fire(1, 1)
+    assert torch.equal(layer(x), layer(x))  # not yet, and not on another rank
+    fire(1, 0)
+    try:
+        assert not torch.equal(layer(x), layer(x))
+        assert torch.equal(layer.eval()(x), layer(x))  # training layers only
+    finally:
+        for key, hook in list(module_hooks._global_forward_hooks.items()):
+            if hook is _per_rank_noise:
+                del module_hooks._global_forward_hooks[key]
