@@ -7,20 +7,19 @@ process starts or anything is written.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 from ganscale import config as config_mod
 from ganscale.config import ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, stop_grace_s,
-                            told_elsewhere)
+                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, told_elsewhere)
 
 
 # A rank that leaves an error to another (told_by) exits this much later: a launcher stops every worker at the
@@ -98,85 +97,52 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
 def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run_dir: str | None,
           resume: str | None, max_restarts: int) -> None:
     """Train RECIPE (a shipped recipe name or a YAML file; default: digits)."""
-    import os
+    from ganscale import api
 
-    import torch
+    try:
+        api.run(recipe, overrides, nproc, run_dir, resume, max_restarts, click.echo)
+    except Exception as e:  # noqa: BLE001 - each kind ends as `leave` says
+        leave(e)
 
-    from ganscale import launch, memory, preflight
-    from ganscale.runtime import environment_world_size
+
+def leave(error: Exception) -> NoReturn:
+    """How `train` (and `ganscale.train` in a torchrun worker) ends on an error: one line and its exit code; a
+    worker leaves at once, without tearing down its process group."""
+    from ganscale import launch
+    from ganscale.api import WorkersFailed
 
     worker = launch.under_launcher()
-    if worker and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and run_dir is None:
-        _fail(ConfigError("--run-dir", "torchrun --max-restarts restarts the workers, and they must find the run "
-                          "they were training", "pass --run-dir (the same on every node) with torchrun --max-restarts"))
-    if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun
-        resume = launch.resume_after_restart(run_dir, resume)
-    if max_restarts and not nproc and not worker:
-        nproc = 1  # restarts need a launcher
-    launching = bool(nproc) and not worker
-    # Not in a torchrun worker: each node would decide alone, from what its own disk shows (the CLI's parent
-    # decides for its --nproc workers, and passes the recipe on).
-    if recipe is None and resume is not None and not worker and (own := launch.own_config(run_dir, resume)):
-        recipe = str(own)  # continue the run as it was configured, not with the default recipe; --set still applies
-        if launch.rank_from_environment() == 0:
-            click.echo(f"ganscale: resuming with the run's own config, {own} (give a RECIPE to use another)")
-    try:
-        cfg = config_mod.load(recipe, overrides)
-        world = environment_world_size() if worker else (nproc or 1)
-        preflight.check(cfg, world, torch.cuda.is_available())
-        if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
-            launch.check_gpus(cfg, nproc, torch.cuda.device_count())
-            memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run
-            run_dir, resume, held = launch.claim_run(cfg, run_dir, resume)
-    except ConfigError as e:
-        _fail(e)
-    except launch.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
-        click.echo(f"ganscale: {e}")
-        return
-    if launching:
-        args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
-        grace = stop_grace_s(cfg.fault.exit_timeout_s)  # the workers' longest exit after a stop signal
-        with held or contextlib.nullcontext():  # the run directory is this run's through every restart of the workers
-            sys.exit(launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held,
-                                         grace))
-    try:
-        resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
-    except ConfigError as e:
-        _fail(e)
-    except launch.AlreadyTrained as e:
-        if launch.rank_from_environment() == 0:
-            click.echo(f"ganscale: {e}")
-        return
-    except (Preempted, NonFiniteTraining, ReplicaDivergence) as e:  # every rank alike: one line, its own code
-        click.echo(f"ganscale: {e}", err=True)
+    if isinstance(error, ConfigError):
+        _fail(error)
+    if isinstance(error, WorkersFailed):  # they said why, and the launcher named the rank
+        sys.exit(error.exit_code)
+    if isinstance(error, (Preempted, NonFiniteTraining, ReplicaDivergence)):  # every rank alike: one line, its code
+        click.echo(f"ganscale: {error}", err=True)
         sys.stdout.flush()
         sys.stderr.flush()
         if not worker:
-            sys.exit(e.exit_code)
+            sys.exit(error.exit_code)
         # A worker leaves without tearing down: freeing DDP's process group can deadlock (torch 2.13:
         # ~ProcessGroupGloo joins its work thread, holding the GIL that thread needs), and a worker whose launcher
         # died has no one to kill it.
-        os._exit(e.exit_code)
-    except Exception as e:  # noqa: BLE001 - any error of this rank's own
-        if isinstance(e, RuntimeError) and is_peer_failure(e):
-            click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "
-                       f"({str(e).splitlines()[0][:200]})", err=True)
-            sys.exit(EXIT_PEER_FAILED)
-        if not worker:
-            raise  # _Commands shows a known failure in one line
-        # Show the error, then leave at once, connections still open: this rank must exit before the peers
-        # whose collectives its exit breaks, so the launcher names it, not them, as the root cause.
-        known = _known_failure(e)
-        if told_elsewhere(e):
-            time.sleep(SAID_GRACE_S)
-        elif known:
-            click.echo(known[0], err=True)
-        else:
-            traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(known[1] if known else 1)
-    if launch.rank_from_environment() == 0:
-        click.echo(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
+        os._exit(error.exit_code)
+    if isinstance(error, RuntimeError) and is_peer_failure(error):
+        click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "
+                   f"({str(error).splitlines()[0][:200]})", err=True)
+        sys.exit(EXIT_PEER_FAILED)
+    if not worker:
+        raise error  # _Commands shows a known failure in one line
+    # Any other error is this rank's own. Show it, then leave at once, connections still open: this rank must exit
+    # before the peers whose collectives its exit breaks, so the launcher names it, not them, as the root cause.
+    known = _known_failure(error)
+    if told_elsewhere(error):
+        time.sleep(SAID_GRACE_S)
+    elif known:
+        click.echo(known[0], err=True)
+    else:
+        traceback.print_exception(error)
+    sys.stderr.flush()
+    os._exit(known[1] if known else 1)
 
 
 @main.command()

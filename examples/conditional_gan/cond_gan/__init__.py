@@ -1,0 +1,1 @@
+"""A user-written class-conditional GAN for ganscale: G, D, data set and loss (see ../config.yaml)."""

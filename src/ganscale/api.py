@@ -1,0 +1,261 @@
+"""The Python API: train from a script or a notebook, through the same path as `ganscale train` (which calls `run`).
+
+    import ganscale
+    summary = ganscale.train("config.yaml", overrides=["train.steps=500"], generator=Generator, nproc=2)
+
+The config is a shipped recipe's name, a YAML file or a dict. The user's networks, data set and loss can be given
+as Python objects instead of "module:attribute" names; they are recorded by their import path (see `train`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import math
+import os
+import signal
+import site
+import sys
+import sysconfig
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
+
+from ganscale import config as config_mod
+from ganscale import usercode
+from ganscale.config import Config, ConfigError
+
+# The option each Python object fills in; the kinds it switches to custom.
+OPTIONS = {"generator": "model.generator", "discriminator": "model.discriminator", "dataset": "data.dataset",
+           "loss": "loss.kind"}
+CUSTOM = {"generator": "model.kind=custom", "discriminator": "model.kind=custom", "dataset": "data.kind=custom"}
+
+
+class WorkersFailed(Exception):
+    """`--nproc` workers ended with an error; they said it, and the launcher named the rank."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"the workers failed with exit code {exit_code} (their output says why)")
+        self.exit_code = exit_code
+
+
+def train(config: str | os.PathLike | dict | Config | None = None, *, overrides: Sequence[str] = (),
+          generator: Any = None, discriminator: Any = None, dataset: Any = None, loss: Any = None,
+          nproc: int | None = None, run_dir: str | os.PathLike | None = None, resume: str | None = None,
+          max_restarts: int = 0) -> dict | None:
+    """Train as `ganscale train` does, and return the summary (summary.json's content, with `run_dir` added).
+
+    config: a shipped recipe's name, a YAML file, a dict holding what such a file holds, or a Config; None is the
+    default recipe (or, with `resume`, the run's own config). overrides: "dotted.key=value" strings, as --set.
+    generator, discriminator, dataset: a class or a function (returning G, D, a map-style Dataset), keyword
+    arguments from model.generator_args, model.discriminator_args, data.dataset_args; loss: a class, or an instance
+    bound to a name in its class's module, with d_loss(real, fake) and g_loss(fake). Each must be defined at the
+    top level of an importable module (not in __main__, a notebook cell, a lambda or a closure): workers and
+    resumes import it by its "module:qualname", which the saved config.yaml records (its folder in code_path).
+
+    Runs in this process (one process), as one rank when started by torchrun or the elastic launcher (read from
+    the environment, as the CLI does), or with `nproc` local worker processes. The same checks as the CLI, before
+    anything is written: a bad config raises ConfigError naming the option and the fix; an error in training
+    raises as it happened (`WorkersFailed` with the exit code under `nproc`). As a torchrun worker it ends an
+    error as `ganscale train` does: one line and the exit code. None when the run is already trained to
+    train.steps (it says so).
+    """
+    from ganscale import launch
+
+    worker = launch.under_launcher()
+    try:
+        run_dir = None if run_dir is None else os.fspath(run_dir)
+        source = own_config(source_name(config), run_dir, resume, worker, print)
+        source, sets = command(config, overrides, {"generator": generator, "discriminator": discriminator,
+                                                   "dataset": dataset, "loss": loss}, source)
+        trained = run(source, sets, nproc, run_dir, resume, max_restarts, print)
+    except Exception as e:
+        if worker:
+            from ganscale.cli import leave
+
+            leave(e)  # a rank: one line and its exit code, as `ganscale train`'s workers
+        raise
+    return None if trained is None else {**trained[1], "run_dir": str(trained[0])}
+
+
+def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir: str | None, resume: str | None,
+        max_restarts: int, say: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """`ganscale train`: (run directory, summary), or None where the run is already trained (said on rank 0).
+    Raises ConfigError before anything is written, WorkersFailed when `nproc` workers fail, or a training's error."""
+    import torch
+
+    from ganscale import launch, memory, preflight
+    from ganscale.runtime import environment_world_size
+
+    worker = launch.under_launcher()
+    if worker and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and run_dir is None:
+        raise ConfigError("--run-dir", "torchrun --max-restarts restarts the workers, and they must find the run "
+                          "they were training", "pass --run-dir (the same on every node) with torchrun --max-restarts")
+    if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun
+        resume = launch.resume_after_restart(run_dir, resume)
+    if max_restarts and not nproc and not worker:
+        nproc = 1  # restarts need a launcher
+    launching = bool(nproc) and not worker
+    recipe = own_config(recipe, run_dir, resume, worker, say)
+    try:
+        cfg = config_mod.load(recipe, overrides)
+        world = environment_world_size() if worker else (nproc or 1)
+        preflight.check(cfg, world, torch.cuda.is_available())
+        if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
+            launch.check_gpus(cfg, nproc, torch.cuda.device_count())
+            memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run
+            run_dir, resume, held = launch.claim_run(cfg, run_dir, resume)
+            with held or contextlib.nullcontext():  # the run directory is this run's through every restart
+                return _launch_workers(cfg, recipe, overrides, nproc, run_dir, resume, held, max_restarts)
+        resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
+    except launch.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
+        if launch.rank_from_environment() == 0:
+            say(f"ganscale: {e}")
+        return None
+    if launch.rank_from_environment() == 0:
+        say(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
+    return resolved_dir, summary
+
+
+def own_config(recipe: str | None, run_dir: str | None, resume: str | None, worker: bool,
+               say: Callable[[str], None]) -> str | None:
+    """The recipe to load: `recipe`, or for a resume without one the run's own config (`launch.own_config`).
+    Not in a torchrun worker: each node would decide alone, from what its own disk shows (the CLI's parent
+    decides for its --nproc workers, and passes the recipe on)."""
+    from ganscale import launch
+
+    if recipe is None and resume is not None and not worker and (own := launch.own_config(run_dir, resume)):
+        recipe = str(own)  # continue the run as it was configured, not with the default recipe; --set still applies
+        if launch.rank_from_environment() == 0:
+            say(f"ganscale: resuming with the run's own config, {own} (give a RECIPE to use another)")
+    return recipe
+
+
+def _launch_workers(cfg: Config, recipe: str | None, overrides: Sequence[str], nproc: int, run_dir: Path,
+                    resume: Path | None, held, max_restarts: int) -> tuple[Path, dict] | None:
+    """`nproc` local workers running `ganscale train RECIPE --set ...`: (run directory, rank 0's summary)."""
+    from ganscale import launch
+    from ganscale.fault import stop_grace_s
+
+    args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
+    grace = stop_grace_s(cfg.fault.exit_timeout_s)  # the workers' longest exit after a stop signal
+    with _launcher_state_kept():
+        code = launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held, grace)
+    if code:
+        raise WorkersFailed(code)
+    summary = run_dir / "summary.json"
+    return (run_dir, json.loads(summary.read_text())) if summary.is_file() else None
+
+
+def source_name(config: str | os.PathLike | dict | Config | None) -> str | None:
+    """The recipe or YAML file `config` names (None: the default); a dict or a Config replaces every setting of
+    the default recipe (`command`)."""
+    if isinstance(config, (dict, Config)):
+        return config_mod.DEFAULT_RECIPE
+    return None if config is None else os.fspath(config)
+
+
+def command(config: str | os.PathLike | dict | Config | None, overrides: Sequence[str], objects: dict[str, Any],
+            source: str | None) -> tuple[str | None, list[str]]:
+    """What `ganscale train` is given for this call: (RECIPE, --set overrides). A dict or a Config becomes every
+    setting as an override (so `--nproc` workers can be given it), and each Python object its import path.
+    `source`: the recipe or YAML file the run loads (the run's own config for a resume without one)."""
+    sets = list(overrides)
+    if isinstance(config, (dict, Config)):
+        raw = copy.deepcopy(config) if isinstance(config, dict) else config.model_dump(mode="json")
+        for assignment in sets:
+            config_mod.apply_override(raw, assignment)
+        sets = list(settings(config_mod.build(raw)))  # every key, over the default recipe (source_name)
+    named = {argument: import_path(obj, argument) for argument, obj in objects.items() if obj is not None}
+    if not named:
+        return source, sets
+    folders = [folder for _, folder in named.values() if folder is not None]
+    code_path = config_mod.load(source, sets).code_path
+    sets += sorted({CUSTOM[argument] for argument in named if argument in CUSTOM})
+    sets += [f"{OPTIONS[argument]}={_yaml_value(spec)}" for argument, (spec, _) in named.items()]
+    if any(folder not in code_path for folder in folders):
+        sets.append(f"code_path={_yaml_value(list(dict.fromkeys([*code_path, *folders])))}")
+    return source, sets
+
+
+def settings(section: BaseModel, prefix: str = "") -> Iterator[str]:
+    """Every option of `section` as "dotted.key=value" (YAML), sections walked into, dict-valued options whole."""
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            yield from settings(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}={_yaml_value(value)}"
+
+
+def _yaml_value(value: Any) -> str:
+    """One value as YAML on one line, read back as the same value (strings that look like numbers stay quoted)."""
+    text = yaml.safe_dump(to_jsonable_python(value), default_flow_style=True, width=math.inf).strip()
+    return text.removesuffix("...").strip()  # a lone scalar ends its document
+
+
+def import_path(obj: Any, argument: str) -> tuple[str, str | None]:
+    """("module:qualname" of `obj`, the folder its top-level package imports from, or None where every process
+    finds it already). ConfigError naming the argument where a worker could not import it by that name."""
+    key = f"train({argument}=...)"
+    fix = f"define it with def or class at the top level of a module file, import it, and pass that as {argument}="
+    instance = not (inspect.isclass(obj) or inspect.isfunction(obj))
+    if instance and argument != "loss":
+        raise ConfigError(key, f"a {type(obj).__name__} is not a class or a function that builds the object",
+                          f"pass the class, or a function returning it ({OPTIONS[argument]}_args: its arguments)")
+    module_name = type(obj).__module__ if instance else obj.__module__
+    module = sys.modules.get(module_name)
+    if instance:  # a module-level instance: the name it is bound to in its class's module
+        qualname = next((name for name, value in (vars(module) if module else {}).items() if value is obj), None)
+        if qualname is None:
+            raise ConfigError(key, f"this {type(obj).__name__} instance is not bound to a name at the top level of "
+                              f"{module_name}, so workers and resumes cannot import it",
+                              f"pass its class, or bind it to a name in {module_name}")
+    else:
+        qualname = obj.__qualname__
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise ConfigError(key, f"{qualname} is a lambda or is defined inside a function, so workers and resumes "
+                          "cannot import it", fix)
+    if module_name == "__main__" or module is None:
+        raise ConfigError(key, f"{qualname} is defined in {module_name} (a script or a notebook), which workers and "
+                          "resumes cannot import by name", fix)
+    spec = f"{module_name}:{qualname}"
+    if usercode.find(spec, key) is not obj:
+        raise ConfigError(key, f"{spec} names another object than the one given (redefined, or decorated "
+                          "without functools.wraps)", fix)
+    return spec, _import_folder(module_name, getattr(module, "__file__", None))
+
+
+def _import_folder(module_name: str, file: str | None) -> str | None:
+    """The folder `module_name` is imported from (its top package's parent), None where it is installed (site-packages,
+    the standard library) or has no file. A PYTHONPATH folder is recorded too: a resume may run without it."""
+    if file is None:
+        return None
+    depth = module_name.count(".") + (Path(file).name == "__init__.py")
+    folder = Path(file).resolve().parents[depth]
+    installed = {*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()}
+    return None if folder in {Path(p).resolve() for p in installed} else str(folder)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _launcher_state_kept() -> Iterator[None]:
+    """This process as it was after launching workers: their environment variables (a plain run in this process
+    would take itself for a worker of its own launcher) and the agent's signal handlers."""
+    environment, handlers = dict(os.environ), {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+

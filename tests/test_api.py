@@ -1,0 +1,144 @@
+"""The Python API (`ganscale.train`) and the examples: from one process, with --nproc-like workers, under torchrun,
+and bad Python objects refused with one clear error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from test_cli import clean_env, explain, ganscale, metrics
+from test_custom import write_user_gan
+
+from ganscale import api, config
+from ganscale.config import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_a_config_as_settings_loads_back_the_same():
+    """A dict or a Config reaches `--nproc` workers as every option over the default recipe."""
+    for name in config.recipe_names():
+        cfg = config.load(name, ["model.generator_args={z_dim: 8, rate: 1.0e-05, tag: '123'}"] if name == "digits"
+                          else [])
+        assert config.load(config.DEFAULT_RECIPE, list(api.settings(cfg))) == cfg, name
+
+
+def closure():
+    class Local:
+        pass
+
+    return Local
+
+
+@pytest.mark.parametrize("argument, make, said", [
+    ("generator", lambda package: (lambda z: z), "lambda"),
+    ("generator", lambda package: closure(), "inside a function"),
+    ("dataset", lambda package: type("Made", (), {"__module__": "__main__"}), "__main__"),
+    ("loss", lambda package: package.losses.Hinge(), "not bound to a name"),
+    ("discriminator", lambda package: package.nets.NOT_A_FACTORY, "not a class or a function"),
+])
+def test_objects_workers_cannot_import_are_refused_naming_the_argument(tmp_path, monkeypatch, argument, make, said):
+    write_user_gan(tmp_path, "api_refused")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import api_refused.losses
+    import api_refused.nets
+
+    with pytest.raises(ConfigError) as refused:
+        api.train("digits", **{argument: make(api_refused)}, run_dir=tmp_path / "run")
+    assert refused.value.key == f"train({argument}=...)" and said in refused.value.problem
+    assert "top level of a module" in str(refused.value) or "pass" in refused.value.fix
+    assert not (tmp_path / "run").exists()
+
+
+SCRIPT = '''
+import json, sys
+import ganscale
+from ganscale.api import WorkersFailed
+from {package}.nets import Generator, make_discriminator, Exploding
+from {package}.data import make_dataset
+from {package}.losses import Hinge
+
+def train(run, generator=Generator, **options):
+    return ganscale.train({config!r}, overrides=["train.steps=3"], run_dir=run, generator=generator,
+                          discriminator=make_discriminator, dataset=make_dataset, loss=Hinge, **options)
+
+try:
+    train("exploded", generator=Exploding)
+except RuntimeError as e:
+    print("failed:", e)
+results = {{"one": train("one"), "two": train("two", nproc=2), "again": train("again")}}
+print(json.dumps(results))
+'''
+
+EXPLODING = '''
+
+class Exploding(Generator):
+    """Checked fine on preflight's 2 latents; fails in training (batch 8), after the process group started."""
+    def forward(self, z, labels=None):
+        if len(z) != 2:
+            raise RuntimeError("exploded in training")
+        return super().forward(z, labels)
+'''
+
+
+@pytest.mark.slow
+def test_the_api_trains_in_this_process_with_workers_and_again_and_the_cli_resumes_it(tmp_path):
+    """In one script: a run that fails in training, then runs in this process, with 2 workers
+    and in this process again (each leaves the process as it found it); the objects are recorded by import path,
+    so `ganscale train --resume` continues the run."""
+    recipe = write_user_gan(tmp_path / "code", "api_user_gan")
+    with open(tmp_path / "code" / "api_user_gan" / "nets.py", "a") as nets:
+        nets.write(EXPLODING)
+    bare = config.load_raw(str(recipe))
+    for section in ("model", "data", "loss"):  # the objects fill these in
+        bare[section] = {k: v for k, v in bare[section].items() if k not in ("generator", "discriminator", "dataset",
+                                                                                 "kind")}
+    script = tmp_path / "work" / "script.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT.format(package="api_user_gan", config=bare))
+    env = {**clean_env(), "PYTHONPATH": f"{tmp_path / 'code'}:{clean_env().get('PYTHONPATH', '')}"}
+    result = subprocess.run([sys.executable, str(script)], cwd=script.parent, env=env, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, explain(result)
+    assert "failed: exploded in training" in result.stdout, explain(result)
+    summaries = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [summaries[k]["world_size"] for k in ("one", "two", "again")] == [1, 2, 1]
+    losses = [{k: v for k, v in summaries[run]["final"].items() if k.startswith("loss")} for run in ("one", "again")]
+    assert losses[0] == losses[1] and losses[0]
+    one, two = (metrics(script.parent / k)[-1] for k in ("one", "two"))
+    assert one["loss_d"] == pytest.approx(two["loss_d"], rel=1e-5)
+    saved = (script.parent / "two" / "config.yaml").read_text()
+    assert "api_user_gan.nets:Generator" in saved and "api_user_gan.losses:Hinge" in saved
+    resumed = ganscale("train", "--run-dir", str(script.parent / "two"), "--resume", "auto",
+                       "--set", "train.steps=4", cwd=tmp_path, timeout=300)  # no PYTHONPATH: code_path finds it
+    assert resumed.returncode == 0, explain(resumed)
+    assert metrics(script.parent / "two")[-1]["step"] == 4
+
+
+@pytest.mark.slow
+def test_the_api_example_under_torchrun_with_two_processes(tmp_path):
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(EXAMPLES / "api" / "train.py"), "--steps", "2", "--run-dir", str(run)],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, explain(result)
+    assert result.stdout.count("trained 2 steps on 2 process(es)") == 1, explain(result)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    assert str(EXAMPLES / "conditional_gan") in (run / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["conditional_gan", "noise_injection"])
+def test_an_example_trains_through_the_cli_with_two_workers(tmp_path, example):
+    run = tmp_path / "run"
+    result = ganscale("train", str(EXAMPLES / example / "config.yaml"), "--nproc", "2", "--run-dir", str(run),
+                      "--set", "train.steps=3", "--set", "log.every=1", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, explain(result)
+    assert [record["step"] for record in metrics(run) if "loss_d" in record] == [1, 2, 3]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
