@@ -330,11 +330,24 @@ def test_kill_9_of_the_launcher_makes_its_workers_checkpoint_and_exit(tmp_path):
 def test_a_worker_whose_launcher_died_before_it_could_follow_it_stops_at_once():
     """The launcher may die before the worker asks for the parent-death signal: the worker then sees a parent
     other than the launcher it was given, and sends itself the stop request."""
-    from ganscale.launch import LAUNCHER_PID_ENV
+    from ganscale.launch import LAUNCHER_ENV
 
     script = "from ganscale.launch import follow_launcher; follow_launcher(); import time; time.sleep(60)"
-    orphan = subprocess.run([sys.executable, "-c", script], env={**script_env(), LAUNCHER_PID_ENV: "1"}, timeout=60)
+    launch = {LAUNCHER_ENV: "1:launch-a", "TORCHELASTIC_RUN_ID": "launch-a"}
+    orphan = subprocess.run([sys.executable, "-c", script], env={**script_env(), **launch}, timeout=60)
     assert orphan.returncode == -signal.SIGTERM
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_worker_of_another_launch_ignores_a_launcher_it_inherited():
+    """torchrun started from a process that once ran `--nproc` passes its launcher's variable on to workers of
+    its own launch (another run id): they must not take torchrun's agent for a dead launcher and stop."""
+    from ganscale.launch import LAUNCHER_ENV
+
+    script = "from ganscale.launch import follow_launcher; follow_launcher(); print('trained on')"
+    worker = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            env={**script_env(), LAUNCHER_ENV: "1:launch-a", "TORCHELASTIC_RUN_ID": "launch-b"})
+    assert worker.returncode == 0 and "trained on" in worker.stdout, worker.stderr
 
 
 def test_hang_on_one_rank_is_named_with_diagnostics_and_exits_fast(tmp_path):

@@ -34,12 +34,16 @@ def _fail(error: Exception) -> None:
         click.echo(f"ganscale: {error}", err=True)
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():  # a worker: leave at once, as on any error (the process
-        sys.stderr.flush()                             # group's teardown could wait on peers that left)
+    from ganscale import launch
+
+    # A worker leaves at once, as on any error: the process group's teardown could wait on peers that left, and
+    # gloo's, even after the group is destroyed, sometimes aborts the interpreter's exit (the launcher then names
+    # this rank's signal instead of its exit 2).
+    if launch.under_launcher() or (dist.is_available() and dist.is_initialized()):
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(EXIT_CONFIG)
     sys.exit(EXIT_CONFIG)
-
-
 
 
 def _known_failure(error: BaseException) -> tuple[str, int] | None:

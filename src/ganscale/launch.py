@@ -234,7 +234,9 @@ NOT_RESTARTED = {EXIT_CONFIG: "a config, data or checkpoint error", EXIT_PREEMPT
                  EXIT_NON_FINITE: "non-finite training",
                  EXIT_FILE_REFUSED: "a file operation the system refused (permissions, a full disk)"}
 
-LAUNCHER_PID_ENV = "GANSCALE_LAUNCHER_PID"  # set by launch_local for its workers: the process they follow
+# Set by launch_local for its workers: "PID:RUN_ID", the process they follow and the launch it made (a worker of
+# another launch, e.g. torchrun started from a process that once launched, inherits a stale value and ignores it).
+LAUNCHER_ENV = "GANSCALE_LAUNCHER"
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when its parent thread exits
 
 
@@ -242,8 +244,8 @@ def follow_launcher() -> None:
     """In a worker of `launch_local`: the kernel sends it SIGTERM when the launcher dies, even by kill -9, so the
     ranks agree to stop, checkpoint and exit instead of training on unwatched. Linux only; elsewhere, and in a
     process the launcher did not start, a no-op."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher is None or not sys.platform.startswith("linux"):
+    launcher, _, run_id = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    if not launcher or run_id != os.environ.get("TORCHELASTIC_RUN_ID") or not sys.platform.startswith("linux"):
         return
     import ctypes
 
@@ -265,11 +267,12 @@ def local_agent(nproc: int, stop_grace_s: float = 0.0, **options):
     from ganscale import loopback
 
     loopback.register()
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    run_id = str(uuid.uuid4())
+    os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{run_id}"
     if sys.platform.startswith("linux"):  # gloo listens on the address this host's name resolves to, else
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     granted = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))  # torch's agent's grace, as it reads it
-    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
                         rdzv_backend=loopback.RENDEZVOUS, rdzv_endpoint=f"{loopback.ADDRESS}:0",
                         local_addr=loopback.ADDRESS, max_restarts=0, monitor_interval=0.5,
                         shutdown_timeout=max(granted, math.ceil(stop_grace_s) + 1), **options)
