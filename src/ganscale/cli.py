@@ -99,7 +99,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
 
     import torch
 
-    from ganscale import launch, memory
+    from ganscale import launch, memory, rundir
     from ganscale.runtime import environment_world_size
 
     worker = launch.under_launcher()
@@ -107,13 +107,13 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         _fail(ConfigError("--run-dir", "torchrun --max-restarts restarts the workers, and they must find the run "
                           "they were training", "pass --run-dir (the same on every node) with torchrun --max-restarts"))
     if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun
-        resume = launch.resume_after_restart(run_dir, resume)
+        resume = rundir.resume_after_restart(run_dir, resume)
     if max_restarts and not nproc and not worker:
         nproc = 1  # restarts need a launcher
     launching = bool(nproc) and not worker
     # Not in a torchrun worker: each node would decide alone, from what its own disk shows (the CLI's parent
     # decides for its --nproc workers, and passes the recipe on).
-    if recipe is None and resume is not None and not worker and (own := launch.own_config(run_dir, resume)):
+    if recipe is None and resume is not None and not worker and (own := rundir.own_config(run_dir, resume)):
         recipe = str(own)  # continue the run as it was configured, not with the default recipe; --set still applies
         if launch.rank_from_environment() == 0:
             click.echo(f"ganscale: resuming with the run's own config, {own} (give a RECIPE to use another)")
@@ -124,10 +124,10 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
             memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run
-            run_dir, resume, held = launch.claim_run(cfg, run_dir, resume)
+            run_dir, resume, held = rundir.claim_run(cfg, run_dir, resume)
     except ConfigError as e:
         _fail(e)
-    except launch.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
+    except rundir.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
         click.echo(f"ganscale: {e}")
         return
     if launching:
@@ -140,7 +140,7 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
         resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
     except ConfigError as e:
         _fail(e)
-    except launch.AlreadyTrained as e:
+    except rundir.AlreadyTrained as e:
         if launch.rank_from_environment() == 0:
             click.echo(f"ganscale: {e}")
         return

@@ -29,7 +29,7 @@ from ganscale.ema import EmaUpdate, ema_beta, make_ema
 from ganscale.finite import BufferSnapshot, refuse_non_finite
 from ganscale.fault import (NonFiniteTraining, Preempted, ReplicaDivergence, StopSignals, every_rank_or_none,
                             injected_fault, rank0_writes, restart_count)
-from ganscale.launch import config_at
+from ganscale.rundir import config_at
 from ganscale.metrics.images import ImageScorer
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
