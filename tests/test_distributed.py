@@ -204,7 +204,8 @@ def test_replicas_bitwise_identical_at_every_checkpoint(tmp_path):
 
 
 def _divergence_probe(rank, world):
-    from ganscale.trainer import ReplicaDivergence, check_replicas
+    from ganscale.checkpointer import check_replicas
+    from ganscale.fault import ReplicaDivergence
 
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2)

@@ -17,6 +17,7 @@ from torch import nn
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, build
 from ganscale.data import build_dataset
+from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.finite import refuse_non_finite_checkpoint
 from ganscale.memory import check_sampling
 from ganscale.metrics.features import build_extractor
@@ -27,7 +28,6 @@ from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.outputs import write_output
 from ganscale.rundir import config_at
 from ganscale.tasks import build_task
-from ganscale.trainer import MIXTURE_MODES
 
 
 def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, nn.Module, int]:

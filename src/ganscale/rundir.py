@@ -107,6 +107,16 @@ def config_at(run: Path, step: int) -> Path | None:
     return found if found.is_file() else None
 
 
+def config_to_write(run: Path, step: int, resolved: str) -> Path | None:
+    """Where a run starting (or resuming) at `step` records its resolved config: config.yaml for a new run (or a
+    branch into a new folder); config.resumed-<step>.yaml, beside the original and never over it, for a resume
+    that changed it (`config_at` then finds it); None for a resume that did not."""
+    before = config_at(run, step) if step > 0 else None  # what trained until now
+    if before is None:
+        return run / "config.yaml"
+    return run / f"config.resumed-{step:08d}.yaml" if before.read_text() != resolved else None
+
+
 def _refuse_two_histories(run_dir: Path, source: Path) -> None:
     """Resuming writes checkpoints and metrics into `run_dir`: refuse where that would interleave two trainings
     (another run's checkpoint, or one older than intact checkpoints the run already holds, which pruning and
