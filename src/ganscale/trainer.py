@@ -122,8 +122,8 @@ class MicroStepMeans:
 
 
 class Phase:
-    """The step timer's part and the traffic meter's phase of one phase of a step, entered together (a reused-slot
-    object, not a generator: about ten phases run every step)."""
+    """The step timer's part and the traffic meter's phase of one phase of a step, entered together (a slotted
+    object, not a generator-based context manager: about ten phases run every step)."""
 
     __slots__ = ("timed", "metered")
 
