@@ -70,9 +70,9 @@ def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, step
 
 def resume_point(overrides: dict, run_dir: str) -> Path:
     """Collective: the checkpoint `--resume auto` continues `run_dir` from under `overrides`, decided on rank 0 and
-    taken by every rank, as the CLI does (launch.decide_run)."""
+    taken by every rank, as the CLI does (rundir.decide_run)."""
     from ganscale import config
-    from ganscale.launch import decide_run
+    from ganscale.rundir import decide_run
 
     _, resume, held = decide_run(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), run_dir, "auto")
     if held is not None:  # rank 0's hold on the run directory: the caller trains in it next

@@ -298,7 +298,7 @@ def test_rank_0_decides_the_run_directory_and_resume_point_for_every_rank(tmp_pa
 
 def test_a_restart_resumes_from_the_run_directory_once_it_holds_an_intact_checkpoint(tmp_path):
     from ganscale import checkpoint
-    from ganscale.launch import resume_after_restart
+    from ganscale.rundir import resume_after_restart
 
     run, branch_source = tmp_path / "new", "OTHER/checkpoints/step-00000010.pt"
     assert resume_after_restart(run, branch_source) == branch_source  # died before its first save
@@ -345,7 +345,7 @@ def test_when_rank_0_cannot_decide_the_run_directory_every_rank_stops(tmp_path):
 
 
 def test_checkpoints_are_ordered_by_step_and_compared_by_step(tmp_path, monkeypatch):
-    from ganscale import checkpoint, launch
+    from ganscale import checkpoint, rundir
     from ganscale.config import ConfigError
 
     folder = tmp_path / "run" / "checkpoints"
@@ -355,9 +355,9 @@ def test_checkpoints_are_ordered_by_step_and_compared_by_step(tmp_path, monkeypa
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == [
         "step-00000010.pt", "step-99999999.pt", "step-100000000.dcp", "step-100000000.pt"]
     monkeypatch.setattr(checkpoint, "problem", lambda path: None)  # every one of them intact
-    launch._refuse_two_histories(tmp_path / "run", folder / "step-100000000.dcp")  # the same step: not older
+    rundir._refuse_two_histories(tmp_path / "run", folder / "step-100000000.dcp")  # the same step: not older
     with pytest.raises(ConfigError, match="step-100000000.pt"):
-        launch._refuse_two_histories(tmp_path / "run", folder / "step-99999999.pt")
+        rundir._refuse_two_histories(tmp_path / "run", folder / "step-99999999.pt")
 
 
 def test_each_rank_gets_its_own_gpu_or_a_named_error():

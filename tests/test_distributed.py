@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from dist_helpers import (assert_same_functions, max_relative_difference, on_rank1_after_step, poison_d_loss_on_rank1,
                           poison_g_forward_on_rank1, record_steps, run_ranks, train_and_collect)
+from ganscale import checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -204,7 +207,8 @@ def test_replicas_bitwise_identical_at_every_checkpoint(tmp_path):
 
 
 def _divergence_probe(rank, world):
-    from ganscale.trainer import ReplicaDivergence, check_replicas
+    from ganscale.checkpointer import check_replicas
+    from ganscale.fault import ReplicaDivergence
 
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2)
@@ -285,18 +289,18 @@ def test_wgan_gp_under_ddp_equals_single_process(tmp_path):
     _assert_same_training(one, two[0])
 
 
-def _resume_probe(rank, world, overrides, root):
+def _resume_probe(rank, world, overrides, root, stop: int = 10, steps: int = 20):
     from pathlib import Path
 
     from dist_helpers import resume_point
     from dist_helpers import train_and_collect as train
 
     root = Path(root)
-    straight = train(rank, world, {**overrides, "train.steps": 20}, str(root / "straight"))
-    train(rank, world, {**overrides, "train.steps": 10}, str(root / "stopped"))
+    straight = train(rank, world, {**overrides, "train.steps": steps}, str(root / "straight"))
+    train(rank, world, {**overrides, "train.steps": stop}, str(root / "stopped"))
     # Rank 0 wrote the checkpoint; every rank resumes from the path rank 0 sees, as the CLI does.
-    resume_from = resume_point({**overrides, "train.steps": 20}, str(root / "stopped"))
-    resumed = train(rank, world, {**overrides, "train.steps": 20}, str(root / "stopped"), resume=resume_from)
+    resume_from = resume_point({**overrides, "train.steps": steps}, str(root / "stopped"))
+    resumed = train(rank, world, {**overrides, "train.steps": steps}, str(root / "stopped"), resume=resume_from)
     return {"straight": straight, "resumed": resumed, "resumed_from": resume_from.name}
 
 
@@ -322,6 +326,52 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, world, model):
         for net in ("G", "D", "G_ema"):
             for key, value in result["straight"][net].items():
                 assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
+
+
+def _trained(record: dict) -> dict:
+    """A metrics record less what measures the process rather than the training (time, traffic: measured on one
+    step of each process, so from a resume's third step on)."""
+    return {k: v for k, v in record.items() if not k.startswith(("time_", "comm_bytes_")) and k != "img_per_s"}
+
+
+def _outputs_of(run) -> dict:
+    """What a run wrote of its training: metrics records, sample pictures, checkpoints, the summary's."""
+    summary = json.loads((run / "summary.json").read_text())
+    return {"metrics": [_trained(json.loads(line)) for line in (run / "metrics.jsonl").read_text().splitlines()],
+            "samples": {p.name: p.read_bytes() for p in sorted((run / "samples").glob("*.png"))},
+            "checkpoints": {p.name: {k: v for k, v in torch.load(p, weights_only=True).items() if k != "config"}
+                            for p in checkpoint.list_checkpoints(run)},  # config: a stopped run's train.steps
+            "summary": {key: summary[key] for key in ("steps", "skipped_steps", "quality")},
+            "final": _trained(summary["final"])}
+
+
+def _assert_same_states(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same_states(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_states(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_a_resumed_run_writes_what_an_uninterrupted_one_writes(tmp_path):
+    """Metrics, sample pictures, image scores and checkpoints each come on their own cadence (the reporter's and
+    the checkpointer's), and a run stopped at step 8 and resumed writes exactly what 12 straight steps write."""
+    overrides = {**SMALL_DCGAN, "log.every": 1, "log.sample_every": 4, "log.samples": 8, "eval.every": 4,
+                 "eval.samples": 32, "checkpoint.every": 4, "checkpoint.keep": 5}
+    run_ranks(_resume_probe, 2, overrides, str(tmp_path), 8, 12)
+    straight, resumed = _outputs_of(tmp_path / "straight"), _outputs_of(tmp_path / "stopped")
+    assert [r["step"] for r in straight["metrics"] if "loss_d" in r] == list(range(1, 13))
+    assert [r["step"] for r in straight["metrics"] if "eval_fd_digits" in r] == [4, 8, 12]
+    assert list(straight["samples"]) == [f"step-{s:08d}.png" for s in (4, 8, 12)]
+    assert list(straight["checkpoints"]) == [f"step-{s:08d}.pt" for s in (4, 8, 12)]
+    _assert_same_states(straight, resumed, "run")
 
 
 def _train_with_nan(rank, world, overrides, run_dir):

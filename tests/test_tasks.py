@@ -322,7 +322,7 @@ def test_image_metrics_during_training_go_to_metrics_and_summary(tmp_path):
     assert all(r["eval_fd_digits"] > 0 and 0 <= r["eval_coverage"] <= 1 for r in scored)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["quality"]["fd_digits"] == pytest.approx(scored[-1]["eval_fd_digits"])
-    assert trainer.image_scorer.reference.shape[0] == 1797  # every training digit
+    assert trainer.reporter.image_scorer.reference.shape[0] == 1797  # every training digit
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -90,7 +90,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     Raises ConfigError before anything is written, WorkersFailed when `nproc` workers fail, or a training's error."""
     import torch
 
-    from ganscale import launch, memory, preflight
+    from ganscale import launch, memory, preflight, rundir
     from ganscale.runtime import environment_world_size
 
     worker = launch.under_launcher()
@@ -98,7 +98,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
         raise ConfigError("--run-dir", "torchrun --max-restarts restarts the workers, and they must find the run "
                           "they were training", "pass --run-dir (the same on every node) with torchrun --max-restarts")
     if worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun
-        resume = launch.resume_after_restart(run_dir, resume)
+        resume = rundir.resume_after_restart(run_dir, resume)
     if max_restarts and not nproc and not worker:
         nproc = 1  # restarts need a launcher
     launching = bool(nproc) and not worker
@@ -110,11 +110,11 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
             memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run
-            run_dir, resume, held = launch.claim_run(cfg, run_dir, resume)
+            run_dir, resume, held = rundir.claim_run(cfg, run_dir, resume)
             with held or contextlib.nullcontext():  # the run directory is this run's through every restart
                 return _launch_workers(cfg, recipe, overrides, nproc, run_dir, resume, held, max_restarts)
         resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
-    except launch.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
+    except rundir.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
         if launch.rank_from_environment() == 0:
             say(f"ganscale: {e}")
         return None
@@ -125,12 +125,12 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
 
 def own_config(recipe: str | None, run_dir: str | None, resume: str | None, worker: bool,
                say: Callable[[str], None]) -> str | None:
-    """The recipe to load: `recipe`, or for a resume without one the run's own config (`launch.own_config`).
+    """The recipe to load: `recipe`, or for a resume without one the run's own config (`rundir.own_config`).
     Not in a torchrun worker: each node would decide alone, from what its own disk shows (the CLI's parent
     decides for its --nproc workers, and passes the recipe on)."""
-    from ganscale import launch
+    from ganscale import launch, rundir
 
-    if recipe is None and resume is not None and not worker and (own := launch.own_config(run_dir, resume)):
+    if recipe is None and resume is not None and not worker and (own := rundir.own_config(run_dir, resume)):
         recipe = str(own)  # continue the run as it was configured, not with the default recipe; --set still applies
         if launch.rank_from_environment() == 0:
             say(f"ganscale: resuming with the run's own config, {own} (give a RECIPE to use another)")

@@ -19,7 +19,7 @@ One line per check, `STATUS  name  detail`, in this order:
    the nccl-tests convention), and the time of a 4 KiB all-reduce (50 timed): the fixed cost a DDP step
    pays once per network, which decides whether a small model gains from more processes.
 6. One tiny GAN step (2 steps of the default recipe, width 8) on the same workers, then the
-   replica check (`ganscale.trainer.check_replicas`: G, D and G_ema bitwise identical on every rank).
+   replica check (`ganscale.checkpointer.check_replicas`: G, D and G_ema bitwise identical on every rank).
 
 Statuses: PASS. WARN: it works but is slow or surprising (each WARN prints its cause and the fix;
 WARN does NOT fail the doctor). FAIL: a run like this would fail (cause and fix printed). SKIP: the
@@ -561,7 +561,8 @@ def _gan_step(spec: dict[str, Any], runtime) -> dict[str, Any]:
     import torch
 
     from ganscale import config, preflight
-    from ganscale.trainer import Trainer, check_replicas
+    from ganscale.checkpointer import check_replicas
+    from ganscale.trainer import Trainer
 
     started = time.perf_counter()
     cfg = config.load(None, gan_overrides(spec, runtime.world))

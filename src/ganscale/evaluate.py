@@ -17,6 +17,7 @@ from torch import nn
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, build
 from ganscale.data import build_dataset
+from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.finite import refuse_non_finite_checkpoint
 from ganscale.memory import check_sampling
 from ganscale.metrics.features import build_extractor
@@ -25,8 +26,8 @@ from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.outputs import write_output
+from ganscale.rundir import config_at
 from ganscale.tasks import build_task
-from ganscale.trainer import MIXTURE_MODES
 
 
 def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, nn.Module, int]:
@@ -63,8 +64,6 @@ def fitted_generator(run_dir: Path, source: Path, state: dict, nets: tuple[str, 
 
 def run_config(run_dir: Path, source: Path, state: dict) -> Path | None:
     """RUN_DIR's config file at the step of `source` when it is one of RUN_DIR's checkpoints, else None."""
-    from ganscale.launch import config_at
-
     own = Path(source).resolve().parent == checkpoint.checkpoint_dir(run_dir).resolve()
     return config_at(Path(run_dir), int(state["step"])) if own else None
 

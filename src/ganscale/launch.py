@@ -1,7 +1,6 @@
 """Starting workers: `--nproc N` through PyTorch's elastic launcher (the machinery behind torchrun),
-or the current process when it already is a worker (plain run, or started by torchrun).
-
-Also decides the run directory and what to resume from, before anything is written.
+or the current process when it already is a worker (plain run, or started by torchrun). The run directory
+it trains in is decided before (rundir.py).
 """
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -21,17 +19,8 @@ import torch.distributed as dist
 from ganscale import checkpoint, runlock
 from ganscale.config import Config, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED,
-                           EXIT_PREEMPTED, EXIT_REPLICAS_DIFFER, RESTARTS_ENV, error_of_rank, report_of, told_by)
-
-RUNS_ROOT = Path("runs")
-RESUMED_CONFIG = re.compile(r"^config\.resumed-(\d{8,})\.yaml$")  # a resume's config, where it differed
-# What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
-RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|config\.yaml|config\.resumed-\d{8,}\.yaml"
-                       r"|metrics\.jsonl|fingerprints\.jsonl|summary\.json|eval\.json|run\.lock(\.stale-[0-9a-f]+)?)$")
-
-
-class AlreadyTrained(Exception):
-    """The resume point is the run's last step (`train.steps`): nothing to train, nothing to write."""
+                           EXIT_PREEMPTED, EXIT_REPLICAS_DIFFER, RESTARTS_ENV)
+from ganscale.rundir import AlreadyTrained, decide_run, resume_after_restart
 
 
 def under_launcher() -> bool:
@@ -50,181 +39,6 @@ def check_gpus(cfg: Config, nproc: int, visible: int) -> None:
 
 def rank_from_environment() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, Path | None]:
-    """(run directory, checkpoint to resume from or None). Raises ConfigError; writes nothing."""
-    if resume not in (None, "auto"):
-        source = Path(resume)
-        if not source.exists():
-            raise ConfigError("--resume", f"no checkpoint at '{resume}'",
-                              "pass a checkpoint file, a run directory holding checkpoints/, or 'auto'")
-        if source.is_file() and source.suffix == ".json":
-            raise ConfigError("--resume", f"{source} is a checkpoint's completion marker, not the checkpoint",
-                              "pass the checkpoint beside it (the .pt file or .dcp folder of the same name)")
-        if source.is_dir() and source.name == "checkpoints" and checkpoint.checkpoint_dir(source.parent) == source:
-            source = source.parent  # a run's checkpoints/ folder: that run
-        is_run = source.is_dir() and not checkpoint.is_sharded(source)  # a step-N.dcp folder is one checkpoint
-        found = _resumable(source) if is_run else source
-        if not is_run and checkpoint.problem(source):
-            raise ConfigError("--resume", f"{source}: {checkpoint.problem(source)}", "pass an intact checkpoint")
-        if not is_run and run_dir is None and not checkpoint.PATTERN.match(source.name):
-            raise ConfigError("--run-dir", f"{source} is not a run's checkpoints/step-N file, so it names no run "
-                              "directory to train on in", "pass --run-dir (a new folder) for the run it continues")
-        target = Path(run_dir) if run_dir else (source if is_run else source.parent.parent)
-        _refuse_two_histories(target, found)
-        return target, _left_to_train(cfg, found)
-    if run_dir is None and resume == "auto":
-        own = re.compile(rf"^{re.escape(cfg.name)}-\d{{8}}-\d{{6}}(-\d+)?$")  # not another recipe's prefix
-        candidates = sorted((p for p in RUNS_ROOT.glob(f"{cfg.name}-*") if own.match(p.name) and checkpoint.latest(p)),
-                            key=lambda p: checkpoint.latest(p).stat().st_mtime)
-        run_dir = str(candidates[-1]) if candidates else None
-    if run_dir is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = RUNS_ROOT / f"{cfg.name}-{stamp}"
-        suffix = 1
-        while path.exists():
-            path, suffix = RUNS_ROOT / f"{cfg.name}-{stamp}-{suffix}", suffix + 1
-        return path, None
-    path = Path(run_dir)
-    newest = checkpoint.latest(path)
-    if newest is not None and resume is None:
-        raise ConfigError("--run-dir", f"'{path}' already holds a run (checkpoints/{newest.name})",
-                          "pass --resume auto to continue it, or choose a new --run-dir")
-    foreign = sorted(p.name for p in path.iterdir() if not RUN_FILES.match(p.name)) if path.is_dir() else []
-    if newest is None and foreign:  # a fresh run replaces a failed run's own files, and nothing else
-        raise ConfigError("--run-dir", f"'{path}' holds files that are not a ganscale run's ({', '.join(foreign[:3])})",
-                          "choose a new or empty --run-dir")
-    return path, (_left_to_train(cfg, _resumable(path)) if newest is not None else None)
-
-
-def own_config(run_dir: str | None, resume: str | None) -> Path | None:
-    """The config a resume without a RECIPE continues with: the one the run it resumes (the run holding
-    `--resume PATH`, or `--run-dir` with `--resume auto`) was training with at the checkpoint's step
-    (`config_at`). None when there is no such file (`--resume auto` without `--run-dir` looks for the default
-    recipe's runs)."""
-    try:
-        if resume not in (None, "auto"):
-            source = Path(resume)
-            run = source if source.is_dir() and not checkpoint.is_sharded(source) else source.parent.parent
-            if run.name == "checkpoints":  # a run's checkpoints/ folder: that run
-                run, source = run.parent, run.parent
-            step = checkpoint.step_of(source) if source != run else _newest_step(run)
-        elif run_dir is not None:
-            run = Path(run_dir)
-            step = _newest_step(run)
-        else:
-            return None
-        return config_at(run, step) if step is not None else None
-    except OSError:  # a path the system refuses (too long, unreadable): resolve_run names it, on rank 0
-        return None
-
-
-def _newest_step(run: Path) -> int | None:
-    newest = checkpoint.latest(run)
-    return checkpoint.step_of(newest) if newest is not None else None
-
-
-def config_at(run: Path, step: int) -> Path | None:
-    """The config file a run was training with at `step`: its newest config.resumed-<K>.yaml with K <= step (a
-    resume that changed the config writes one), else config.yaml; None when it has neither."""
-    resumed = {int(m[1]): p for p in run.glob("config.resumed-*.yaml") if (m := RESUMED_CONFIG.match(p.name))}
-    earlier = [k for k in resumed if k <= step]
-    found = resumed[max(earlier)] if earlier else run / "config.yaml"
-    return found if found.is_file() else None
-
-
-def _refuse_two_histories(run_dir: Path, source: Path) -> None:
-    """Resuming writes checkpoints and metrics into `run_dir`: refuse where that would interleave two trainings
-    (another run's checkpoint, or one older than intact checkpoints the run already holds, which pruning and
-    `--resume auto` would then mix up with the new ones)."""
-    held = checkpoint.list_checkpoints(run_dir)
-    if not held:
-        return
-    if source.resolve().parent != checkpoint.checkpoint_dir(run_dir).resolve():
-        raise ConfigError("--run-dir", f"'{run_dir}' already holds another run (checkpoints/{held[-1].name}); "
-                          f"resuming {source} there would mix the two", "pass a new --run-dir to continue from it")
-    step = checkpoint.step_of(source)
-    newer = [p for p in held if (checkpoint.step_of(p) or 0) > (step or 0) and not checkpoint.problem(p)]
-    if newer:
-        raise ConfigError("--resume", f"'{run_dir}' holds newer intact checkpoints than {source.name} (up to "
-                          f"{newer[-1].name}); training on from the older one there would discard or mix them",
-                          f"to branch from {source.name}, pass a new --run-dir; to continue, pass --resume auto")
-
-
-def _left_to_train(cfg: Config, source: Path) -> Path:
-    """`source`, if the run has steps left after it; AlreadyTrained at its last step; a ConfigError past it."""
-    step = checkpoint.step_of(source)
-    if step is not None and step > cfg.train.steps:
-        raise ConfigError("train.steps", f"{source} is at step {step}, past train.steps={cfg.train.steps}",
-                          f"set train.steps above {step} to train on from it")
-    if step == cfg.train.steps:
-        raise AlreadyTrained(f"{source.parent.parent} is trained to step {step} (train.steps={cfg.train.steps}): "
-                             "nothing to do; raise train.steps to train on")
-    return source
-
-
-def _resumable(run_dir: Path) -> Path:
-    """The newest intact checkpoint of a run (newer bad ones are reported), or a ConfigError."""
-    return checkpoint.newest_intact(run_dir, "--resume", "pass a checkpoint file, a run directory holding intact "
-                                    "checkpoints, or start a new --run-dir")
-
-
-def claim_run(cfg: Config, run_dir: str | None, resume: str | None
-              ) -> tuple[Path, Path | None, runlock.RunLock | None]:
-    """`resolve_run`, holding the run directory: (run directory, resume point, this process's hold on it, None
-    under the `--nproc` parent's). A directory another run holds is refused first, naming that run; the
-    decision is made again once held, so it is made on what no other run can change any more."""
-    if run_dir is not None and not runlock.held_by_parent(Path(run_dir)):
-        runlock.refuse_if_held(Path(run_dir))
-    path, source = resolve_run(cfg, run_dir, resume)
-    if runlock.held_by_parent(path):
-        return path, source, None
-    held = runlock.hold(path)
-    try:
-        return (*resolve_run(cfg, str(path), resume), held)
-    except BaseException:
-        held.release(abandon=True)  # refused (or nothing to do): nothing of this run stays behind
-        raise
-
-
-def decide_run(cfg: Config, run_dir: str | None, resume: str | None
-               ) -> tuple[Path, Path | None, runlock.RunLock | None]:
-    """Collective: rank 0 decides the run directory and resume point and takes the run directory (`claim_run`,
-    its refusals included); every rank takes that answer, or raises the same ConfigError or AlreadyTrained (told
-    by rank 0, which alone says it). A rank whose view of the run directory differs (another node, a stale network
-    file system) follows rank 0 instead of deciding alone and leaving its peers waiting at the next collective.
-    The hold (rank 0's) is released by the caller when the run ends."""
-    answer: list = [None]
-    failure = held = None
-    if dist.get_rank() == 0:
-        try:
-            path, source, held = claim_run(cfg, run_dir, resume)
-            answer = [("run", str(path), str(source) if source else None)]
-        except ConfigError as e:
-            failure, answer = e, [("refused", e.key, e.problem, e.fix)]
-        except AlreadyTrained as e:
-            failure, answer = e, [("done", str(e))]
-        except Exception as e:  # noqa: BLE001 - e.g. an unreadable --run-dir: told to the peers, raised here
-            failure, answer = e, [("failed", report_of(e))]
-    dist.broadcast_object_list(answer, src=0)
-    kind, *fields = answer[0]
-    if failure is not None:
-        raise failure
-    if kind == "failed":
-        raise error_of_rank(0, "decide the run directory", fields[0])
-    if kind == "refused":
-        raise told_by(0, ConfigError(*fields))
-    if kind == "done":
-        raise AlreadyTrained(fields[0])
-    return Path(fields[0]), (Path(fields[1]) if fields[1] else None), held
-
-
-def resume_after_restart(run_dir: str | Path, resume: str | None) -> str | None:
-    """What a restarted worker group resumes from: its run directory's newest intact checkpoint ('auto') once
-    it holds one; before its first intact checkpoint, what the first start resumed from (a branch's source, or
-    None)."""
-    return "auto" if checkpoint.newest_valid(Path(run_dir)) is not None else resume
 
 
 # A worker's exit that a restart cannot mend: a config, data or checkpoint error (the same again), a stop

@@ -127,7 +127,7 @@ def _state_bytes(cfg: Config, generator: nn.Module, discriminator: nn.Module, wo
 
 def _real_sample(cfg: Config, task: Unconditional, n: int) -> tuple[Tensor, ...]:
     """A meta micro-batch shaped as the data stream yields it."""
-    from ganscale.trainer import MIXTURE_MODES
+    from ganscale.data.mixtures import MIXTURE_MODES
 
     d = cfg.data
     shape = (n, 2) if d.kind in MIXTURE_MODES else (n, d.channels, d.resolution, d.resolution)
@@ -161,7 +161,7 @@ def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Modul
 
 def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
     """Drawing the run's sample grid (log.samples, or the 2D protocol's points), between steps, in fp32."""
-    from ganscale.trainer import MIXTURE_MODES
+    from ganscale.data.mixtures import MIXTURE_MODES
 
     task = build_task(cfg, previews=False)
     if isinstance(task, Paired):  # its grid translates a few fixed pairs, whatever log.samples

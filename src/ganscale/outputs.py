@@ -15,6 +15,7 @@ from pathlib import Path
 from ganscale import checkpoint
 from ganscale.config import ConfigError
 from ganscale.fault import REFUSED_FILE_OPERATION
+from ganscale.rundir import RESUMED_CONFIG
 
 ANOTHER = "choose another --out"
 
@@ -26,8 +27,6 @@ def _is_run(folder: Path) -> bool:
 
 def _run_file(path: Path) -> str | None:
     """What of a run `path` (absolute) is, when it is in a run's checkpoints/ or is a run's config file."""
-    from ganscale.launch import RESUMED_CONFIG
-
     for folder in (path, *path.parents):
         if folder == checkpoint.checkpoint_dir(folder.parent) and _is_run(folder.parent):
             return f"inside the checkpoints of run {folder.parent}"

@@ -6,14 +6,15 @@ optimizer step; everything else (penalty steps, logging, samples, checkpoints, t
 limit) is a function of the step counter and of agreed values, the same on every rank.
 What rank 0 alone writes (config, log, samples, checkpoint) is agreed where it is written: one broadcast
 tells every rank whether it succeeded (`rank0_writes`), so a failed write stops all ranks with its error.
+The checkpointer (checkpointer.py) and the reporter (observe/reporter.py: metrics, samples, image scores, the
+summary) each decide their own cadence; `phase` carries a step phase's watchdog mark, timer and traffic meter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,21 +22,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ganscale import checkpoint, objectives, usercode
-from ganscale.config import Config, ConfigError, to_yaml
+from ganscale.checkpointer import Checkpointer
+from ganscale.config import Config, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
-from ganscale.data.mixtures import grid25_modes, ring8_modes
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
 from ganscale.finite import BufferSnapshot, refuse_non_finite
-from ganscale.fault import (NonFiniteTraining, Preempted, ReplicaDivergence, StopSignals, every_rank_or_none,
-                            injected_fault, rank0_writes, restart_count)
-from ganscale.launch import config_at
-from ganscale.metrics.images import ImageScorer
-from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
+from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault, rank0_writes
 from ganscale.models import build_networks
-from ganscale.observe import RunLog
 from ganscale.observe.fingerprints import fingerprints_for
-from ganscale.observe.samples import image_grid, scatter, write_png
+from ganscale.observe.reporter import Reporter
 from ganscale.observe.timing import StepTimes
 from ganscale.outputs import write_output
 from ganscale.parallel import Layout, held_bytes, parallelize
@@ -45,8 +41,9 @@ from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuse_fake_conflict
 from ganscale.randomness import seeds_from
+from ganscale.rundir import config_to_write
 from ganscale.runtime import Runtime, calm_gloo_polling, seed_rank_streams
-from ganscale.seeds import StepSeeds, derive_seed
+from ganscale.seeds import StepSeeds
 from ganscale.tasks import build_task
 from ganscale.watchdog import Watchdog
 
@@ -54,7 +51,7 @@ from ganscale.watchdog import Watchdog
 # and each rank keeps its slice. Ranks get different noise, and the union over ranks is the same
 # whatever the world size, so 1 x 2b and 2 x b train identically.
 PHASE_G, PHASE_D, PHASE_SAMPLES = 0, 1, 2**20
-MIXTURE_MODES = {"ring8": ring8_modes, "grid25": grid25_modes}
+NOTHING = contextlib.nullcontext()  # reusable
 
 
 def lr_factor(step: int, total_steps: int, decay_start: float) -> float:
@@ -127,6 +124,24 @@ class MicroStepMeans:
             None if total is None else total + share for total, share in zip(self.values, shares)]
 
 
+class Phase:
+    """The step timer's part and the traffic meter's phase of one phase of a step, entered together (a slotted
+    object, not a generator-based context manager: about ten phases run every step)."""
+
+    __slots__ = ("timed", "metered")
+
+    def __init__(self, timed: contextlib.AbstractContextManager, metered: contextlib.AbstractContextManager):
+        self.timed, self.metered = timed, metered
+
+    def __enter__(self) -> None:
+        self.metered.__enter__()
+        self.timed.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.timed.__exit__(*exc)
+        self.metered.__exit__(*exc)
+
+
 class Trainer:
     def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path, resume: Path | None = None):
         self.cfg, self.runtime, self.run_dir = cfg, runtime, Path(run_dir)
@@ -159,20 +174,20 @@ class Trainer:
         self.opt_g = self._adam(self.G, cfg.optim.g, fused=cfg.optim.fused)
         self.opt_d = self._adam(self.D, cfg.optim.d, fused=cfg.optim.fused)
         self.precision = Precision(cfg.train.precision, device)
-        self._configure_optimizers()
+        self.configure_optimizers()
 
         self.step, self.skipped_steps, self.consecutive_skips = 0, 0, 0
         self.stop_signal: str | None = None  # set by a signal on this rank
         self.stop_agreed = False             # set when any rank had a stop signal (agreed in _finish_step)
-        self.saved_step = -1
         self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
         self.traffic = TrafficMeter()  # bytes communicated per step, measured on one step
         self.times = StepTimes(device, cfg.log.step_times)  # where each step's wall time goes
         self.inject_fault = injected_fault()  # test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set
         self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics",
                                  exit_timeout_s=cfg.fault.exit_timeout_s)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self)
         seed_rank_streams(cfg.train.seed, runtime)
-        saved_streams = self._load(resume) if resume is not None else None
+        saved_streams = self.checkpointer.load(resume) if resume is not None else None
         self.dataset = build_dataset(cfg)
         self.task = build_task(cfg)  # what G is given and D judges (unconditional, classes, pairs)
         # G's output (and its classes) from the D step, kept with its graph for the G step: one G forward per
@@ -183,26 +198,19 @@ class Trainer:
         self._fake_for_g: tuple[Tensor, Tensor | None, Tensor] | None = None
         self.batches = GlobalBatches(self.dataset, self.slicing, cfg.train.seed, device, cfg.data.workers,
                                      start=self.step * cfg.loss.n_critic)
-        self.sample_z = self._global_latents(0, PHASE_SAMPLES, cfg.log.samples)
-        self.image_scorer = ImageScorer(cfg, self.dataset, device, progress=lambda: self.watchdog.mark(
-            f"step {self.step}: image metrics (local batches and distances)")) if cfg.eval.every else None  # collective
+        self.reporter = Reporter(self)  # metrics, samples, image scores (its scorer: collective), the summary
         # Last: building the data stream (a DataLoader draws its workers' seed) and the scorer's networks draw from
         # the global RNG. Restored any earlier, those draws would shift G's dropout masks against the stopped run.
         if resume is not None:
-            self._restore_rank_streams(saved_streams)
+            self.checkpointer.restore_rank_streams(saved_streams)
         with self.rank0_writes("run directory"):  # collective on leaving: one broadcast
             if runtime.is_main:  # only now: a bad data set or checkpoint leaves nothing behind
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 resolved = to_yaml(cfg)
-                before = config_at(self.run_dir, self.step) if self.step > 0 else None  # what trained until now
-                written = None
-                if before is None:  # a new run (or a branch into a new folder)
-                    written = self.run_dir / "config.yaml"
-                elif before.read_text() != resolved:  # changed on resume: beside the original, never over it
-                    written = self.run_dir / f"config.resumed-{self.step:08d}.yaml"
+                written = config_to_write(self.run_dir, self.step, resolved)
                 if written is not None:  # whole or not at all: a full disk left a 0-byte config.yaml
                     write_output(written, lambda tmp: tmp.write_text(resolved), "--run-dir")
-            self.log = RunLog(self.run_dir, cfg.train.steps, self.step, cfg.log.tensorboard, runtime.is_main)
+            self.reporter.open()
         self.fingerprints = fingerprints_for(cfg.log.fingerprints, self.run_dir, runtime.is_main, device,
                                              {"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema})
 
@@ -219,6 +227,10 @@ class Trainer:
         """Latents for the whole global batch (or `n` samples): the same on every rank."""
         self._noise.manual_seed(self._seed_of(step, phase))  # one generator, reseeded
         return torch.randn(n or self.global_batch, self.cfg.model.z_dim, generator=self._noise).to(self.runtime.device)
+
+    def sample_latents(self, n: int) -> Tensor:
+        """Latents of the sample pictures and of the 2D mixtures' scores: the same at every step and on every rank."""
+        return self._global_latents(0, PHASE_SAMPLES, n)
 
     def _global_labels(self, step: int, phase: int, n: int | None = None) -> Tensor | None:
         """Classes of the generated samples of the whole global batch (None for unconditional G)."""
@@ -241,84 +253,69 @@ class Trainer:
         self.stop_signal = signal_name
 
     def _fit(self) -> dict:
-        cfg, started = self.cfg, time.perf_counter()
-        start_step = logged_step = self.step
-        record: dict[str, float] = {}
-        quality: dict[str, float] = {}
+        """The loop of the module docstring; returns the summary."""
+        cfg, start_step = self.cfg, self.step
+        self.reporter.begin()
         while self.step < cfg.train.steps:
             step, skipped_before = self.step, self.skipped_steps
-            self.watchdog.mark(f"step {step}: start")
-            self.times.begin_step()
-            factor = lr_factor(step, cfg.train.steps, cfg.optim.decay_start)  # a function of the step: resumes exactly
-            for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
-                group["lr"] = group["initial_lr"] * factor
-            self.inject_fault(step, self.runtime.rank)
-            # Measure one iteration's communication: the third, as the first two also carry one-time work
-            # (FSDP's lazy initialisation; DDP rebuilding its buckets in the second).
-            self.traffic.enabled = step == min(start_step + 2, cfg.train.steps - 1)
-            d_stats = {}
+            self._begin_step(step, start_step)
             for critic in range(cfg.loss.n_critic):
-                with self.times.part("data"):
+                with self.phase(part="data"):
                     reals = next(self.batches)
-                with self.traffic.measure("d_step"):
-                    d_stats = self.discriminator_step(reals, step, critic)
+                d_stats = self.discriminator_step(reals, step, critic)
                 if critic < cfg.loss.n_critic - 1:
                     self.precision.update()
             skipped_before_g = self.skipped_steps
-            with self.traffic.measure("g_step"):
-                g_stats = self.generator_step(step, reals)  # paired data: G translates the last D batch's inputs
+            g_stats = self.generator_step(step, reals)  # paired data: G translates the last D batch's inputs
             self.precision.update()  # once per iteration, after both networks stepped
             self.consecutive_skips = self.consecutive_skips + 1 if self.skipped_steps > skipped_before else 0
             self.step = step + 1
-            beta = ema_beta(self.global_batch, self.step * self.global_batch, cfg.train.ema_half_life_images,
-                            cfg.train.ema_rampup)
             if self.skipped_steps == skipped_before_g:  # a skipped G step leaves G_ema as it was too
-                with self.times.part("optimizer"):
-                    self.update_ema(beta)
+                with self.phase(part="optimizer"):
+                    self.update_ema(ema_beta(self.global_batch, self.step * self.global_batch,
+                                             cfg.train.ema_half_life_images, cfg.train.ema_rampup))
             self.fingerprints.after_step(step)  # log.fingerprints: for `ganscale verify`
-            self.log.advance()
             if self.step == start_step + 1:  # optimizer state exists after the first step
-                self.memory = self._memory_report()
-            if self.traffic.enabled and self.runtime.is_main:
-                print(f"communicated per step  {self.traffic.report()}", flush=True)
+                self.memory = self._memory_report()  # collective
+            self.reporter.after_step()
 
             final = self.step == cfg.train.steps
-            if self.step % cfg.log.every == 0 or final:
-                held = {f"held_bytes_{net.lower()}": sum(self.memory[0][net].values()) for net in ("G", "D")}
-                sent = {f"comm_bytes_{phase}": n for phase, n in self.traffic.totals().items()}
-                times = self.times.take(self.step - logged_step)  # this rank's; rank 0's are logged
-                logged_step = self.step
-                values = {**d_stats, **g_stats, "skipped_steps": self.skipped_steps, **held, **sent, **times}
-                with self.rank0_writes("metrics"):  # collective on leaving: one broadcast
-                    record = self.log.log(self.step, values, self.global_batch)
+            self.reporter.log_metrics(self.step, final, {**d_stats, **g_stats})  # collective when due
             # Both decisions below come from values every rank agreed on in _finish_step's collective.
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
-                with self.rank0_writes("summary"):  # collective on leaving: one broadcast
-                    self.log.close(self._summary(start_step, started, record, quality, stopped="non-finite"))
+                self.reporter.close(stopped="non-finite")  # collective
                 raise NonFiniteTraining(
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
-                    f"(last: {record or g_stats}); {self._non_finite_fix()}")
-            sample = (cfg.log.sample_every and self.step % cfg.log.sample_every == 0) or final
-            score = self.image_scorer is not None and (self.step % cfg.eval.every == 0 or final)
-            save = (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or final or self.stop_agreed
-            if sample or score or save:  # timed only then: on CUDA timing synchronises
-                with self.times.part("outputs"):
-                    if sample:
-                        quality = self.write_samples()
-                    if score:
-                        quality = {**quality, **self.score_images()}
-                    if save:
-                        self.save_checkpoint()
+                    f"(last: {self.reporter.record or g_stats}); {self._non_finite_fix()}")
+            last_step = final or self.stop_agreed  # the last step this process trains: it saves
+            if self.reporter.due(self.step, final) or self.checkpointer.due(self.step, last_step):
+                with self.phase(part="outputs"):  # entered only then: on CUDA timing synchronises
+                    self.reporter.report(self.step, final)  # collective when due
+                    self.checkpointer.save(self.step, last_step)  # collective when due
             if self.stop_agreed and not final:
-                with self.rank0_writes("summary"):  # collective on leaving: one broadcast
-                    self.log.close(self._summary(start_step, started, record, quality, stopped="preempted"))
+                self.reporter.close(stopped="preempted")  # collective
                 raise Preempted(f"stopped at step {self.step} on request ({self.stop_signal or 'another rank'}); "
                                 f"checkpoint written; continue with --resume auto")
+        return self.reporter.close()  # collective
 
-        summary = self._summary(start_step, started, record, quality)
-        with self.rank0_writes("summary"):  # collective on leaving: one broadcast
-            self.log.close(summary)
-        return summary
+    def _begin_step(self, step: int, start_step: int) -> None:
+        """Before each step: its watchdog mark and timers, its learning rates, and the test-only fault hook."""
+        self.watchdog.mark(f"step {step}: start")
+        self.times.begin_step()
+        # Measure one iteration's communication: the third, as the first two also carry one-time work
+        # (FSDP's lazy initialisation; DDP rebuilding its buckets in the second).
+        self.traffic.enabled = step == min(start_step + 2, self.cfg.train.steps - 1)
+        factor = lr_factor(step, self.cfg.train.steps, self.cfg.optim.decay_start)  # a function of the step
+        for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
+            group["lr"] = group["initial_lr"] * factor
+        self.inject_fault(step, self.runtime.rank)
+
+    def phase(self, where: str | None = None, part: str | None = None, traffic: str | None = None) -> Phase:
+        """One phase of a step, instrumented: the hang watchdog's mark (`where`, at this step), the step-time
+        breakdown's `part` and the traffic meter's `traffic` phase, each where given."""
+        if where is not None:
+            self.watchdog.mark(f"step {self.step}: {where}")
+        return Phase(self.times.part(part) if part else NOTHING, self.traffic.measure(traffic) if traffic else NOTHING)
 
     def _non_finite_fix(self) -> str:
         newest = checkpoint.latest(self.run_dir)  # for the message only
@@ -337,37 +334,22 @@ class Trainer:
                 print(f"rank {rank} holds  {line}", flush=True)
         return everyone
 
-    def _summary(self, start_step: int, started: float, record: dict, quality: dict,
-                 stopped: str | None = None) -> dict:
-        wall = time.perf_counter() - started
-        return {"steps": self.step, "world_size": self.runtime.world, "global_batch": self.global_batch,
-                "micro_batch": self.slicing.micro_batch, "accumulation_steps": self.slicing.accumulation,
-                "skipped_steps": self.skipped_steps, "stopped": stopped, "wall_s": wall,
-                "restarts": restart_count(),
-                "img_per_s": (self.step - start_step) * self.global_batch / max(wall, 1e-9),
-                "final": record, "quality": quality, "held_bytes": self.memory,
-                "communicated_bytes": {phase: dict(kinds) for phase, kinds in self.traffic.by_phase.items()},
-                "max_memory_allocated": (torch.cuda.max_memory_allocated(self.runtime.device)  # rank 0's peak
-                                         if self.runtime.device.type == "cuda" else None),
-                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # rank 0's host peak
-                "checkpoint": str(checkpoint.latest(self.run_dir))}
-
     def discriminator_step(self, reals: list[Sample], step: int, critic: int) -> dict[str, float]:
-        loss_cfg = self.cfg.loss
-        self.watchdog.mark(f"step {step}: D step {critic} (DDP all-reduce in backward)")
-        self.D.trainable(True)
-        self.D.begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
-        phase = PHASE_D + critic
-        with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
-        self.buffers.take()
-        with self.times.part("d_forward_backward"):
-            if self.pipeline is not None:
-                real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
-                with self.precision.autocast():
-                    terms = [self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale), None]
-            else:
-                terms = self._discriminator_micro_steps(reals, step, phase, with_r1)
-        loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, terms)
+        with self.phase(f"D step {critic} (DDP all-reduce in backward)", traffic="d_step"):
+            loss_cfg = self.cfg.loss
+            self.D.trainable(True)
+            self.D.begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
+            phase = PHASE_D + critic
+            with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
+            self.buffers.take()
+            with self.phase(part="d_forward_backward"):
+                if self.pipeline is not None:
+                    real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
+                    with self.precision.autocast():
+                        terms = [self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale), None]
+                else:
+                    terms = self._discriminator_micro_steps(reals, step, phase, with_r1)
+            loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, terms)
         return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
 
     def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int,
@@ -429,20 +411,20 @@ class Trainer:
         return adversarial, penalty
 
     def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
-        self.watchdog.mark(f"step {step}: G step (DDP all-reduce in backward)")
-        self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
-        if self._fake_for_g is None:  # else G's output and saved activations from D's step are still needed
-            self.G.begin_iteration()
-        self.buffers.take()
-        with self.times.part("g_forward_backward"):
-            if self.pipeline is not None:
-                z = self.slicing.take(self._global_latents(step, PHASE_G), 0)
-                with self.precision.autocast():
-                    terms = [self.pipeline.generator_pass(z, scale_loss=self.precision.scale), None]
-            else:
-                terms = self._generator_micro_steps(reals, step)
-        self.D.trainable(True)
-        (loss_g, reconstruction_g, grad_norm) = self._finish_step(self.G, self.opt_g, terms)
+        with self.phase("G step (DDP all-reduce in backward)", traffic="g_step"):
+            self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
+            if self._fake_for_g is None:  # else G's output and saved activations from D's step are still needed
+                self.G.begin_iteration()
+            self.buffers.take()
+            with self.phase(part="g_forward_backward"):
+                if self.pipeline is not None:
+                    z = self.slicing.take(self._global_latents(step, PHASE_G), 0)
+                    with self.precision.autocast():
+                        terms = [self.pipeline.generator_pass(z, scale_loss=self.precision.scale), None]
+                else:
+                    terms = self._generator_micro_steps(reals, step)
+            self.D.trainable(True)
+            loss_g, reconstruction_g, grad_norm = self._finish_step(self.G, self.opt_g, terms)
         return {"loss_g": loss_g, "l1_g": reconstruction_g, "grad_norm_g": grad_norm}
 
     def _generator_micro_steps(self, reals: list[Sample], step: int) -> list[Tensor | None]:
@@ -496,13 +478,12 @@ class Trainer:
                      terms: list[Tensor | None]) -> tuple[float, ...]:
         """Clip, agree on skipping and stopping, step. Returns the global mean of each loss term (0 for an
         absent one: the same on every rank) and the pre-clip gradient norm."""
-        with self.times.part("optimizer"):
+        with self.phase(part="optimizer"):
             self.precision.unscale_(optimizer)
             grad_norm = net.grad_norm(self.cfg.train.grad_clip)  # gradients are already averaged: same on all ranks
         # Summed over ranks, a non-finite loss or gradient norm on any rank is non-finite on every rank:
         # the skip decision needs no flag of its own, and is taken on Python floats (no more tensor ops).
-        self.watchdog.mark(f"step {self.step}: all-reduce of losses and skip/stop flags")
-        with self.times.part("sync"):
+        with self.phase("all-reduce of losses and skip/stop flags", part="sync"):
             norm = norm_sum = grad_norm.item()  # of gradients already averaged: the same on every rank
             if self.runtime.world == 1:  # its values already are the global ones (no packing, no gloo hand-off)
                 sums = [t.item() for t in terms if t is not None] + [float(self.stop_signal is not None)]
@@ -521,7 +502,7 @@ class Trainer:
         present_sums = iter(sums)  # in the order of the terms the step has
         means = [0.0 if t is None else next(present_sums) / self.runtime.world for t in terms]
         self.fingerprints.optimizer_step(self.step, "G" if net is self.G else "D", net.module, means)
-        with self.times.part("optimizer"):
+        with self.phase(part="optimizer"):
             if skip:  # every rank alike: the parameters stay, and the buffers its forwards moved go back
                 self.skipped_steps += 1
                 self.buffers.restore()
@@ -548,164 +529,10 @@ class Trainer:
             refuse_non_finite({"G": self.G.held(), "D": self.D.held(), "G_ema": self.G.held(self.G_ema)},
                               f"at step {self.step}", f"nothing of this step was saved; {self._non_finite_fix()}")
 
-    def write_samples(self) -> dict[str, float]:
-        """Every rank draws from G_ema (a collective when G_ema is sharded); rank 0 writes the picture.
-
-        For the 2D mixtures it also scores 2,500 samples with the VEEGAN/PacGAN measures and returns them.
-        """
-        self.ready_for_outputs()
-        mixture = self.cfg.data.kind in MIXTURE_MODES
-        z = self._global_latents(0, PHASE_SAMPLES, PROTOCOL_SAMPLES) if mixture else self.sample_z
-        with torch.no_grad():
-            drawn = self.task.preview(self.G_ema, z).float().cpu()
-        quality: dict[str, float] = {}
-        with self.rank0_writes("samples"):  # collective on leaving: one broadcast
-            if self.runtime.is_main:
-                if mixture:
-                    quality = score_named(self.cfg.data.kind, drawn).as_dict()
-                    self.log.add_scalars("quality", quality, self.step)
-                    picture = scatter(drawn, MIXTURE_MODES[self.cfg.data.kind]())
-                else:
-                    picture = image_grid(drawn, cols=self.task.grid_columns)
-                write_output(self.run_dir / "samples" / f"step-{self.step:08d}.png",
-                             lambda tmp: write_png(picture, tmp), "--run-dir")
-                self.log.add_image("samples", picture, self.step)
-        return quality
-
-    def score_images(self) -> dict[str, float]:
-        """Collective: image metrics of G_ema, every rank generating its share; rank 0 logs them."""
-        self.ready_for_outputs()
-        self.watchdog.mark(f"step {self.step}: image metrics (features all-gathered)")
-        scores = self.image_scorer.score(lambda z: self.task.from_noise(self.G_ema, z).float())
-        with self.rank0_writes("image metrics"):  # collective on leaving: one broadcast
-            if self.runtime.is_main:
-                self.log.add_scalars("quality", scores, self.step)
-                self.log.log_extra(self.step, {f"eval_{k}": v for k, v in scores.items()})
-        return scores
-
-    def state_dict(self, rng_states: list[dict], networks: dict[str, dict]) -> dict:
-        """Everything a resume needs; `networks` holds the full model and optimizer states."""
-        return {"step": self.step, "data_position": self.batches.position, "skipped_steps": self.skipped_steps,
-                "consecutive_skips": self.consecutive_skips, "world_size": self.runtime.world, **networks,
-                "scaler": self.precision.state_dict(), "rng": rng_states, "config": to_yaml(self.cfg)}
-
-    def save_checkpoint(self) -> Path | None:
-        if self.saved_step == self.step:
-            return None
-        self.saved_step = self.step
-        self.ready_for_outputs()
-        if self.cfg.checkpoint.check_replicas:
-            check_replicas({"G": self.G.replicated(), "D": self.D.replicated(), "G_ema": self.G.replicated(self.G_ema)},
-                           group=self.G.replica_group)
-        self.watchdog.mark(f"step {self.step}: replica check and RNG all-gather for the checkpoint")
-        rng_states = checkpoint.gather_rng_states()  # collective
-        if self.cfg.checkpoint.format == "sharded":  # every rank writes its own shards: collective
-            return checkpoint.save_sharded(self._sharded_state(), self.state_dict(rng_states, {}), self.run_dir,
-                                           self.step, self.cfg.checkpoint.keep)
-        networks = {"G": self.G.model_state(saving=True), "D": self.D.model_state(saving=True),
-                    "G_ema": self.G.model_state(self.G_ema, saving=True),
-                    "opt_g": self.G.optimizer_state(self.opt_g, saving=True),
-                    "opt_d": self.D.optimizer_state(self.opt_d, saving=True)}
-        path = None
-        with self.rank0_writes("checkpoint"):  # collective on leaving: one broadcast
-            if self.runtime.is_main:  # the states above: gathered into its host memory
-                state = self.state_dict(rng_states, networks)
-                path = checkpoint.save(state, self.run_dir, self.step, self.cfg.checkpoint.keep)
-        return path
-
-    def _sharded_state(self) -> dict:
-        """This rank's shards of G (with G_ema), D and their optimizers, for torch.distributed.checkpoint."""
-        return {"G": self.G.sharded_state(self.opt_g, self.G_ema), "D": self.D.sharded_state(self.opt_d)}
-
-    def _configure_optimizers(self) -> None:
+    def configure_optimizers(self) -> None:
         """The config's Adam settings on every parameter group (`initial_lr` is what the schedule scales). Also
         after a resume: the optimizer state brings back the checkpoint's groups, whose lr, betas and weight decay
         would silently override what a resumed run's --set changed (and its config.resumed file records)."""
         for optimizer, settings in ((self.opt_g, self.cfg.optim.g), (self.opt_d, self.cfg.optim.d)):
             for group in optimizer.param_groups:
                 group.update(initial_lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
-
-    def _load(self, path: Path) -> list:
-        """Load the training state of checkpoint `path`; returns its per-rank RNG states, restored last."""
-        # Checked first (ConfigError naming the file: not intact, not a ganscale checkpoint, keys missing). Rank 0
-        # verifies its content; the others, reading the same file, check only that they see all of it. A rank that
-        # cannot (a run directory on a disk its node does not share) stops every rank, naming itself.
-        sharded, verify = checkpoint.is_sharded(path), self.runtime.is_main
-        with every_rank_or_none("read the checkpoint", self.watchdog.mark):  # collective on leaving: one all-reduce
-            state = (checkpoint.load_meta(path, verify=verify) if sharded else
-                     checkpoint.load(path, require=checkpoint.RESUME_KEYS, fix=checkpoint.RESUME_FIX, verify=verify))
-        if sharded:  # DCP's load is a collective itself
-            self._fit_checkpoint(path, state, sharded)
-        else:  # the same config and file on every rank: a misfit is the same error everywhere, agreed and said once
-            with every_rank_or_none("fit the checkpoint", self.watchdog.mark):  # collective on leaving: one all-reduce
-                self._fit_checkpoint(path, state, sharded)
-        self.precision.load_state_dict(state["scaler"])
-        self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))  # absent from checkpoints before 2026-11-22
-        if state["data_position"] != self.step * self.cfg.loss.n_critic:
-            raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
-                              "resume with the loss.n_critic the checkpoint was written with")
-        return state["rng"]
-
-    def _fit_checkpoint(self, path: Path, state: dict, sharded: bool) -> None:
-        """Load checkpoint `path` (its `state`, and its shards) into G, D, G_ema and the optimizers; a ConfigError
-        naming the first tensor that does not fit."""
-        try:
-            if sharded:  # any strategy or world size: DCP reads the shards this rank needs
-                shards = self._sharded_state()
-                checkpoint.load_sharded(path, shards)  # collective
-                self.G.load_sharded_state(shards["G"], self.opt_g, self.G_ema)
-                self.D.load_sharded_state(shards["D"], self.opt_d)
-            else:
-                self.G.load_model_state(state["G"])
-                self.D.load_model_state(state["D"])
-                self.G.load_model_state(state["G_ema"], self.G_ema)
-                self.G.load_optimizer_state(self.opt_g, state["opt_g"])
-                self.D.load_optimizer_state(self.opt_d, state["opt_d"])
-            self._configure_optimizers()  # the config's lr, betas and weight decay, not the checkpoint's
-        except (RuntimeError, ValueError, KeyError) as e:
-            first = " ".join(str(e).strip().splitlines()[:2]).replace("\t", "")[:300]  # torch's headline and first tensor
-            raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({first})",
-                              "resume with the config the checkpoint was written with (its config.yaml)") from None
-
-    def _restore_rank_streams(self, saved: list) -> None:
-        if len(saved) == self.runtime.world:
-            checkpoint.set_rng_state(saved[self.runtime.rank], cuda=self.runtime.device.type == "cuda")
-        else:  # another world size: per-rank streams cannot carry over; reseed them deterministically
-            seed_rank_streams(derive_seed(self.cfg.train.seed, self.step), self.runtime)
-
-
-def fingerprint(tensor: Tensor) -> Tensor:
-    """A bitwise fingerprint of a tensor (int64): equal tensors give equal fingerprints."""
-    flat = tensor.detach().contiguous().view(-1)
-    ints = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-    weights = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=flat.device) % 1_000_003
-    return torch.stack([(ints.long() * weights).sum(), ints.long().sum()])
-
-
-def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]], group: dist.ProcessGroup | None = None) -> None:
-    """Collective over `group` (default: all ranks): the named tensors are bitwise identical across its
-    ranks, or every rank raises ReplicaDivergence naming the first that is not and the ranks that hold it apart."""
-    if dist.get_world_size(group) == 1:
-        return
-    names, prints = [], []
-    for prefix, named in tensors.items():
-        for name, tensor in named:
-            names.append(f"{prefix}.{name}")
-            prints.append(fingerprint(tensor))
-    if not prints:  # e.g. fully sharded networks without buffers: nothing is replicated (same on every rank)
-        return
-    local = torch.stack(prints)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(gathered))
-    everyone = torch.stack(gathered)
-    differs = (everyone != everyone[0]).any(2)  # [rank, tensor]: unlike the group's first rank
-    first = differs.any(0).nonzero()
-    if len(first):
-        tensor = int(first[0])
-        apart = [ranks[0], *(ranks[r] for r in differs[:, tensor].nonzero().flatten().tolist())]
-        raise ReplicaDivergence(
-            f"replicas differ: {names[tensor]} on ranks {', '.join(map(str, apart))} (it must be bitwise identical); "
-            "nothing was saved from this step. Continue from the last checkpoint with --resume auto (or "
-            "--max-restarts); if it recurs, run `ganscale doctor` on these machines")

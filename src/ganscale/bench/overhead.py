@@ -122,7 +122,7 @@ def measure(steps: int, repeats: int, warmup: int = 20, batch: int | None = None
     try:
         with tempfile.TemporaryDirectory() as run_dir:
             trainer = Trainer(cfg, runtime, Path(run_dir))
-            advance = trainer.log.advance
+            advance = trainer.reporter.log.advance
 
             def timed_advance(n: int = 1) -> None:
                 advance(n)
@@ -143,7 +143,7 @@ def measure(steps: int, repeats: int, warmup: int = 20, batch: int | None = None
                 if profiler and done >= warmup:
                     profiler.enable()
 
-            trainer.log.advance = timed_advance
+            trainer.reporter.log.advance = timed_advance
             resumed["wall"], resumed["cpu"] = time.perf_counter(), time.process_time()
             trainer.fit()
     finally:

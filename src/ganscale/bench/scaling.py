@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, recipe: str, overrides
     steps: list[tuple[float, float]] = []
     try:
         trainer = Trainer(cfg, runtime, Path(out_dir) / "run")
-        advance, last = trainer.log.advance, [time.perf_counter(), time.process_time()]
+        advance, last = trainer.reporter.log.advance, [time.perf_counter(), time.process_time()]
 
         def timed_advance(n: int = 1) -> None:
             advance(n)
@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, recipe: str, overrides
             steps.append((now[0] - last[0], now[1] - last[1]))
             last[:] = now
 
-        trainer.log.advance = timed_advance
+        trainer.reporter.log.advance = timed_advance
         trainer.fit()
     finally:
         runtime.close()

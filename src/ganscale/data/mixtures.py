@@ -21,6 +21,9 @@ def grid25_modes() -> torch.Tensor:
     return torch.cartesian_prod(axis, axis)
 
 
+MIXTURE_MODES = {"ring8": ring8_modes, "grid25": grid25_modes}  # data.kind -> its modes
+
+
 def sample_mixture(modes: torch.Tensor, std: float, n: int, generator: torch.Generator) -> torch.Tensor:
     which = torch.randint(len(modes), (n,), generator=generator)
     return modes[which] + std * torch.randn(n, modes.shape[1], generator=generator)
