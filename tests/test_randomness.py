@@ -128,17 +128,25 @@ RING8 = {**QUIET, "model.kind": "mlp", "data.kind": "ring8", "data.size": 500, "
 DIGITS = {**QUIET, "data.kind": "digits", "model.z_dim": 32}
 
 
+NETS = '''
+import torch
+from torch import nn
+
+from ganscale import randomness
+from ganscale.randomness import batch_seeds, sample_seeds
+
+
 class NoisyGenerator(nn.Module):
     """An MLP G with StyleGAN-like noise injection after each hidden layer; `draw`: how it draws the noise."""
 
-    def __init__(self, z_dim: int, width: int = 32, draw: str = "per_sample"):
+    def __init__(self, z_dim, width=32, draw="per_sample"):
         super().__init__()
         self.draw = draw
         self.hidden = nn.ModuleList([nn.Linear(z_dim, width), nn.Linear(width, width)])
         self.strength = nn.Parameter(torch.full((2, width), 0.5))
         self.out = nn.Linear(width, 2)
 
-    def forward(self, z: Tensor) -> Tensor:
+    def forward(self, z):
         h = z
         for i, layer in enumerate(self.hidden):
             h = torch.relu(layer(h))
@@ -153,28 +161,36 @@ class NoisyGenerator(nn.Module):
 class DropoutDiscriminator(nn.Module):
     """An MLP D with dropout whose masks come from the trainer's per-row seeds (batch_seeds)."""
 
-    def __init__(self, width: int = 32):
+    def __init__(self, width=32):
         super().__init__()
         self.hidden, self.out = nn.Linear(2, width), nn.Linear(width, 1)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x):
         h = torch.nn.functional.leaky_relu(self.hidden(x), 0.2)
         return self.out(randomness.dropout(h, 0.3, salt=0, seeds=batch_seeds(x)))
+'''
 
 
-def _train_user_networks(rank: int, world: int, overrides: dict, run_dir: str, draw: str) -> dict:
-    """train_and_collect with user networks in place of the config's (the trainer's build_networks): the MLPs above
-    (`draw`: how G draws its noise), or examples/noise_injection's ("example")."""
-    from ganscale import trainer
+def _user_networks(folder: Path, draw: str) -> dict:
+    """model.kind=custom overrides for the MLPs above (`draw`: how G draws its noise), written to `folder`, or for
+    examples/noise_injection's networks ("example")."""
+    if draw == "example":
+        return {"model.kind": "custom", "code_path": f"[{EXAMPLE.parent}]",
+                "model.generator": "nets:NoiseInjectionGenerator", "model.generator_args": "{z_dim: 32, width: 8}",
+                "model.discriminator": "nets:DropoutDiscriminator", "model.discriminator_args": "{width: 8}"}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "noisy_nets.py").write_text(NETS)
+    return {"model.kind": "custom", "code_path": f"[{folder}]",
+            "model.generator": "noisy_nets:NoisyGenerator", "model.generator_args": f"{{z_dim: 4, draw: {draw}}}",
+            "model.discriminator": "noisy_nets:DropoutDiscriminator", "model.discriminator_args": "{}"}
 
-    def user_networks(cfg):
-        torch.manual_seed(cfg.train.seed)  # identical initialisation on every rank, as build_networks does
-        if draw == "example":
-            nets = _example()
-            return nets.NoiseInjectionGenerator(cfg.model.z_dim, width=8), nets.DropoutDiscriminator(width=8)
-        return NoisyGenerator(cfg.model.z_dim, draw=draw), DropoutDiscriminator()
-    trainer.build_networks = user_networks
-    return train_and_collect(rank, world, overrides, run_dir, record_steps)
+
+def _one_and_two(tmp_path: Path, draw: str, one_process: dict, two_ranks: dict) -> tuple[dict, list[dict]]:
+    """The user's networks trained on one process and on 2 ranks, with their per-step losses and gradients."""
+    networks = _user_networks(tmp_path / "code", draw)
+    one = run_ranks(train_and_collect, 1, {**one_process, **networks}, str(tmp_path / "one"), record_steps)[0]
+    two = run_ranks(train_and_collect, 2, {**two_ranks, **networks}, str(tmp_path / "two"), record_steps)
+    return one, two
 
 
 def _differences(one: dict, two: dict) -> list[float]:
@@ -190,11 +206,10 @@ def _differences(one: dict, two: dict) -> list[float]:
     ("example", DIGITS, {**DIGITS, "train.micro_batch": 4})], ids=["accumulating", "reusing-fake", "example"])
 def test_per_sample_noise_in_g_and_dropout_in_d_train_on_two_ranks_as_on_one_process(tmp_path, networks, one_process,
                                                                                     two_ranks):
-    """Noise injection in G (seeds from its latents) and dropout in D (seeds the trainer sets per row), on 2 ranks
-    of 2 micro-steps each (or with G's step judging D's step's fake) and on one process: the same losses at every
+    """A user's networks (model.kind=custom): noise injection in G (seeds from its latents) and dropout in D (seeds
+    the trainer sets per row), on 2 ranks of 2 micro-steps each (or with G's step judging D's step's fake) and on one process: the same losses at every
     step and the same weights."""
-    one = run_ranks(_train_user_networks, 1, one_process, str(tmp_path / "one"), networks)[0]
-    two = run_ranks(_train_user_networks, 2, two_ranks, str(tmp_path / "two"), networks)
+    one, two = _one_and_two(tmp_path, networks, one_process, two_ranks)
     assert len(one["extra"]) == 2 * RING8["train.steps"]
     assert max(_differences(one, two[0])) <= TOLERANCE
     assert max(_differences(one, two[1])) <= TOLERANCE
@@ -203,6 +218,5 @@ def test_per_sample_noise_in_g_and_dropout_in_d_train_on_two_ranks_as_on_one_pro
 @pytest.mark.slow
 def test_noise_from_the_rank_s_rng_stream_trains_otherwise_on_two_ranks(tmp_path):
     """Sensitivity of the test above: the same G drawing torch.randn_like in its forward differs from one process."""
-    one = run_ranks(_train_user_networks, 1, RING8, str(tmp_path / "one"), "rank_stream")[0]
-    two = run_ranks(_train_user_networks, 2, {**RING8, "train.micro_batch": 4}, str(tmp_path / "two"), "rank_stream")
+    one, two = _one_and_two(tmp_path, "rank_stream", RING8, {**RING8, "train.micro_batch": 4})
     assert max(_differences(one, two[0])) > 100 * TOLERANCE

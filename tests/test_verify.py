@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 from ganscale import config
 from test_cli import clean_env, explain
+from test_randomness import NETS
 
 # A small ring8 MLP (the recipe's R1 and maxout D included): a few seconds a run.
 SMALL_RING8 = ["--set", "model.g_width=32", "--set", "model.d_width=32", "--set", "model.g_layers=2",
@@ -56,6 +57,34 @@ def test_randomness_per_rank_is_found_at_the_step_it_starts(tmp_path):
     assert "first divergence: step 3, D's update" in result.stdout, explain(result)
     assert "probable cause: randomness drawn from the per-rank RNG inside a network" in result.stdout
     assert "in step 3" in result.stdout
+
+
+USER_CONFIG = """
+model:
+  kind: custom
+  generator: noisy_nets:NoisyGenerator
+  generator_args: {{z_dim: 4, width: 16, draw: {draw}}}
+  discriminator: noisy_nets:DropoutDiscriminator
+  discriminator_args: {{width: 16}}
+  z_dim: 4
+data: {{kind: ring8, size: 500}}
+train: {{batch_size: 16}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draw, verdict", [("rank_stream", "DIFFERENT"), ("per_sample", "EQUAL")])
+def test_a_user_g_drawing_noise_from_the_rank_s_rng_is_different_and_named(tmp_path, draw, verdict):
+    """A user's G (model.kind=custom, beside its YAML) with noise from torch.randn_like in forward: DIFFERENT, the
+    per-rank randomness named; the same G drawing it with ganscale.randomness: EQUAL."""
+    (tmp_path / "noisy_nets.py").write_text(NETS)
+    (tmp_path / "config.yaml").write_text(USER_CONFIG.format(draw=draw))
+    result = verify("config.yaml", "--steps", "2", cwd=tmp_path)
+    assert result.returncode == (0 if verdict == "EQUAL" else 1), explain(result)
+    assert f"{verdict}: 2 processes" in result.stdout, explain(result)
+    if verdict == "DIFFERENT":
+        assert "first divergence: step 1, D's update" in result.stdout, explain(result)  # G's noise, from the start
+        assert "probable cause: randomness drawn from the per-rank RNG inside a network" in result.stdout, explain(result)
 
 
 @pytest.mark.parametrize("args, key", [
