@@ -89,6 +89,13 @@ def test_an_image_that_does_not_decode_exits_2_naming_it(tmp_path, problem):
     assert "'data.path'" in result.stderr and "broken.png" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_run_with_data_loader_workers_leaves_when_it_is_done(tmp_path):
+    """The workers ignore SIGTERM (the trainer stops them): left to the interpreter's exit, which terminates and
+    joins its children, they kept a finished run from exiting."""
+    result = ganscale("train", *TINY_RUN, "--set", "data.workers=2", "--run-dir", "run", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0 and "done: 2 steps" in result.stdout, explain(result)
+
+
 def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_7(tmp_path):
     (tmp_path / "afile").write_text("")
     result = ganscale("train", *TINY_RUN, "--run-dir", "afile/run", cwd=tmp_path)

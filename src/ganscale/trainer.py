@@ -246,8 +246,11 @@ class Trainer:
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict:
         """Train to `train.steps`. Raises `Preempted` after a stop signal, `NonFiniteTraining` after too many skips."""
-        with StopSignals(self._request_stop) as signals, self.watchdog.watching(signals.wakeup):
-            return self._fit()
+        try:
+            with StopSignals(self._request_stop) as signals, self.watchdog.watching(signals.wakeup):
+                return self._fit()
+        finally:
+            self.batches.close()
 
     def _request_stop(self, signal_name: str) -> None:
         self.stop_signal = signal_name

@@ -123,6 +123,11 @@ class GlobalBatches:
     def __iter__(self) -> GlobalBatches:
         return self
 
+    def close(self) -> None:
+        """Stop the DataLoader's worker processes now: they ignore SIGTERM (`_leave_stops_to_trainer`), so left to
+        the interpreter's exit, which terminates and joins its children, they would keep it waiting forever."""
+        self._micro.close()  # frees the loader's iterator, whose finaliser shuts its workers down
+
     def __next__(self) -> list[Sample]:
         self.position += 1
         return [tuple(t.to(self.device, non_blocking=True) for t in next(self._micro))
