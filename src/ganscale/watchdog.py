@@ -32,6 +32,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
+from ganscale.config import FaultConfig
 from ganscale.fault import EXIT_HANG, StopSignals
 
 KEY = "ganscale/progress/{rank}"
@@ -45,7 +46,8 @@ def watch_period(timeout_s: float, exit_timeout_s: float) -> float:
 
 
 class Watchdog:
-    def __init__(self, rank: int, world: int, timeout_s: float, diagnostics_dir: Path, exit_timeout_s: float = 30.0):
+    def __init__(self, rank: int, world: int, timeout_s: float, diagnostics_dir: Path,
+                 exit_timeout_s: float = FaultConfig().exit_timeout_s):
         self.rank, self.world, self.timeout_s, self.exit_timeout_s = rank, world, timeout_s, exit_timeout_s
         self.stop_requested_at: float | None = None  # when a stop signal arrived (monotonic)
         self.signals: socket.socket | None = None  # readable when a stop signal arrives (fault.StopSignals)
