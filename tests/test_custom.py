@@ -10,7 +10,7 @@ import torch
 
 from dist_helpers import assert_same_functions, max_relative_difference, record_steps, run_ranks, train_and_collect
 from test_cli import explain, ganscale
-from test_distributed import TOLERANCE
+from test_distributed import TOLERANCE, _assert_same_states
 
 NETS = '''
 import torch
@@ -59,6 +59,24 @@ class TwoLogits(Discriminator):
 class NoDoubleBackward(Discriminator):
     def forward(self, x, labels=None):
         return torch.nn.functional.relu(self.head(self.body(x.detach()))).squeeze(1)
+
+
+class NoisyGenerator(Generator):
+    def forward(self, z, labels=None):
+        return super().forward(z + 0.1 * torch.randn_like(z), labels)  # the rank's own stream
+
+
+class DropoutDiscriminator(Discriminator):
+    def forward(self, x, labels=None):
+        from ganscale import randomness
+
+        h = randomness.dropout(self.body(x), 0.2, salt=1)  # per sample, from its global position
+        return self.head(h).squeeze(1)
+
+
+class ValueDependent(Generator):
+    def forward(self, z, labels=None):
+        return super().forward(z / max(1.0, z.abs().max().item()), labels)  # needs values: not on the meta device
 
 
 NOT_A_FACTORY = 3
@@ -239,6 +257,42 @@ def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(
     assert result.returncode == 0, explain(result)
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert str(tmp_path / "project") in saved  # the folder every resume searches, absolute
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
+
+
+@pytest.mark.slow
+def test_a_user_gan_stopped_and_resumed_on_two_ranks_equals_the_uninterrupted_run(tmp_path):
+    """Exact resume of a user's run through the CLI: its networks' randomness (the rank's stream in G,
+    ganscale.randomness in D), its data set through DataLoader workers, its loss; bit for bit on the CPU."""
+    recipe = write_user_gan(tmp_path, "resumed_user_gan")
+    user = ["--set", "model.generator=resumed_user_gan.nets:NoisyGenerator",
+            "--set", "model.discriminator=resumed_user_gan.nets:DropoutDiscriminator",
+            "--set", "data.workers=1", "--set", "checkpoint.every=3", "--nproc", "2"]
+
+    def train(run: str, steps: int, *more: str):
+        result = ganscale("train", str(recipe), *user, "--set", f"train.steps={steps}", "--run-dir",
+                          str(tmp_path / run), *more, cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, explain(result)
+
+    train("straight", 6)
+    train("stopped", 3)
+    train("stopped", 6, "--resume", "auto")
+    straight, resumed = (torch.load(tmp_path / run / "checkpoints" / "step-00000006.pt", weights_only=True)
+                         for run in ("straight", "stopped"))
+    assert straight.keys() == resumed.keys()
+    for key in straight.keys() - {"config"}:  # config: the stopped run's train.steps
+        _assert_same_states(straight[key], resumed[key], key)
+
+
+def test_a_user_g_that_needs_values_trains_and_says_its_memory_was_not_fully_estimated(tmp_path):
+    """The memory estimate runs G on the meta device, where `.item()` cannot: counted without activations, said once."""
+    recipe = write_user_gan(tmp_path, "value_dependent_gan")
+    result = ganscale("train", str(recipe), "--set", "model.generator=value_dependent_gan.nets:ValueDependent",
+                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert "Traceback" not in result.stderr, explain(result)
+    assert result.stderr.count("activations not estimated: a forward cannot run on torch's meta device") == 1, (
+        explain(result))
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
 
 

@@ -95,6 +95,17 @@ def test_data_loader_path_gives_the_same_stream_as_in_memory_path():
         assert [[m.tolist() for m in b] for b in fast] == [[m.tolist() for m in b] for b in loader]
 
 
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_data_stream_leaves_the_global_rng_alone(workers):
+    """A network's own randomness draws from the global stream (and `ganscale verify` watches it): the DataLoader
+    seeds its workers from a generator of its own."""
+    before = torch.get_rng_state()
+    stream = GlobalBatches(IndexDataset(), Slicing(0, 1, 4, 1), 0, CPU, workers=workers)
+    next(stream)
+    stream.close()
+    assert torch.equal(torch.get_rng_state(), before)
+
 def test_each_epoch_is_a_permutation():
     sampler = _RankSampler(SIZE, Slicing(0, 1, 12, 1), seed=0, start=0)
     first_epoch = sampler.indices(0, 0)[:SIZE]

@@ -49,6 +49,7 @@ class Estimate:
     state: int
     activations: int
     latents: int
+    unmeasured: str | None = None  # what could not be estimated, and why (a user's network on the meta device)
 
     @property
     def total(self) -> int:
@@ -171,16 +172,34 @@ def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
 
 
 def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bool = False) -> Estimate:
-    """What one rank of a `world`-rank run of `cfg` needs (`local_ranks` of them on a node)."""
-    generator, discriminator = meta_networks(cfg)
-    micro = cfg.micro_batch(world)
-    kept, largest = _step_activations(cfg, generator, discriminator, micro)
+    """What one rank of a `world`-rank run of `cfg` needs (`local_ranks` of them on a node). A user's network that
+    cannot be built or run on the meta device is counted without what that needs, and the estimate says so."""
+    latents = (cfg.train.batch_size + cfg.log.samples) * cfg.model.z_dim * FP32
+    try:
+        generator, discriminator = meta_networks(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # e.g. a user's __init__ that computes with numpy or reads a file's values
+        return Estimate(0, 0, latents, f"memory not estimated: G and D cannot be built on torch's meta device "
+                                       f"({_headline(e)})")
+    state = _state_bytes(cfg, generator, discriminator, world, local_ranks, on_cuda)
+    try:
+        kept, largest = _step_activations(cfg, generator, discriminator, cfg.micro_batch(world))
+        grid = _sample_grid_bytes(cfg, generator)
+    except ConfigError:
+        raise
+    except Exception as e:  # a forward that needs values (.item(), numpy, a branch on data): counted without it
+        return Estimate(state, 0, latents, f"activations not estimated: a forward cannot run on torch's meta device "
+                                           f"({_headline(e)})")
     stages = cfg.parallel.pipeline_stages if cfg.parallel.pipelined else 1  # each holds its layers' outputs
     half = cfg.train.precision in ("bf16", "fp16")  # autocast's outputs are 2 bytes
-    activations = max((kept // stages + 2 * largest) // (2 if half else 1), _sample_grid_bytes(cfg, generator))
-    latents = (cfg.train.batch_size + cfg.log.samples) * cfg.model.z_dim * FP32
-    state = _state_bytes(cfg, generator, discriminator, world, local_ranks, on_cuda)
+    activations = max((kept // stages + 2 * largest) // (2 if half else 1), grid)
     return Estimate(state, activations, latents)
+
+
+def _headline(error: Exception) -> str:
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def _with(cfg: Config, key: str, value: int) -> Config:
@@ -238,14 +257,15 @@ def where(device_type: str, local_ranks: int) -> str:
 
 # ------------------------------------------------------------------------------------------------- refusing
 def check_training(cfg: Config, world: int, room: int, room_is: str, local_ranks: int = 1,
-                   on_cuda: bool = False) -> None:
-    """ConfigError when one rank's estimate exceeds REFUSE_ABOVE x `room` bytes (described by `room_is`)."""
+                   on_cuda: bool = False) -> Estimate:
+    """ConfigError when one rank's estimate exceeds REFUSE_ABOVE x `room` bytes (described by `room_is`); else the
+    estimate (its `unmeasured` is for the user)."""
     def estimate(config: Config) -> Estimate:
         return training_estimate(config, world, local_ranks, on_cuda)
 
     needed = estimate(cfg)
     if needed.total <= REFUSE_ABOVE * room:
-        return
+        return needed
     key, helps = _driving_key(cfg, world, estimate)
     if needed.activations <= needed.state:
         more = ", or shard G and D over more ranks (parallel.generator=fsdp, parallel.discriminator=fsdp)"

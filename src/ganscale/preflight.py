@@ -166,6 +166,19 @@ def reuse_fake_conflict(cfg: Config, world_size: int) -> tuple[str, str] | None:
     return None
 
 
+def reuse_fake(cfg: Config, world_size: int, task_reuses: bool) -> tuple[bool, str | None]:
+    """Whether G's step judges D's step's samples: as train.reuse_fake says, else the task's way (pix2pix's) where
+    nothing conflicts. With a note for the user when the task's way is off by conflict, else None."""
+    if cfg.train.reuse_fake is not None or not task_reuses:
+        return bool(cfg.train.reuse_fake), None
+    conflict = reuse_fake_conflict(cfg, world_size)
+    if conflict is None:
+        return True, None
+    return False, (f"G's step runs G again instead of reusing D's step's samples as this task does by default "
+                   f"(one more G forward per iteration, the same samples): {conflict[0]}; "
+                   f"set train.reuse_fake=false to say so")
+
+
 def _check_reuse_fake(cfg: Config, world_size: int) -> None:
     conflict = reuse_fake_conflict(cfg, world_size) if cfg.train.reuse_fake else None
     if conflict is not None:

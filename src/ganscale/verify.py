@@ -175,9 +175,9 @@ class Evidence:
 
     @cached_property
     def rng_steps(self) -> list[int]:
-        """Steps in which rank 0 of the N-process run drew from its own RNG stream. Not the first: a DataLoader
-        with workers draws their seed from it once, at the first batch."""
-        return sorted({r["step"] for r in self.many if r.get("rng_drawn") and r["step"] > 1})
+        """Steps in which rank 0 of the N-process run drew from its own RNG stream (the data stream never does:
+        its DataLoader seeds its workers from a generator of its own), counted from 1 as the first divergence is."""
+        return sorted({r["step"] for r in self.many if r.get("rng_drawn")})
 
     @cached_property
     def data_differs(self) -> bool:

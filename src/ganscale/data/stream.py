@@ -115,9 +115,11 @@ class GlobalBatches:
             # In-memory data: index the tensors directly, no per-sample collation.
             self._micro = (tuple(t[idx] for t in dataset.tensors) for idx in sampler.index_tensors())
         else:
+            # Its own generator for the workers' base seed: drawn from the global stream, it would shift what a
+            # network draws from it, and `ganscale verify` would see a draw no network made.
             loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                 worker_init_fn=_leave_stops_to_trainer, pin_memory=device.type == "cuda",
-                                persistent_workers=workers > 0)
+                                persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
             self._micro = (tuple(batch) for batch in loader)
 
     def __iter__(self) -> GlobalBatches:

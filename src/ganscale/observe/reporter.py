@@ -82,11 +82,15 @@ class Reporter:
         return self.image_scorer is not None and (step % self.cfg.eval.every == 0 or final)
 
     def report(self, step: int, final: bool) -> None:
-        """Collective: the sample picture and the image scores that are due at `step`."""
-        if self._sample_due(step, final):
-            self.quality = self.write_samples()
-        if self._score_due(step, final):
-            self.quality = {**self.quality, **self.score_images()}
+        """Collective: the sample picture and the image scores that are due at `step`. Drawn beside the training's
+        RNG streams, not from them: a G whose forward draws from them (torch.randn) trains the same whatever the
+        sample cadence, and a run resumed from a stopped run's last step goes on as the uninterrupted one."""
+        device = self.training.runtime.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if self._sample_due(step, final):
+                self.quality = self.write_samples()
+            if self._score_due(step, final):
+                self.quality = {**self.quality, **self.score_images()}
 
     def write_samples(self) -> dict[str, float]:
         """Every rank draws from G_ema (a collective when G_ema is sharded); rank 0 writes the picture.
