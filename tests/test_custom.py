@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import assert_same_functions, max_relative_difference, record_steps, run_ranks, train_and_collect
+from dist_helpers import (assert_same_functions, max_relative_difference, record_steps, resume_point, run_ranks,
+                          train_and_collect)
 from test_cli import explain, ganscale
 from test_distributed import TOLERANCE
 
@@ -228,6 +229,70 @@ def test_a_user_paired_gan_on_two_ranks_equals_one_process(tmp_path, slicing):
             assert abs(a["loss"] - b["loss"]) <= TOLERANCE * abs(a["loss"])
             assert max_relative_difference({"grad": a["grad"]}, {"grad": b["grad"]}) <= TOLERANCE
         assert max_relative_difference(one["D"], rank["D"]) <= TOLERANCE
+
+
+NOISY = '''
+import torch
+from torch import nn
+
+from ganscale.randomness import normal, sample_seeds
+
+
+class NoisyGenerator(nn.Module):
+    """Noise injection per sample from the trainer's seeds (equal on any number of ranks)."""
+
+    def __init__(self, z_dim, width=16):
+        super().__init__()
+        self.inp = nn.Sequential(nn.Linear(z_dim, width), nn.LeakyReLU(0.2))
+        self.strength = nn.Parameter(torch.full((width,), 0.1))
+        self.out = nn.Sequential(nn.Linear(width, 64), nn.Tanh())
+
+    def forward(self, z):
+        h = self.inp(z)
+        return self.out(h + self.strength * normal(h, salt=1, seeds=sample_seeds(z))).view(-1, 1, 8, 8)
+
+
+class DroppingDiscriminator(nn.Module):
+    """Dropout from torch's RNG: the rank's own stream, which a resume must restore."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.LeakyReLU(0.2), nn.Dropout(0.2))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x)).squeeze(1)
+'''
+
+
+def _stop_then_resume(rank, world, overrides, root, recipe, stop, steps):
+    """The straight run of `steps` steps, and a run stopped after `stop` steps then resumed (`--resume auto`)
+    up to `steps`."""
+    root, more = Path(root), {**overrides, "train.steps": steps}
+    straight = train_and_collect(rank, world, more, str(root / "straight"), recipe=recipe)
+    train_and_collect(rank, world, {**overrides, "train.steps": stop}, str(root / "stopped"), recipe=recipe)
+    latest = resume_point(more, str(root / "stopped"), recipe)
+    resumed = train_and_collect(rank, world, more, str(root / "stopped"), resume=latest, recipe=recipe)
+    return {"latest": latest.name, "straight": straight, "resumed": resumed}
+
+
+@pytest.mark.slow
+def test_a_user_gan_stopped_and_resumed_on_two_ranks_equals_the_straight_run_bit_for_bit(tmp_path):
+    """A user G with per-sample noise, a user D with torch's dropout (per-rank RNG streams) and a user data set
+    of 5 batches an epoch: stopped after 3 steps and resumed to 8 (into the second epoch's shuffle), it trains
+    exactly as 8 steps straight."""
+    package = "resumed_user_gan"
+    recipe = write_user_gan(tmp_path / "code", package)
+    (tmp_path / "code" / package / "noisy.py").write_text(textwrap.dedent(NOISY))
+    case = {"model.generator": f"{package}.noisy:NoisyGenerator", "model.generator_args": "{z_dim: 8}",
+            "model.discriminator": f"{package}.noisy:DroppingDiscriminator", "model.discriminator_args": "{}",
+            "data.dataset_args": "{size: 40}", "checkpoint.every": 100}
+    for result in run_ranks(_stop_then_resume, 2, case, str(tmp_path), str(recipe), 3, 8):
+        assert result["latest"] == "step-00000003.pt"
+        assert result["resumed"]["summary"]["steps"] == 8
+        for net in ("G", "D", "G_ema"):
+            for key, value in result["straight"][net].items():
+                assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
 
 
 def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(tmp_path):
