@@ -47,6 +47,13 @@ def make_discriminator(width=16, n_classes=0):
     return Discriminator(width, n_classes)
 
 
+class ScaledByItem(Generator):
+    """A forward that needs real values: it cannot run on torch's meta device."""
+
+    def forward(self, z, labels=None):
+        return super().forward(z / max(1.0, z.abs().max().item()), labels)
+
+
 class WrongShape(Generator):
     def forward(self, z, labels=None):
         return self.net(z)
@@ -305,6 +312,15 @@ def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert str(tmp_path / "project") in saved  # the folder every resume searches, absolute
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
+
+
+def test_a_user_g_that_cannot_run_on_meta_trains_and_says_once_its_activations_were_not_estimated(tmp_path):
+    recipe = write_user_gan(tmp_path, "item_user_gan")
+    result = ganscale("train", str(recipe), "--nproc", "2", "--set", "model.generator=item_user_gan.nets:ScaledByItem",
+                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, explain(result)
+    said = [line for line in result.stderr.splitlines() if "activations were not estimated" in line]
+    assert len(said) == 1 and "meta" in said[0] and "item()" in said[0], explain(result)
 
 
 @pytest.mark.parametrize("override, key, said", [

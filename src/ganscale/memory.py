@@ -11,6 +11,8 @@ every module that computes, to count per rank:
   latents      the noise of a global batch and of the sample grid (drawn whole on every rank).
 Left out: the functional operations between modules, temporaries, the allocator's slack and the framework itself.
 So the estimate is below the real peak, and a run is refused only when it exceeds REFUSE_ABOVE x the memory.
+A user's network whose forward needs real values (`.item()`, numpy, a branch on a tensor) cannot run on meta: its
+activations are not counted, and the estimate says so (`Estimate.note`).
 """
 
 from __future__ import annotations
@@ -49,10 +51,20 @@ class Estimate:
     state: int
     activations: int
     latents: int
+    unestimated: str | None = None
+    """Why the activations were not estimated (then counted as 0), else None."""
 
     @property
     def total(self) -> int:
         return self.state + self.activations + self.latents
+
+    @property
+    def note(self) -> str | None:
+        """The one line a run prints when its activations were not estimated."""
+        if self.unestimated is None:
+            return None
+        return (f"activations were not estimated: {self.unestimated}; the memory check counts parameters, "
+                "gradients, Adam, G_ema and latents only")
 
     def __str__(self) -> str:
         return (f"{gib(self.total)} (parameters, gradients, Adam and G_ema {gib(self.state)}; activations "
@@ -173,14 +185,24 @@ def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
 def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bool = False) -> Estimate:
     """What one rank of a `world`-rank run of `cfg` needs (`local_ranks` of them on a node)."""
     generator, discriminator = meta_networks(cfg)
-    micro = cfg.micro_batch(world)
-    kept, largest = _step_activations(cfg, generator, discriminator, micro)
-    stages = cfg.parallel.pipeline_stages if cfg.parallel.pipelined else 1  # each holds its layers' outputs
-    half = cfg.train.precision in ("bf16", "fp16")  # autocast's outputs are 2 bytes
-    activations = max((kept // stages + 2 * largest) // (2 if half else 1), _sample_grid_bytes(cfg, generator))
     latents = (cfg.train.batch_size + cfg.log.samples) * cfg.model.z_dim * FP32
     state = _state_bytes(cfg, generator, discriminator, world, local_ranks, on_cuda)
+    try:
+        activations = _activation_bytes(cfg, generator, discriminator, world)
+    except Exception as e:  # noqa: BLE001 - any error of a user's forward on meta; a shipped network's is a bug
+        if cfg.model.kind != "custom":
+            raise
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return Estimate(state, 0, latents, f"the networks' forward does not run on the meta device ({reason})")
     return Estimate(state, activations, latents)
+
+
+def _activation_bytes(cfg: Config, generator: nn.Module, discriminator: nn.Module, world: int) -> int:
+    """Activations of the heavier step on one rank, or of drawing the sample grid where that needs more."""
+    kept, largest = _step_activations(cfg, generator, discriminator, cfg.micro_batch(world))
+    stages = cfg.parallel.pipeline_stages if cfg.parallel.pipelined else 1  # each holds its layers' outputs
+    half = cfg.train.precision in ("bf16", "fp16")  # autocast's outputs are 2 bytes
+    return max((kept // stages + 2 * largest) // (2 if half else 1), _sample_grid_bytes(cfg, generator))
 
 
 def _with(cfg: Config, key: str, value: int) -> Config:
@@ -238,14 +260,15 @@ def where(device_type: str, local_ranks: int) -> str:
 
 # ------------------------------------------------------------------------------------------------- refusing
 def check_training(cfg: Config, world: int, room: int, room_is: str, local_ranks: int = 1,
-                   on_cuda: bool = False) -> None:
-    """ConfigError when one rank's estimate exceeds REFUSE_ABOVE x `room` bytes (described by `room_is`)."""
+                   on_cuda: bool = False) -> Estimate:
+    """ConfigError when one rank's estimate exceeds REFUSE_ABOVE x `room` bytes (described by `room_is`); else the
+    estimate."""
     def estimate(config: Config) -> Estimate:
         return training_estimate(config, world, local_ranks, on_cuda)
 
     needed = estimate(cfg)
     if needed.total <= REFUSE_ABOVE * room:
-        return
+        return needed
     key, helps = _driving_key(cfg, world, estimate)
     if needed.activations <= needed.state:
         more = ", or shard G and D over more ranks (parallel.generator=fsdp, parallel.discriminator=fsdp)"
