@@ -302,6 +302,24 @@ def test_a_user_gan_stopped_and_resumed_on_two_ranks_equals_the_straight_run_bit
                 assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
 
 
+@pytest.mark.parametrize("slicing, noted", [
+    ({"train.micro_batch": 2}, True),                              # accumulation turns the paired default off
+    ({"train.micro_batch": 2, "train.reuse_fake": "false"}, False),  # chosen: nothing to say
+    ({}, False),                                                   # the default holds
+], ids=["turned-off", "chosen", "reused"])
+def test_a_paired_run_says_once_when_its_default_reuse_of_g_s_output_is_turned_off(tmp_path, slicing, noted):
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "user_paired.py").write_text(textwrap.dedent(PAIRED))
+    case = {**PAIRED_CASE, **slicing, "train.steps": 1, "code_path": f"[{tmp_path / 'code'}]"}
+    result = ganscale("train", *(f"--set={k}={v}" for k, v in case.items()), "--run-dir", str(tmp_path / "run"),
+                      cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    said = [line for line in result.stderr.splitlines() if "does not judge D's step's output" in line]
+    assert len(said) == int(noted), explain(result)
+    if noted:
+        assert "paired" in said[0] and "accumulation" in said[0] and "one extra G forward per step" in said[0]
+
+
 def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(tmp_path):
     """The modules sit beside the YAML, not in the working directory: every worker finds them."""
     recipe = write_user_gan(tmp_path / "project", "cli_user_gan")

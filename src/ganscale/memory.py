@@ -32,6 +32,7 @@ from ganscale.metrics.modes2d import PROTOCOL_SAMPLES
 from ganscale.models import meta_networks
 from ganscale.observe.samples import grid_bytes
 from ganscale.parallel import FULLY_SHARDED
+from ganscale.preflight import reuses_fake
 from ganscale.runtime import uses_cuda
 from ganscale.tasks import Paired, Unconditional, build_task
 
@@ -149,9 +150,10 @@ def _real_sample(cfg: Config, task: Unconditional, n: int) -> tuple[Tensor, ...]
     return (images, torch.zeros(n, dtype=torch.int64)) if task.n_classes else (images,)
 
 
-def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Module, micro: int) -> tuple[int, int]:
+def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Module, world: int) -> tuple[int, int]:
     """(bytes kept for backward in the heavier step, the largest single output) of one micro-batch, in fp32."""
     task = build_task(cfg, previews=False)
+    micro = cfg.micro_batch(world)
     with torch.device("meta"):
         real = _real_sample(cfg, task, micro)
         z = torch.empty(micro, cfg.model.z_dim)
@@ -165,7 +167,7 @@ def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Modul
         with outputs_of(discriminator) as g_step:
             discriminator(task.critic_view(real, fake), *task.critic_conditions(None, labels))
     g_forward = _bytes(z, *real) + sum(g_outputs)
-    kept_g = g_forward if cfg.train.reuse_fake or task.same_fake_for_g else 0  # G's graph kept for its step
+    kept_g = g_forward if reuses_fake(cfg, world, task.same_fake_for_g)[0] else 0  # G's graph kept for its step
     d_heavier = _bytes(critic_input) + sum(d_step) + kept_g
     g_heavier = g_forward + sum(g_step)
     return max(d_heavier, g_heavier), max([*g_outputs, *d_step, 0])
@@ -199,7 +201,7 @@ def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bo
 
 def _activation_bytes(cfg: Config, generator: nn.Module, discriminator: nn.Module, world: int) -> int:
     """Activations of the heavier step on one rank, or of drawing the sample grid where that needs more."""
-    kept, largest = _step_activations(cfg, generator, discriminator, cfg.micro_batch(world))
+    kept, largest = _step_activations(cfg, generator, discriminator, world)
     stages = cfg.parallel.pipeline_stages if cfg.parallel.pipelined else 1  # each holds its layers' outputs
     half = cfg.train.precision in ("bf16", "fp16")  # autocast's outputs are 2 bytes
     return max((kept // stages + 2 * largest) // (2 if half else 1), _sample_grid_bytes(cfg, generator))
