@@ -175,9 +175,10 @@ class Evidence:
 
     @cached_property
     def rng_steps(self) -> list[int]:
-        """Steps in which rank 0 of the N-process run drew from its own RNG stream. Not the first: a DataLoader
-        with workers draws their seed from it once, at the first batch."""
-        return sorted({r["step"] for r in self.many if r.get("rng_drawn") and r["step"] > 1})
+        """Steps (1..K, as the log and the first divergence count them) in which rank 0 of the N-process run drew
+        from its own RNG stream. Step 1 counts: the DataLoader draws its workers' seed when the trainer builds the
+        data stream, before the first record, so without a network's randomness step 1's draws are none."""
+        return sorted({r["step"] for r in self.many if r.get("rng_drawn")})
 
     @cached_property
     def data_differs(self) -> bool:
