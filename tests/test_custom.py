@@ -355,7 +355,7 @@ def test_a_user_g_that_cannot_run_on_meta_trains_and_says_once_its_activations_w
     ("model.task=class-conditional", "data.dataset", "(image, label)"),
     ("loss.kind={pkg}.losses:NotScalar", "loss.kind", "not a scalar"),
     ("loss.kind={pkg}.losses:Absent", "loss.kind", "has no attribute"),
-    ("parallel.generator=pipeline", "parallel.generator", "another strategy"),
+    ("parallel.generator=pipeline", "parallel.generator", "another strategy (ddp, zero1, zero2, fsdp, hsdp)"),
     ("model.kind=dcgan", "model.generator", "model.kind=custom only"),
 ])
 def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, override, key, said):
