@@ -332,13 +332,16 @@ def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
 
 
-def test_a_user_g_that_cannot_run_on_meta_trains_and_says_once_its_activations_were_not_estimated(tmp_path):
+def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not_estimated(tmp_path):
     recipe = write_user_gan(tmp_path, "item_user_gan")
     result = ganscale("train", str(recipe), "--nproc", "2", "--set", "model.generator=item_user_gan.nets:ScaledByItem",
                       "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=300)
     assert result.returncode == 0 and "Traceback" not in result.stderr, explain(result)
     said = [line for line in result.stderr.splitlines() if "activations were not estimated" in line]
     assert len(said) == 1 and "meta" in said[0] and "item()" in said[0], explain(result)
+    drawn = ganscale("sample", str(tmp_path / "run"), "--n", "4", "--out", str(tmp_path / "grid.png"), cwd=tmp_path)
+    assert drawn.returncode == 0 and (tmp_path / "grid.png").is_file(), explain(drawn)
+    assert "drawing was not estimated" in drawn.stderr and "item()" in drawn.stderr, explain(drawn)
 
 
 @pytest.mark.parametrize("override, key, said", [

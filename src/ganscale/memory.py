@@ -191,12 +191,17 @@ def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bo
     state = _state_bytes(cfg, generator, discriminator, world, local_ranks, on_cuda)
     try:
         activations = _activation_bytes(cfg, generator, discriminator, world)
-    except Exception as e:  # noqa: BLE001 - any error of a user's forward on meta; a shipped network's is a bug
-        if cfg.model.kind != "custom":
-            raise
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return Estimate(state, 0, latents, f"the networks' forward does not run on the meta device ({reason})")
+    except Exception as e:  # noqa: BLE001 - any error of a user's forward on meta (a shipped network's: raised)
+        return Estimate(state, 0, latents, _not_on_meta(cfg, e))
     return Estimate(state, activations, latents)
+
+
+def _not_on_meta(cfg: Config, error: Exception) -> str:
+    """Why a user's forward could not be counted: the error's first line. A shipped network's error is raised."""
+    if cfg.model.kind != "custom":
+        raise error
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"the networks' forward does not run on the meta device ({reason})"
 
 
 def _activation_bytes(cfg: Config, generator: nn.Module, discriminator: nn.Module, world: int) -> int:
@@ -304,13 +309,21 @@ def _drawing_bytes(generator: nn.Module, preview: Callable[[nn.Module, Tensor], 
     return in_flight + samples.numel() * FP32 + (0 if samples.dim() == 2 else grid_bytes(samples.shape, columns))
 
 
-def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int, columns: int | None) -> None:
+def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int,
+                   columns: int | None) -> str | None:
     """`ganscale sample --n`: ConfigError when the latents and drawing n samples exceed the host's available
-    memory."""
+    memory. The line to print when G's forward could not be counted (then only the latents and samples are),
+    else None."""
     z = torch.empty(n, cfg.model.z_dim, device="meta")
-    needed = _bytes(z) + _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns)
+    try:
+        drawing, note = _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns), None
+    except Exception as e:  # noqa: BLE001 - any error of a user's forward on meta (a shipped network's: raised)
+        drawing = n * math.prod(cfg.data.sample_shape) * FP32
+        note = f"drawing was not estimated: {_not_on_meta(cfg, e)}; the memory check counts latents and samples only"
+    needed = _bytes(z) + drawing
     room = host_available()
     if needed > REFUSE_ABOVE * room:
         fits = max(1, math.floor(n * room / needed))  # every part grows with n
         raise ConfigError("--n", f"{n} samples need about {gib(needed)}, more than the {gib(room)} this machine has "
                           "available", f"draw at most about {fits} (--n {fits})")
+    return note
