@@ -68,13 +68,13 @@ def train_and_collect(rank: int, world: int, overrides: dict, run_dir: str, step
             "summary": summary, "extra": extra() if callable(extra) else extra}
 
 
-def resume_point(overrides: dict, run_dir: str) -> Path:
-    """Collective: the checkpoint `--resume auto` continues `run_dir` from under `overrides`, decided on rank 0 and
-    taken by every rank, as the CLI does (rundir.decide_run)."""
+def resume_point(overrides: dict, run_dir: str, recipe: str | None = None) -> Path:
+    """Collective: the checkpoint `--resume auto` continues `run_dir` from under `overrides` (on a recipe, default:
+    the default one), decided on rank 0 and taken by every rank, as the CLI does (rundir.decide_run)."""
     from ganscale import config
     from ganscale.rundir import decide_run
 
-    _, resume, held = decide_run(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), run_dir, "auto")
+    _, resume, held = decide_run(config.load(recipe, [f"{k}={v}" for k, v in overrides.items()]), run_dir, "auto")
     if held is not None:  # rank 0's hold on the run directory: the caller trains in it next
         held.release()
     return resume

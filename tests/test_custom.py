@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import assert_same_functions, max_relative_difference, record_steps, run_ranks, train_and_collect
+from dist_helpers import (assert_same_functions, max_relative_difference, record_steps, resume_point, run_ranks,
+                          train_and_collect)
 from test_cli import explain, ganscale
 from test_distributed import TOLERANCE, _assert_same_states
 
@@ -46,6 +47,13 @@ def make_discriminator(width=16, n_classes=0):
     return Discriminator(width, n_classes)
 
 
+class ScaledByItem(Generator):
+    """A forward that needs real values: it cannot run on torch's meta device."""
+
+    def forward(self, z, labels=None):
+        return super().forward(z / max(1.0, z.abs().max().item()), labels)
+
+
 class WrongShape(Generator):
     def forward(self, z, labels=None):
         return self.net(z)
@@ -72,11 +80,6 @@ class DropoutDiscriminator(Discriminator):
 
         h = randomness.dropout(self.body(x), 0.2, salt=1)  # per sample, from its global position
         return self.head(h).squeeze(1)
-
-
-class ValueDependent(Generator):
-    def forward(self, z, labels=None):
-        return super().forward(z / max(1.0, z.abs().max().item()), labels)  # needs values: not on the meta device
 
 
 NOT_A_FACTORY = 3
@@ -248,6 +251,88 @@ def test_a_user_paired_gan_on_two_ranks_equals_one_process(tmp_path, slicing):
         assert max_relative_difference(one["D"], rank["D"]) <= TOLERANCE
 
 
+NOISY = '''
+import torch
+from torch import nn
+
+from ganscale.randomness import normal, sample_seeds
+
+
+class NoisyGenerator(nn.Module):
+    """Noise injection per sample from the trainer's seeds (equal on any number of ranks)."""
+
+    def __init__(self, z_dim, width=16):
+        super().__init__()
+        self.inp = nn.Sequential(nn.Linear(z_dim, width), nn.LeakyReLU(0.2))
+        self.strength = nn.Parameter(torch.full((width,), 0.1))
+        self.out = nn.Sequential(nn.Linear(width, 64), nn.Tanh())
+
+    def forward(self, z):
+        h = self.inp(z)
+        return self.out(h + self.strength * normal(h, salt=1, seeds=sample_seeds(z))).view(-1, 1, 8, 8)
+
+
+class DroppingDiscriminator(nn.Module):
+    """Dropout from torch's RNG: the rank's own stream, which a resume must restore."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.LeakyReLU(0.2), nn.Dropout(0.2))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x)).squeeze(1)
+'''
+
+
+def _stop_then_resume(rank, world, overrides, root, recipe, stop, steps):
+    """The straight run of `steps` steps, and a run stopped after `stop` steps then resumed (`--resume auto`)
+    up to `steps`."""
+    root, more = Path(root), {**overrides, "train.steps": steps}
+    straight = train_and_collect(rank, world, more, str(root / "straight"), recipe=recipe)
+    train_and_collect(rank, world, {**overrides, "train.steps": stop}, str(root / "stopped"), recipe=recipe)
+    latest = resume_point(more, str(root / "stopped"), recipe)
+    resumed = train_and_collect(rank, world, more, str(root / "stopped"), resume=latest, recipe=recipe)
+    return {"latest": latest.name, "straight": straight, "resumed": resumed}
+
+
+@pytest.mark.slow
+def test_a_user_gan_stopped_and_resumed_on_two_ranks_equals_the_straight_run_bit_for_bit(tmp_path):
+    """A user G with per-sample noise, a user D with torch's dropout (per-rank RNG streams) and a user data set
+    of 5 batches an epoch: stopped after 3 steps and resumed to 8 (into the second epoch's shuffle), it trains
+    exactly as 8 steps straight."""
+    package = "resumed_user_gan"
+    recipe = write_user_gan(tmp_path / "code", package)
+    (tmp_path / "code" / package / "noisy.py").write_text(textwrap.dedent(NOISY))
+    case = {"model.generator": f"{package}.noisy:NoisyGenerator", "model.generator_args": "{z_dim: 8}",
+            "model.discriminator": f"{package}.noisy:DroppingDiscriminator", "model.discriminator_args": "{}",
+            "data.dataset_args": "{size: 40}", "checkpoint.every": 100}
+    for result in run_ranks(_stop_then_resume, 2, case, str(tmp_path), str(recipe), 3, 8):
+        assert result["latest"] == "step-00000003.pt"
+        assert result["resumed"]["summary"]["steps"] == 8
+        for net in ("G", "D", "G_ema"):
+            for key, value in result["straight"][net].items():
+                assert torch.equal(value, result["resumed"][net][key]), f"{net}.{key}"
+
+
+@pytest.mark.parametrize("slicing, noted", [
+    ({"train.micro_batch": 2}, True),                              # accumulation turns the paired default off
+    ({"train.micro_batch": 2, "train.reuse_fake": "false"}, False),  # chosen: nothing to say
+    ({}, False),                                                   # the default holds
+], ids=["turned-off", "chosen", "reused"])
+def test_a_paired_run_says_once_when_its_default_reuse_of_g_s_output_is_turned_off(tmp_path, slicing, noted):
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "user_paired.py").write_text(textwrap.dedent(PAIRED))
+    case = {**PAIRED_CASE, **slicing, "train.steps": 1, "code_path": f"[{tmp_path / 'code'}]"}
+    result = ganscale("train", *(f"--set={k}={v}" for k, v in case.items()), "--run-dir", str(tmp_path / "run"),
+                      cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    said = [line for line in result.stderr.splitlines() if "does not judge D's step's output" in line]
+    assert len(said) == int(noted), explain(result)
+    if noted:
+        assert "paired" in said[0] and "accumulation" in said[0] and "one extra G forward per step" in said[0]
+
+
 def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(tmp_path):
     """The modules sit beside the YAML, not in the working directory: every worker finds them."""
     recipe = write_user_gan(tmp_path / "project", "cli_user_gan")
@@ -261,9 +346,9 @@ def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(
 
 
 @pytest.mark.slow
-def test_a_user_gan_stopped_and_resumed_on_two_ranks_equals_the_uninterrupted_run(tmp_path):
-    """Exact resume of a user's run through the CLI: its networks' randomness (the rank's stream in G,
-    ganscale.randomness in D), its data set through DataLoader workers, its loss; bit for bit on the CPU."""
+def test_a_user_g_drawing_from_the_rank_stream_resumes_exactly_after_its_final_samples(tmp_path):
+    """Through the CLI, resumed from the stopped run's last step, whose final samples drew from G_ema: a G drawing
+    from the rank's stream, ganscale.randomness in D, the data set through a DataLoader worker; bit for bit."""
     recipe = write_user_gan(tmp_path, "resumed_user_gan")
     user = ["--set", "model.generator=resumed_user_gan.nets:NoisyGenerator",
             "--set", "model.discriminator=resumed_user_gan.nets:DropoutDiscriminator",
@@ -284,16 +369,16 @@ def test_a_user_gan_stopped_and_resumed_on_two_ranks_equals_the_uninterrupted_ru
         _assert_same_states(straight[key], resumed[key], key)
 
 
-def test_a_user_g_that_needs_values_trains_and_says_its_memory_was_not_fully_estimated(tmp_path):
-    """The memory estimate runs G on the meta device, where `.item()` cannot: counted without activations, said once."""
-    recipe = write_user_gan(tmp_path, "value_dependent_gan")
-    result = ganscale("train", str(recipe), "--set", "model.generator=value_dependent_gan.nets:ValueDependent",
-                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
-    assert result.returncode == 0, explain(result)
-    assert "Traceback" not in result.stderr, explain(result)
-    assert result.stderr.count("activations not estimated: a forward cannot run on torch's meta device") == 1, (
-        explain(result))
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
+def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not_estimated(tmp_path):
+    recipe = write_user_gan(tmp_path, "item_user_gan")
+    result = ganscale("train", str(recipe), "--nproc", "2", "--set", "model.generator=item_user_gan.nets:ScaledByItem",
+                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, explain(result)
+    said = [line for line in result.stderr.splitlines() if "activations were not estimated" in line]
+    assert len(said) == 1 and "meta" in said[0] and "item()" in said[0], explain(result)
+    drawn = ganscale("sample", str(tmp_path / "run"), "--n", "4", "--out", str(tmp_path / "grid.png"), cwd=tmp_path)
+    assert drawn.returncode == 0 and (tmp_path / "grid.png").is_file(), explain(drawn)
+    assert "drawing was not estimated" in drawn.stderr and "item()" in drawn.stderr, explain(drawn)
 
 
 @pytest.mark.parametrize("override, key, said", [
@@ -310,7 +395,7 @@ def test_a_user_g_that_needs_values_trains_and_says_its_memory_was_not_fully_est
     ("model.task=class-conditional", "data.dataset", "(image, label)"),
     ("loss.kind={pkg}.losses:NotScalar", "loss.kind", "not a scalar"),
     ("loss.kind={pkg}.losses:Absent", "loss.kind", "has no attribute"),
-    ("parallel.generator=pipeline", "parallel.generator", "another strategy"),
+    ("parallel.generator=pipeline", "parallel.generator", "another strategy (ddp, zero1, zero2, fsdp, hsdp)"),
     ("model.kind=dcgan", "model.generator", "model.kind=custom only"),
 ])
 def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, override, key, said):

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from test_cli import clean_env
+from test_custom import write_user_gan
 
 pytestmark = pytest.mark.slow
 
@@ -51,23 +52,46 @@ def two_nodes():
             _ip("netns", "del", ns)
 
 
-def test_two_nodes_over_c10d_rendezvous_train_as_one_world(tmp_path, two_nodes):
-    run = tmp_path / "run"
-    endpoint = f"{two_nodes[0][2]}:29555"
+def _train_on_two_nodes(nodes, train_args: list[str], cwds: list, tag: str) -> None:
+    """`ganscale train TRAIN_ARGS` under torchrun on both nodes (one process each), node i started in cwds[i];
+    fails the test unless both exit 0."""
+    endpoint = f"{nodes[0][2]}:29555"
     processes = []
-    for node_rank, (ns, veth, address) in enumerate(two_nodes):
+    for node_rank, (ns, veth, address) in enumerate(nodes):
         command = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={veth}",
                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                    "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                   "--rdzv-id", f"test-{os.getpid()}",
+                   "--rdzv-id", f"{tag}-{os.getpid()}",
                    # In a namespace the endpoint is not the hostname's address: say which node hosts it.
                    "--rdzv-conf", f"is_host={int(node_rank == 0)}", "--local-addr", address,
-                   "-m", "ganscale", "train", "--set", "train.steps=10", "--set", "log.every=5",
-                   "--set", "log.tensorboard=false", "--run-dir", str(run)]
-        processes.append(subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                   "-m", "ganscale", "train", *train_args]
+        processes.append(subprocess.Popen(command, cwd=cwds[node_rank], env=clean_env(), stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=240) for p in processes]
     for p, (_, err) in zip(processes, outputs):
         assert p.returncode == 0, err[-3000:]
+
+
+def test_two_nodes_over_c10d_rendezvous_train_as_one_world(tmp_path, two_nodes):
+    run = tmp_path / "run"
+    _train_on_two_nodes(two_nodes, ["--set", "train.steps=10", "--set", "log.every=5", "--set", "log.tensorboard=false",
+                                    "--run-dir", str(run)], [tmp_path, tmp_path], "test")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 10
+
+
+def test_two_nodes_import_the_user_s_gan_from_an_absolute_code_path(tmp_path, two_nodes):
+    """The user's package lies only under code_path: not on PYTHONPATH, beside the YAML or in either node's
+    working directory (each node starts in its own)."""
+    code, configs, run = tmp_path / "code", tmp_path / "configs", tmp_path / "run"
+    recipe = write_user_gan(code, "multinode_user_gan")
+    configs.mkdir()
+    moved = configs / "config.yaml"
+    moved.write_text(recipe.read_text() + f"code_path: [{code}]\n")
+    recipe.unlink()
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for cwd in cwds:
+        cwd.mkdir()
+    _train_on_two_nodes(two_nodes, [str(moved), "--run-dir", str(run)], cwds, "user")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3

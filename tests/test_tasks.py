@@ -439,18 +439,6 @@ def test_reuse_fake_where_d_and_g_batches_differ_is_refused(overrides):
 
 
 
-def test_pix2pix_with_accumulation_says_that_g_runs_twice(tmp_path, facades, capsys):
-    """The task's default reuse cannot hold with accumulation micro-steps: G runs twice per iteration, and says so
-    once at start (the same samples, one more forward); not where the user chose either way."""
-    steps = 2
-    cfg = build({**tiny_pix2pix(facades), "train.steps": steps, "train.micro_batch": 2})
-    assert _forwards(cfg, tmp_path / "accumulated")[0] == 2 * 2 * steps  # 2 micro-steps, in D's step and G's
-    assert capsys.readouterr().err.count("one more G forward per iteration") == 1
-    _forwards(build({**tiny_pix2pix(facades), "train.steps": 1, "train.micro_batch": 2, "train.reuse_fake": "false"}),
-              tmp_path / "chosen")
-    assert "one more G forward" not in capsys.readouterr().err
-    assert preflight.reuse_fake(build(tiny_pix2pix(facades)), 1, task_reuses=True) == (True, None)
-
 @pytest.mark.slow
 def test_reuse_fake_conditional_on_two_ranks_equals_one_process(tmp_path):
     """The kept samples carry their classes and G's DDP reduces in G's step's backward, as without reuse."""

@@ -3,6 +3,7 @@ catalogue on its own."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ganscale import config
-from test_cli import clean_env, explain
+from test_cli import clean_env, explain, ganscale
 from test_randomness import NETS
 
 # A small ring8 MLP (the recipe's R1 and maxout D included): a few seconds a run.
@@ -56,7 +57,7 @@ def test_randomness_per_rank_is_found_at_the_step_it_starts(tmp_path):
     assert result.returncode == 1, explain(result)
     assert "first divergence: step 3, D's update" in result.stdout, explain(result)
     assert "probable cause: randomness drawn from the per-rank RNG inside a network" in result.stdout
-    assert "in step 3" in result.stdout
+    assert "own RNG stream in step 3 " in result.stdout  # the step the divergence names
 
 
 USER_CONFIG = """
@@ -84,8 +85,8 @@ def test_a_user_g_drawing_noise_from_the_rank_s_rng_is_different_and_named(tmp_p
     assert f"{verdict}: 2 processes" in result.stdout, explain(result)
     if verdict == "DIFFERENT":
         assert "first divergence: step 1, D's update" in result.stdout, explain(result)  # G's noise, from the start
-        assert "own RNG stream in step 1 " in result.stdout, explain(result)  # the cause names the same step
         assert "probable cause: randomness drawn from the per-rank RNG inside a network" in result.stdout, explain(result)
+        assert "own RNG stream in step 1 " in result.stdout, explain(result)  # the step the divergence names
 
 
 @pytest.mark.parametrize("args, key", [
@@ -124,10 +125,26 @@ def test_batchnorm_causes_come_from_the_config():
     assert _cause(["train.precision=bf16"]) == "a strategy or precision whose tolerance was exceeded"
 
 
-def test_randomness_is_recognised_from_draws_in_any_step():
+def test_randomness_is_recognised_from_draws_from_the_first_step_on():
+    from ganscale.verify import Evidence, probable_cause
+
     assert _cause([], many=[{"step": 1, "net": "D", "rng_drawn": False}]) == "no known cause"
-    assert _cause([], many=[{"step": 1, "net": "D", "rng_drawn": True}]) == (
-        "randomness drawn from the per-rank RNG inside a network")
+    drawn = [{"step": 1, "net": "D", "rng_drawn": False}, {"step": 1, "net": "G", "rng_drawn": True}]
+    cause, problem, _ = probable_cause(Evidence(config.load("digits", []), 2, drawn))
+    assert cause == "randomness drawn from the per-rank RNG inside a network" and "in step 1 " in problem
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shipped_recipe_draws_nothing_from_the_rank_stream_in_its_first_step(tmp_path, workers):
+    """What lets step 1's draws name a network's randomness: the data stream (its DataLoader's workers' seed
+    included) draws before the first fingerprint, and the trainer never."""
+    run = tmp_path / "run"
+    result = ganscale("train", "--set", "train.steps=2", "--set", "log.fingerprints=true", "--set",
+                      f"data.workers={workers}", "--set", "log.tensorboard=false", "--run-dir", str(run), cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    records = [json.loads(line) for line in (run / "fingerprints.jsonl").read_text().splitlines()]
+    assert [r["rng_drawn"] for r in records if r["net"] != "after"] == [False] * 4
 
 
 def test_a_data_set_drawn_from_the_process_rng_is_recognised(monkeypatch):

@@ -8,6 +8,7 @@ density/coverage on the features of a chosen extractor, against the run's own tr
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -83,7 +84,9 @@ def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int |
         problem = (f"class {label} is not one of this run's {task.n_classes} classes" if task.n_classes
                    else "this run's generator is not class-conditional")
         raise ConfigError("--class", problem, f"use 0 to {task.n_classes - 1}" if task.n_classes else "drop --class")
-    check_sampling(cfg, lambda net, z: task.preview(net, z, label), n, task.grid_columns)
+    note = check_sampling(cfg, lambda net, z: task.preview(net, z, label), n, task.grid_columns)
+    if note:
+        print(f"ganscale: warning: {note}", file=sys.stderr, flush=True)
     z = torch.randn(n, cfg.model.z_dim, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         samples = task.preview(generator, z, label).float()

@@ -202,10 +202,10 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         room = torch.tensor([memory.available(runtime.device, local_ranks)], device=runtime.device)
         dist.all_reduce(room, op=dist.ReduceOp.MIN)  # one verdict: every rank judges by the tightest rank's memory
-        estimate = memory.check_training(cfg, runtime.world, int(room), memory.where(runtime.device.type, local_ranks),
-                                         local_ranks, runtime.device.type == "cuda")
-        if estimate.unmeasured and runtime.is_main:  # a run too large then fails when it allocates, not before
-            print(f"ganscale: note: {estimate.unmeasured}", file=sys.stderr, flush=True)
+        needed = memory.check_training(cfg, runtime.world, int(room), memory.where(runtime.device.type, local_ranks),
+                                       local_ranks, runtime.device.type == "cuda")
+        if needed.note and runtime.is_main:
+            print(f"ganscale: warning: {needed.note}", file=sys.stderr, flush=True)
         run_path, resume_from, held = decide_run(cfg, run_dir, resume)
         summary = Trainer(cfg, runtime, run_path, resume_from).fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them

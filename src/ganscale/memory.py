@@ -11,6 +11,8 @@ every module that computes, to count per rank:
   latents      the noise of a global batch and of the sample grid (drawn whole on every rank).
 Left out: the functional operations between modules, temporaries, the allocator's slack and the framework itself.
 So the estimate is below the real peak, and a run is refused only when it exceeds REFUSE_ABOVE x the memory.
+A user's network whose forward needs real values (`.item()`, numpy, a branch on a tensor) cannot run on meta: its
+activations are not counted, and the estimate says so (`Estimate.note`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ganscale.metrics.modes2d import PROTOCOL_SAMPLES
 from ganscale.models import meta_networks
 from ganscale.observe.samples import grid_bytes
 from ganscale.parallel import FULLY_SHARDED
+from ganscale.preflight import reuses_fake
 from ganscale.runtime import uses_cuda
 from ganscale.tasks import Paired, Unconditional, build_task
 
@@ -49,11 +52,20 @@ class Estimate:
     state: int
     activations: int
     latents: int
-    unmeasured: str | None = None  # what could not be estimated, and why (a user's network on the meta device)
+    unestimated: str | None = None
+    """Why the activations were not estimated (then counted as 0), else None."""
 
     @property
     def total(self) -> int:
         return self.state + self.activations + self.latents
+
+    @property
+    def note(self) -> str | None:
+        """The one line a run prints when its activations were not estimated."""
+        if self.unestimated is None:
+            return None
+        return (f"activations were not estimated: {self.unestimated}; the memory check counts parameters, "
+                "gradients, Adam, G_ema and latents only")
 
     def __str__(self) -> str:
         return (f"{gib(self.total)} (parameters, gradients, Adam and G_ema {gib(self.state)}; activations "
@@ -138,9 +150,10 @@ def _real_sample(cfg: Config, task: Unconditional, n: int) -> tuple[Tensor, ...]
     return (images, torch.zeros(n, dtype=torch.int64)) if task.n_classes else (images,)
 
 
-def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Module, micro: int) -> tuple[int, int]:
+def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Module, world: int) -> tuple[int, int]:
     """(bytes kept for backward in the heavier step, the largest single output) of one micro-batch, in fp32."""
     task = build_task(cfg, previews=False)
+    micro = cfg.micro_batch(world)
     with torch.device("meta"):
         real = _real_sample(cfg, task, micro)
         z = torch.empty(micro, cfg.model.z_dim)
@@ -154,7 +167,7 @@ def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Modul
         with outputs_of(discriminator) as g_step:
             discriminator(task.critic_view(real, fake), *task.critic_conditions(None, labels))
     g_forward = _bytes(z, *real) + sum(g_outputs)
-    kept_g = g_forward if cfg.train.reuse_fake or task.same_fake_for_g else 0  # G's graph kept for its step
+    kept_g = g_forward if reuses_fake(cfg, world, task.same_fake_for_g)[0] else 0  # G's graph kept for its step
     d_heavier = _bytes(critic_input) + sum(d_step) + kept_g
     g_heavier = g_forward + sum(g_step)
     return max(d_heavier, g_heavier), max([*g_outputs, *d_step, 0])
@@ -172,34 +185,31 @@ def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
 
 
 def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bool = False) -> Estimate:
-    """What one rank of a `world`-rank run of `cfg` needs (`local_ranks` of them on a node). A user's network that
-    cannot be built or run on the meta device is counted without what that needs, and the estimate says so."""
+    """What one rank of a `world`-rank run of `cfg` needs (`local_ranks` of them on a node)."""
+    generator, discriminator = meta_networks(cfg)
     latents = (cfg.train.batch_size + cfg.log.samples) * cfg.model.z_dim * FP32
-    try:
-        generator, discriminator = meta_networks(cfg)
-    except ConfigError:
-        raise
-    except Exception as e:  # e.g. a user's __init__ that computes with numpy or reads a file's values
-        return Estimate(0, 0, latents, f"memory not estimated: G and D cannot be built on torch's meta device "
-                                       f"({_headline(e)})")
     state = _state_bytes(cfg, generator, discriminator, world, local_ranks, on_cuda)
     try:
-        kept, largest = _step_activations(cfg, generator, discriminator, cfg.micro_batch(world))
-        grid = _sample_grid_bytes(cfg, generator)
-    except ConfigError:
-        raise
-    except Exception as e:  # a forward that needs values (.item(), numpy, a branch on data): counted without it
-        return Estimate(state, 0, latents, f"activations not estimated: a forward cannot run on torch's meta device "
-                                           f"({_headline(e)})")
-    stages = cfg.parallel.pipeline_stages if cfg.parallel.pipelined else 1  # each holds its layers' outputs
-    half = cfg.train.precision in ("bf16", "fp16")  # autocast's outputs are 2 bytes
-    activations = max((kept // stages + 2 * largest) // (2 if half else 1), grid)
+        activations = _activation_bytes(cfg, generator, discriminator, world)
+    except Exception as e:  # noqa: BLE001 - any error of a user's forward on meta (a shipped network's: raised)
+        return Estimate(state, 0, latents, _not_on_meta(cfg, e))
     return Estimate(state, activations, latents)
 
 
-def _headline(error: Exception) -> str:
-    first = (str(error).strip().splitlines() or [""])[0][:200]
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+def _not_on_meta(cfg: Config, error: Exception) -> str:
+    """Why a user's forward could not be counted: the error's first line. A shipped network's error is raised."""
+    if cfg.model.kind != "custom":
+        raise error
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"the networks' forward does not run on the meta device ({reason})"
+
+
+def _activation_bytes(cfg: Config, generator: nn.Module, discriminator: nn.Module, world: int) -> int:
+    """Activations of the heavier step on one rank, or of drawing the sample grid where that needs more."""
+    kept, largest = _step_activations(cfg, generator, discriminator, world)
+    stages = cfg.parallel.pipeline_stages if cfg.parallel.pipelined else 1  # each holds its layers' outputs
+    half = cfg.train.precision in ("bf16", "fp16")  # autocast's outputs are 2 bytes
+    return max((kept // stages + 2 * largest) // (2 if half else 1), _sample_grid_bytes(cfg, generator))
 
 
 def _with(cfg: Config, key: str, value: int) -> Config:
@@ -259,7 +269,7 @@ def where(device_type: str, local_ranks: int) -> str:
 def check_training(cfg: Config, world: int, room: int, room_is: str, local_ranks: int = 1,
                    on_cuda: bool = False) -> Estimate:
     """ConfigError when one rank's estimate exceeds REFUSE_ABOVE x `room` bytes (described by `room_is`); else the
-    estimate (its `unmeasured` is for the user)."""
+    estimate."""
     def estimate(config: Config) -> Estimate:
         return training_estimate(config, world, local_ranks, on_cuda)
 
@@ -299,13 +309,21 @@ def _drawing_bytes(generator: nn.Module, preview: Callable[[nn.Module, Tensor], 
     return in_flight + samples.numel() * FP32 + (0 if samples.dim() == 2 else grid_bytes(samples.shape, columns))
 
 
-def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int, columns: int | None) -> None:
+def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int,
+                   columns: int | None) -> str | None:
     """`ganscale sample --n`: ConfigError when the latents and drawing n samples exceed the host's available
-    memory."""
+    memory. The line to print when G's forward could not be counted (then only the latents and samples are),
+    else None."""
     z = torch.empty(n, cfg.model.z_dim, device="meta")
-    needed = _bytes(z) + _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns)
+    try:
+        drawing, note = _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns), None
+    except Exception as e:  # noqa: BLE001 - any error of a user's forward on meta (a shipped network's: raised)
+        drawing = n * math.prod(cfg.data.sample_shape) * FP32
+        note = f"drawing was not estimated: {_not_on_meta(cfg, e)}; the memory check counts latents and samples only"
+    needed = _bytes(z) + drawing
     room = host_available()
     if needed > REFUSE_ABOVE * room:
         fits = max(1, math.floor(n * room / needed))  # every part grows with n
         raise ConfigError("--n", f"{n} samples need about {gib(needed)}, more than the {gib(room)} this machine has "
                           "available", f"draw at most about {fits} (--n {fits})")
+    return note

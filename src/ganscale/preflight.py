@@ -166,17 +166,18 @@ def reuse_fake_conflict(cfg: Config, world_size: int) -> tuple[str, str] | None:
     return None
 
 
-def reuse_fake(cfg: Config, world_size: int, task_reuses: bool) -> tuple[bool, str | None]:
-    """Whether G's step judges D's step's samples: as train.reuse_fake says, else the task's way (pix2pix's) where
-    nothing conflicts. With a note for the user when the task's way is off by conflict, else None."""
+def reuses_fake(cfg: Config, world_size: int, task_reuses: bool) -> tuple[bool, str | None]:
+    """Whether G's step judges D's step's samples: as train.reuse_fake says (refused by `check` where it cannot
+    be), else the task's way (`task_reuses`: pix2pix's) where nothing conflicts. With it, the line that says the
+    task's default is off and what that costs, where a conflict turned it off unasked; else None."""
     if cfg.train.reuse_fake is not None or not task_reuses:
         return bool(cfg.train.reuse_fake), None
     conflict = reuse_fake_conflict(cfg, world_size)
     if conflict is None:
         return True, None
-    return False, (f"G's step runs G again instead of reusing D's step's samples as this task does by default "
-                   f"(one more G forward per iteration, the same samples): {conflict[0]}; "
-                   f"set train.reuse_fake=false to say so")
+    return False, (f"G's step does not judge D's step's output, as the {cfg.model.conditioning} task does by "
+                   f"default: {conflict[0]}; this costs one extra G forward per step (set train.reuse_fake=false "
+                   "to choose this without the note)")
 
 
 def _check_reuse_fake(cfg: Config, world_size: int) -> None:

@@ -39,7 +39,7 @@ from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.speed import compiled, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
-from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuse_fake
+from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuses_fake
 from ganscale.randomness import seeds_from
 from ganscale.rundir import config_to_write
 from ganscale.runtime import Runtime, calm_gloo_polling, seed_rank_streams
@@ -191,9 +191,8 @@ class Trainer:
         self.dataset = build_dataset(cfg)
         self.task = build_task(cfg)  # what G is given and D judges (unconditional, classes, pairs)
         # G's output (and its classes) from the D step, kept with its graph for the G step: one G forward per
-        # iteration. Asked for (train.reuse_fake; preflight.check refused it where it cannot be), or the task's
-        # way (pix2pix) where nothing conflicts: one D step, no accumulation, no pipeline.
-        self.reuse_fake, note = reuse_fake(cfg, world, self.task.same_fake_for_g)
+        # iteration.
+        self.reuse_fake, note = reuses_fake(cfg, world, self.task.same_fake_for_g)
         if note and runtime.is_main:
             print(f"ganscale: note: {note}", file=sys.stderr, flush=True)
         self._fake_for_g: tuple[Tensor, Tensor | None, Tensor] | None = None

@@ -175,8 +175,9 @@ class Evidence:
 
     @cached_property
     def rng_steps(self) -> list[int]:
-        """Steps in which rank 0 of the N-process run drew from its own RNG stream (the data stream never does:
-        its DataLoader seeds its workers from a generator of its own), counted from 1 as the first divergence is."""
+        """Steps (1..K, as the log and the first divergence count them) in which rank 0 of the N-process run drew
+        from its own RNG stream. Step 1 counts: the data stream never draws from it (its DataLoader seeds its workers
+        from a generator of its own), so without a network's randomness step 1's draws are none."""
         return sorted({r["step"] for r in self.many if r.get("rng_drawn")})
 
     @cached_property

@@ -56,7 +56,7 @@ from ganscale.config import ConfigError, ParallelConfig
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
 from ganscale.models.spectral import power_iteration_in_first_forward
-from ganscale.parallel import Wrapped
+from ganscale.parallel import CAPABILITIES, Wrapped
 from ganscale.runtime import Runtime
 
 # schedule name -> (one stage per rank, several stages per rank)
@@ -93,8 +93,10 @@ def _ends(module: nn.Module, network: str) -> tuple[nn.Module | None, nn.Module 
     if isinstance(module, (MLPGenerator, MLPDiscriminator)):
         return None, None
     key = "parallel.generator" if network == "G" else "parallel.discriminator"
+    others = ", ".join(name for name in CAPABILITIES if name != "pipeline")
     raise ConfigError(key, f"{type(module).__name__} is not a sequence of layers the pipeline can split",
-                      "use model.kind=mlp or dcgan with the pipeline strategy, or another strategy")
+                      f"set parallel.generator and parallel.discriminator to another strategy ({others}), or use "
+                      "model.kind=mlp or dcgan with the pipeline strategy")
 
 
 def balanced_ranges(weights: list[int], stages: int) -> list[range]:
