@@ -64,9 +64,10 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    kind: Literal["dcgan", "mlp", "biggan", "pix2pix", "custom"] = "dcgan"
+    kind: Literal["dcgan", "mlp", "biggan", "stylegan2", "pix2pix", "custom"] = "dcgan"
     """Architecture family of G and D: dcgan and mlp (unconditional), biggan (class-conditional ResNet G
-    and projection D; needs data.labels), pix2pix (U-Net G and PatchGAN D on (input, target) pairs;
+    and projection D; needs data.labels), stylegan2 (style-based G and residual D; class-conditional with
+    model.conditional), pix2pix (U-Net G and PatchGAN D on (input, target) pairs;
     needs data.kind=paired), custom (the user's own: model.generator and model.discriminator)."""
     generator: str | None = None
     """custom only: G's factory as "module:attribute", a class or a function returning an nn.Module."""
@@ -107,6 +108,19 @@ class ModelConfig(Section):
     """biggan only: size of G's shared class embedding."""
     attn_resolution: int = Field(8, ge=0)
     """biggan only: the one self-attention block sits at the feature map nearest this size (0: none)."""
+    conditional: bool = False
+    """stylegan2 only: class-conditional G(z, labels) and projection D(x, labels) (needs data.labels)."""
+    mapping_layers: int = Field(8, ge=1)
+    """stylegan2 only: fully connected layers of the mapping network z -> w (w has model.z_dim values)."""
+    channel_base: int = Field(32768, gt=0)
+    """stylegan2 only: channels at resolution r are min(channel_base // r, model.channel_max)."""
+    channel_max: int = Field(512, gt=0)
+    """stylegan2 only: the most channels of any layer."""
+    style_mixing: float = Field(0.9, ge=0, le=1)
+    """stylegan2 only: probability that a generated sample switches to a second latent's w from a random layer on."""
+    mbstd_group: int = Field(4, ge=1)
+    """stylegan2 only: samples per minibatch standard deviation group (consecutive in the global batch); must
+    divide each rank's micro-batch."""
     norm: Literal["batch", "instance", "none"] = "batch"
     """pix2pix only: normalisation in the U-Net and the PatchGAN (the reference uses batch at batch 1;
     with larger micro-batches use instance, or batch with parallel.sync_bn)."""
@@ -114,6 +128,8 @@ class ModelConfig(Section):
     @property
     def conditioning(self) -> str:
         """What G is given and D judges: unconditional, class-conditional or paired (tasks.py)."""
+        if self.kind == "stylegan2":
+            return "class-conditional" if self.conditional else "unconditional"
         return {"biggan": "class-conditional", "pix2pix": "paired", "custom": self.task}.get(self.kind, "unconditional")
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from ganscale import objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset
-from ganscale.models import build_networks, meta_networks
+from ganscale.models import build_networks, meta_networks, stylegan2
 from ganscale.parallel import CAPABILITIES
 from ganscale.parallel.pipeline import split
 from ganscale.tasks import build_task
@@ -89,6 +89,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
                           "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
     _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
+    _check_stylegan2(cfg, micro)
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
@@ -117,6 +118,24 @@ def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
                           f"packs of {m.pack}", f"make model.pack a divisor of {micro}, or change {how.split(' ')[0]}")
 
 
+def _check_stylegan2(cfg: Config, micro: int) -> None:
+    m = cfg.model
+    if m.conditional and m.kind != "stylegan2":
+        raise ConfigError("model.conditional", f"model.conditional applies to stylegan2 only, not model.kind={m.kind}",
+                          "remove model.conditional (biggan is always class-conditional)")
+    if m.kind != "stylegan2":
+        return
+    stylegan2.check_resolution(cfg.data.resolution)
+    # Groups of consecutive samples within a rank's micro-batch are consecutive in the global batch (Slicing),
+    # so D sees the same groups on any number of ranks only when they do not straddle two micro-batches.
+    if micro % m.mbstd_group:
+        how = "train.micro_batch" if cfg.train.micro_batch else "train.batch_size / world size"
+        raise ConfigError("model.mbstd_group", f"each rank's micro-batch of {micro} samples ({how}) does not split "
+                          f"into minibatch-std groups of {m.mbstd_group}, so D's statistics would depend on the "
+                          "number of ranks", f"make model.mbstd_group a divisor of {micro}, or change "
+                          f"{how.split(' ')[0]} to a multiple of {m.mbstd_group}")
+
+
 def _check_task(cfg: Config) -> None:
     """The model, the data and the loss must agree on what G is given and what D judges."""
     m, d, loss = cfg.model, cfg.data, cfg.loss
@@ -127,8 +146,9 @@ def _check_task(cfg: Config) -> None:
                           "use model.kind=pix2pix with data.kind=paired, or neither")
     if d.kind != "custom" and (task == "class-conditional") != d.labels:
         raise ConfigError("data.labels", f"data.labels={d.labels} with model.kind={m.kind}: class labels are for the "
-                          "class-conditional biggan model only",
-                          "use model.kind=biggan with data.labels=true, or neither")
+                          "class-conditional models only",
+                          "use model.kind=biggan (or stylegan2 with model.conditional=true) with data.labels=true, "
+                          "or neither")
     if d.labels and d.kind != "digits":
         raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels", "use data.kind=digits (10 classes)")
     if d.labels and m.n_classes != 10:

@@ -11,6 +11,7 @@ from ganscale.models.biggan import BigGANDiscriminator, BigGANGenerator
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
 from ganscale.models.pix2pix import PatchDiscriminator, UNetGenerator
+from ganscale.models.stylegan2 import StyleGAN2Discriminator, StyleGAN2Generator
 
 
 def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
@@ -23,6 +24,11 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
     elif m.kind == "biggan":
         G = BigGANGenerator(d.resolution, m.g_width, m.z_dim, m.n_classes, d.channels, m.shared_dim, m.attn_resolution)
         D = BigGANDiscriminator(d.resolution, m.d_width, m.n_classes, d.channels, m.attn_resolution)
+    elif m.kind == "stylegan2":
+        n_classes = m.n_classes if m.conditional else 0
+        G = StyleGAN2Generator(d.resolution, m.z_dim, d.channels, n_classes, m.mapping_layers, m.channel_base,
+                               m.channel_max, m.style_mixing)
+        D = StyleGAN2Discriminator(d.resolution, d.channels, n_classes, m.channel_base, m.channel_max, m.mbstd_group)
     elif m.kind == "custom":
         G = user_network(m.generator, m.generator_args, "model.generator", cfg.code_path)
         D = user_network(m.discriminator, m.discriminator_args, "model.discriminator", cfg.code_path)
