@@ -28,7 +28,8 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
         n_classes = m.n_classes if m.conditional else 0
         G = StyleGAN2Generator(d.resolution, m.z_dim, d.channels, n_classes, m.mapping_layers, m.channel_base,
                                m.channel_max, m.style_mixing)
-        D = StyleGAN2Discriminator(d.resolution, d.channels, n_classes, m.channel_base, m.channel_max, m.mbstd_group)
+        D = StyleGAN2Discriminator(d.resolution, d.channels, n_classes, m.channel_base, m.channel_max, m.mbstd_group,
+                                   m.mapping_layers)
     elif m.kind == "custom":
         G = user_network(m.generator, m.generator_args, "model.generator", cfg.code_path)
         D = user_network(m.discriminator, m.discriminator_args, "model.discriminator", cfg.code_path)

@@ -6,7 +6,8 @@ connected layers at lr multiplier 0.01) gives w; a learned 4x4 constant is refin
 learned strength, a bias and leaky ReLU. Output architecture "skip": every resolution has a toRGB (a modulated 1x1
 convolution without demodulation) and the images are upsampled and summed. Each layer takes its own w (`num_ws`
 of them): style mixing switches samples, with probability `style_mixing`, to a second latent's w from a crossover
-layer on. Truncation happens at sampling time: w_avg + psi (w - w_avg), w_avg tracked as a moving average.
+layer on. Truncation happens at sampling time: w_avg + psi (w - w_avg), w_avg a buffer that every training
+forward refreshes from the mapping's current weights.
 D: "resnet" architecture: fromRGB at full resolution, residual blocks halving the resolution down to 4x4 (skips
 scaled by 1/sqrt 2), then minibatch standard deviation, a 3x3 convolution and two fully connected layers. A
 conditional D projects its output onto a mapped label embedding (StyleGAN2-ADA's conditional mode).
@@ -33,9 +34,10 @@ from ganscale.config import ConfigError
 
 RESOLUTIONS = tuple(2 ** k for k in range(3, 11))  # 8 .. 1024 pixels
 MAPPING_LR = 0.01  # the mapping network learns 100x slower (StyleGAN's lr multiplier)
-W_AVG_BETA = 0.995  # w_avg's moving-average decay per G forward in training
+W_AVG_PROBE = 256  # latents whose mean w is w_avg (fixed, the same on every rank)
 ACTIVATION_GAIN = math.sqrt(2)  # keeps leaky ReLU's output at unit variance
-MIX_SALT, NOISE_SALT = 0x5347, 0x5348  # randomness call sites: style mixing, noise (one salt per layer from here)
+# randomness call sites: w_avg's latents, style mixing (two), noise (one salt per layer from here)
+W_AVG_SALT, MIX_SALT, NOISE_SALT = 0x5345, 0x5346, 0x5348
 
 
 def check_resolution(resolution: int) -> None:
@@ -213,7 +215,7 @@ class StyleGAN2Generator(nn.Module):
         seeds = randomness.sample_seeds(z)
         w = self.mapping(z, labels)
         if self.training:
-            self.w_avg.copy_(w.detach().mean(0).lerp(self.w_avg, W_AVG_BETA))
+            self.track_w_avg()
         ws = self.truncate(w, psi)[:, None].expand(-1, self.num_ws, -1)
         if self.training and self.style_mixing > 0:
             ws = self.mix_styles(ws, z, labels, seeds)
@@ -221,6 +223,16 @@ class StyleGAN2Generator(nn.Module):
         for block in self.blocks:
             x, image = block(x, image, ws, seeds)
         return image
+
+    @torch.no_grad()
+    def track_w_avg(self) -> None:
+        """w_avg follows the mapping's current weights: the mean w of fixed latents (and classes in turn).
+        NVlabs track a moving average of each batch's mean w instead, which would differ between ranks and
+        with the number of micro-batches; this estimate is the same on any number of ranks."""
+        seeds = torch.arange(W_AVG_PROBE, device=self.w_avg.device)
+        z = randomness.normal(self.w_avg.expand(W_AVG_PROBE, -1), W_AVG_SALT, (self.z_dim,), seeds)
+        labels = seeds % self.n_classes if self.n_classes else None
+        self.w_avg.copy_(self.mapping(z, labels).mean(0))
 
     def truncate(self, w: Tensor, psi: float) -> Tensor:
         """w pulled towards the tracked average: psi=1 leaves it, psi=0 gives w_avg."""
