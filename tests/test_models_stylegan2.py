@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from dist_helpers import assert_same_functions, max_relative_difference, run_ranks, train_and_collect
+from dist_helpers import assert_same_functions, record_steps, run_ranks, train_and_collect
 from ganscale import config, randomness
 from ganscale.config import ConfigError
 from ganscale.models import build_networks
@@ -195,12 +195,16 @@ def test_the_digits_recipe_on_two_ranks_equals_one_process(tmp_path):
     non-saturating loss and R1: 3 steps on 2 ranks compute what 1 process does."""
     steps = {"train.steps": 3, "checkpoint.every": 0, "log.every": 100, "log.sample_every": 0,
              "log.tensorboard": "false"}
-    one = run_ranks(train_and_collect, 1, steps, str(tmp_path / "one"), None, None, "digits-stylegan2")[0]
-    two = run_ranks(train_and_collect, 2, steps, str(tmp_path / "two"), None, None, "digits-stylegan2")
-    assert one["summary"]["steps"] == 3
+    one = run_ranks(train_and_collect, 1, steps, str(tmp_path / "one"), record_steps, None, "digits-stylegan2")[0]
+    two = run_ranks(train_and_collect, 2, steps, str(tmp_path / "two"), record_steps, None, "digits-stylegan2")
+    assert one["summary"]["steps"] == 3 and len(one["extra"]) == 6
+    for first, other in zip(one["extra"][:2], two[0]["extra"][:2]):  # D's and G's first step: identical weights
+        assert (first["grad"] - other["grad"]).abs().max() <= 1e-5 * first["grad"].abs().max(), first["net"]
+    for step, other in zip(one["extra"], two[0]["extra"]):
+        assert abs(step["loss"] - other["loss"]) <= 1e-5 * abs(step["loss"]), step["net"]
+    # Then what the networks compute, not each parameter (whose near-zero gradients Adam scales up: dist_helpers).
     gen = torch.Generator().manual_seed(1)
     inputs = {"G": (torch.randn(16, 32, generator=gen),), "D": (torch.rand(16, 1, 16, 16, generator=gen) * 2 - 1,)}
     assert_same_functions(steps, one, two, inputs, "digits-stylegan2")
     for rank in two:
-        assert max_relative_difference(one["D"], rank["D"]) <= 1e-5
         assert torch.allclose(one["G"]["w_avg"], rank["G"]["w_avg"], atol=1e-5)
