@@ -168,6 +168,8 @@ def test_digits_recipe_networks_and_their_parameter_counts():
     assert (count(G), count(D)) == (44_792, 53_009)  # as the README states
     G, D = build_networks(config.load("digits-stylegan2", ["model.conditional=true", "data.labels=true"]))
     assert (G.n_classes, D.cmap_dim) == (10, 32)
+    with torch.device("meta"):  # the full-size defaults at 1024 px, without their memory
+        assert (count(StyleGAN2Generator(1024, 512)), count(StyleGAN2Discriminator(1024))) == (30_370_060, 29_012_513)
 
 
 @pytest.mark.parametrize("overrides, key", [
