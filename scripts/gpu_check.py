@@ -25,8 +25,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEPENDENCIES = ["numpy", "PIL", "safetensors", "tensorboard", "sklearn", "yaml", "pydantic", "click", "tqdm",
-                "pytest"]
+# ganscale's dependencies but torch (pyproject.toml) and pytest: import name -> requirement.
+DEPENDENCIES = {"numpy": "numpy>=1.24", "PIL": "pillow>=10", "safetensors": "safetensors>=0.4",
+                "tensorboard": "tensorboard>=2.14", "sklearn": "scikit-learn>=1.3", "yaml": "pyyaml>=6",
+                "pydantic": "pydantic>=2.5", "click": "click>=8.1", "tqdm": "tqdm>=4.66", "pytest": "pytest>=8"}
+# Wheels are installed here, not into the machine's python (which may be read-only).
+SITE = Path(os.environ.get("TMPDIR", "/tmp")) / "ganscale-gpu-site"
 CUDA_TESTS = [
     "tests/test_bench.py::test_throughput_on_cuda_reports_mfu_against_the_h100_bf16_peak",
     "tests/test_fastpath.py::test_cuda_graphs_batch_one_step_trains_like_eager",
@@ -47,7 +51,8 @@ FAIL_ON_PURPOSE = "GANSCALE_GPU_CHECK_FAIL"
 
 
 def ganscale_env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    paths = [str(ROOT / "src"), str(SITE), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
     env.pop(FAIL_ON_PURPOSE, None)
     return env
 
@@ -93,20 +98,19 @@ def describe_machine() -> dict:
 
 
 def missing_dependencies() -> list[str]:
+    """Import names of the dependencies the machine's python cannot find."""
     code = "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if not importlib.util.find_spec(m)))"
-    done = subprocess.run([sys.executable, "-c", code, *DEPENDENCIES], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code, *DEPENDENCIES], env=ganscale_env(), capture_output=True,
+                          text=True, check=True)
     return done.stdout.split()
 
 
 def ensure_dependencies(wheels: Path | None) -> list[str]:
-    """Install what is missing from the local wheel folder; the names still missing afterwards."""
+    """Install what is missing from the local wheel folder into SITE; the names still missing afterwards."""
     missing = missing_dependencies()
     if missing and wheels is not None:
-        # The folder holds wheels of ganscale's dependencies; pip resolves the import names' distributions.
-        requirements = [line for line in (ROOT / "scripts" / "gpu-requirements.txt").read_text().splitlines()
-                        if line and not line.startswith("#")]
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
-                        *requirements], check=False)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+                        "--target", str(SITE), *(DEPENDENCIES[name] for name in missing)], check=False)
         missing = missing_dependencies()
     return missing
 
@@ -181,10 +185,10 @@ def items() -> list[tuple[int, str, object]]:
 
 def run_item(name: str, function, out: Path, blocker: str | None) -> dict:
     """One item's record; an exception is a fail, never the end of the check."""
-    if blocker:
-        return {"item": name, "status": "not run", "detail": blocker}
     if name in os.environ.get(FAIL_ON_PURPOSE, "").split(","):
         return {"item": name, "status": "fail", "detail": f"failed on purpose ({FAIL_ON_PURPOSE})"}
+    if blocker:
+        return {"item": name, "status": "not run", "detail": blocker}
     try:
         status, detail = function(out)
     except Exception as error:  # noqa: BLE001 - recorded, and the next item still runs
@@ -214,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["1", "2", "3", "all"], default="all")
     parser.add_argument("--wheels", type=Path, help="folder of wheels for missing dependencies (gpu-wheels.sh)")
+    parser.add_argument("--requirements", action="store_true", help="print the requirements and stop")
     parser.add_argument("--out", type=Path, help="result folder (default benchmarks/results/gpu-check-DATE-GPU)")
     args = parser.parse_args(argv)
+    if args.requirements:
+        print("\n".join(DEPENDENCIES.values()))
+        return 0
     if args.wheels is not None and not args.wheels.is_dir():
         print(f"error: --wheels {args.wheels}: no such folder; build it with scripts/gpu-wheels.sh", file=sys.stderr)
         return 2
