@@ -106,7 +106,10 @@ def missing_dependencies() -> list[str]:
 
 
 def ensure_dependencies(wheels: Path | None) -> list[str]:
-    """Install what is missing from the local wheel folder into SITE; the names still missing afterwards."""
+    """Install what is missing from the local wheel folder into SITE; the names still missing afterwards.
+
+    SITE comes first on PYTHONPATH, so a wheel in the folder shadows the machine's own copy: the folder should
+    hold only what the machine lacks (gpu-wheels.sh with package names)."""
     missing = missing_dependencies()
     if missing and wheels is not None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     record["machine"] = machine
 
     blocker = (f"dependencies missing: {' '.join(missing)}; pass --wheels" if missing
+               else "torch does not import" if machine["torch"] is None
                else None if machine["cuda_available"] else "no CUDA GPU")
     for part, name, function in items():
         if args.part in ("all", str(part)):

@@ -46,12 +46,25 @@ def test_a_failing_item_is_recorded_as_fail_and_exits_non_zero(tmp_path):
     assert "| cuda-tests | fail | failed on purpose" in (tmp_path / "summary.md").read_text()
 
 
-def test_an_item_that_raises_is_a_fail_and_the_check_goes_on(tmp_path):
+def import_gpu_check():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import gpu_check
     finally:
         sys.path.remove(str(ROOT / "scripts"))
+    return gpu_check
+
+
+def test_a_missing_dependency_without_wheels_marks_the_items_not_run_and_names_it(tmp_path, monkeypatch):
+    gpu_check = import_gpu_check()
+    monkeypatch.setattr(gpu_check, "DEPENDENCIES", {**gpu_check.DEPENDENCIES, "no_such_dependency": "x"})
+    assert gpu_check.main(["--part", "1", "--out", str(tmp_path)]) == 0
+    assert ("| cuda-tests | not run | dependencies missing: no_such_dependency; pass --wheels |"
+            in (tmp_path / "summary.md").read_text())
+
+
+def test_an_item_that_raises_is_a_fail_and_the_check_goes_on(tmp_path):
+    gpu_check = import_gpu_check()
 
     def broken(out):
         raise RuntimeError("CUDA error: out of memory")
