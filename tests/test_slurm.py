@@ -3,6 +3,7 @@ with stand-ins for srun and scontrol, no Slurm needed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -137,3 +138,13 @@ def test_the_script_stops_on_usr1_checkpoints_and_requeues(tmp_path):
     assert job.returncode == 3, out
     assert list((tmp_path / "run" / "checkpoints").glob("step-*")), out
     assert (bin_dir / "scontrol.calls").read_text().split() == ["requeue", "77"]
+
+
+def test_a_requeued_job_says_so_and_records_it_in_the_summary(tmp_path):
+    env = clean_env()
+    env.update(SLURM_JOB_ID="77", SLURM_RESTART_COUNT="2")
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", "--set", "train.steps=2",
+                             "--run-dir", "run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, explain(result)
+    assert "Slurm job 77, requeued 2 times" in result.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["requeues"] == 2

@@ -142,6 +142,19 @@ def script(job: Job, python: str = sys.executable) -> str:
     return "\n".join(lines)
 
 
+def requeue_count(environ=os.environ) -> int:
+    """How many times Slurm requeued this job (SLURM_RESTART_COUNT; 0 outside Slurm)."""
+    return int(environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def start_line(resume_from: Path | None, environ=os.environ) -> str | None:
+    """Rank 0's line at the start of a Slurm job; None outside one."""
+    if "SLURM_JOB_ID" not in environ:
+        return None
+    resuming = f", resuming from {resume_from}" if resume_from else ""
+    return f"ganscale: Slurm job {environ['SLURM_JOB_ID']}, requeued {requeue_count(environ)} times{resuming}"
+
+
 def check_sbatch() -> str:
     found = shutil.which("sbatch")
     if found is None:
