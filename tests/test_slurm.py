@@ -148,3 +148,49 @@ def test_a_requeued_job_says_so_and_records_it_in_the_summary(tmp_path):
     assert result.returncode == 0, explain(result)
     assert "Slurm job 77, requeued 2 times" in result.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["requeues"] == 2
+
+
+def srun_task(proc_id: int, tasks: int, job_id: int, **extra: str) -> dict[str, str]:
+    """The environment srun gives one task of a one-node job step."""
+    env = clean_env()
+    env.update(SLURM_JOB_ID=str(job_id), SLURM_STEP_ID="0", SLURM_PROCID=str(proc_id), SLURM_LOCALID=str(proc_id),
+               SLURM_NTASKS=str(tasks), SLURM_TASKS_PER_NODE=str(tasks), SLURM_NODELIST="localhost",
+               GLOO_SOCKET_IFNAME="lo", **extra)
+    return env
+
+
+def test_srun_tasks_train_as_one_world(tmp_path):
+    import socket
+
+    from ganscale.slurm import PORT_BASE
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "ganscale", "train", "ring8", "--set", "train.steps=2", "--run-dir", "run"]
+    tasks = [subprocess.Popen(command, cwd=tmp_path, env=srun_task(rank, 2, port - PORT_BASE), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
+    outputs = [task.communicate(timeout=240)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
+
+
+def test_srun_layouts_that_cannot_work_are_refused(tmp_path):
+    from ganscale.config import ConfigError
+    from ganscale.slurm import first_host, task_environment
+
+    assert first_host("node[03-05,9],gpu1") == "node03" and first_host("localhost") == "localhost"
+    batch_shell = {k: v for k, v in srun_task(0, 2, 5).items() if k != "SLURM_STEP_ID"}
+    wrong_gpus = srun_task(0, 2, 5, SLURM_GPUS_ON_NODE="4")
+    for environ, nproc, option in [(batch_shell, None, "srun"), (srun_task(0, 2, 5), 2, "--nproc"),
+                                   (wrong_gpus, None, "--ntasks-per-node=4")]:
+        try:
+            task_environment(environ, nproc)
+        except ConfigError as e:
+            assert option in str(e)
+        else:
+            raise AssertionError(f"not refused: {option}")
+    refused = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", "--run-dir", "run"], cwd=tmp_path,
+                             env=batch_shell, capture_output=True, text=True, timeout=120)
+    _refused(refused, "srun")
+    assert not (tmp_path / "run").exists()

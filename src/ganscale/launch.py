@@ -23,6 +23,13 @@ from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_
 from ganscale.rundir import AlreadyTrained, decide_run, resume_after_restart
 
 
+def adopt_slurm_task(nproc: int | None) -> None:
+    """Under `srun ganscale train` (one Slurm task per process), the process group's variables from Slurm's."""
+    from ganscale import slurm
+
+    os.environ.update(slurm.task_environment(os.environ, nproc))
+
+
 def under_launcher() -> bool:
     """True in a worker started by torchrun / the elastic launcher."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)

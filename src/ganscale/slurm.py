@@ -25,6 +25,7 @@ from ganscale.fault import EXIT_PREEMPTED, stop_grace_s
 TIME = re.compile(r"^(?:(\d+)-)?(\d{1,2}):([0-5]\d):([0-5]\d)$")  # [D-]HH:MM:SS, one of sbatch's forms
 SCRIPT = "job.sbatch"
 RDZV_PORT = 29500
+PORT_BASE, PORT_SPAN = 10000, 50000  # an srun job's MASTER_PORT: from its job id, so jobs sharing a node differ
 # Slurm's default KillWait: a signal the scheduler delivers late still leaves the stop this long before SIGKILL.
 SLURM_SLACK_S = 30
 
@@ -153,6 +154,42 @@ def start_line(resume_from: Path | None, environ=os.environ) -> str | None:
         return None
     resuming = f", resuming from {resume_from}" if resume_from else ""
     return f"ganscale: Slurm job {environ['SLURM_JOB_ID']}, requeued {requeue_count(environ)} times{resuming}"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list ("node[03-05,9],gpu1" -> "node03"), as `scontrol show hostnames`."""
+    found = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if found is None:
+        raise ConfigError("SLURM_NODELIST", f"'{nodelist}' is not a node list", "run inside an allocation (srun)")
+    return found[1] + (re.split(r"[,-]", found[2])[0] if found[2] else "")
+
+
+def _per_node(value: str) -> int:
+    return int(re.match(r"\d+", value)[0])  # SLURM_TASKS_PER_NODE "4(x2),3": the first node's count
+
+
+def task_environment(environ, nproc: int | None) -> dict[str, str]:
+    """torch.distributed's variables for a task `srun` started (Lightning's convention: one task per process);
+    {} where another launcher set them or there is no Slurm job step. Refuses layouts that cannot work."""
+    if "SLURM_JOB_ID" not in environ or "TORCHELASTIC_RUN_ID" in environ or "RANK" in environ:
+        return {}
+    tasks = int(environ.get("SLURM_NTASKS", "1"))
+    if tasks == 1:
+        return {}
+    if "SLURM_STEP_ID" not in environ:
+        raise ConfigError("srun", f"this job has {tasks} tasks but ganscale runs in the batch script, outside srun",
+                          "start it with `srun ganscale train ...`, or submit with `ganscale slurm`")
+    if nproc:
+        raise ConfigError("--nproc", f"each of the {tasks} srun tasks would start its own {nproc} workers",
+                          "leave --nproc out under srun (one task per process), or run one task per node")
+    per_node = _per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
+    gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0)
+    if gpus and per_node != gpus:
+        raise ConfigError("srun", f"{per_node} tasks per node on {gpus} GPUs per node",
+                          f"ask for one task per GPU: --ntasks-per-node={gpus}")
+    return {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ["SLURM_LOCALID"], "WORLD_SIZE": str(tasks),
+            "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": first_host(environ["SLURM_NODELIST"]),
+            "MASTER_PORT": str(PORT_BASE + int(environ["SLURM_JOB_ID"]) % PORT_SPAN)}
 
 
 def check_sbatch() -> str:
