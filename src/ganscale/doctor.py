@@ -336,12 +336,12 @@ def environment_checks(environ: Mapping[str, str], nproc: int, cores: int, backe
 
 def slurm_checks(environ: Mapping[str, str]) -> list[Check]:
     """Inside a Slurm allocation: its layout, and the classic mistakes with their fix; [] outside one."""
-    from ganscale.slurm import _per_node, first_host
+    from ganscale.slurm import tasks_per_node, first_host
 
     if "SLURM_JOB_ID" not in environ:
         return []
     tasks = int(environ.get("SLURM_NTASKS", "1"))
-    per_node = _per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
+    per_node = tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
     gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0)
     host = first_host(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "localhost"))
     layout = (f"job {environ['SLURM_JOB_ID']}: {environ.get('SLURM_NNODES', '1')} node(s), {tasks} task(s) "

@@ -164,7 +164,7 @@ def first_host(nodelist: str) -> str:
     return found[1] + (re.split(r"[,-]", found[2])[0] if found[2] else "")
 
 
-def _per_node(value: str) -> int:
+def tasks_per_node(value: str) -> int:
     return int(re.match(r"\d+", value)[0])  # SLURM_TASKS_PER_NODE "4(x2),3": the first node's count
 
 
@@ -182,7 +182,7 @@ def task_environment(environ, nproc: int | None) -> dict[str, str]:
     if nproc:
         raise ConfigError("--nproc", f"each of the {tasks} srun tasks would start its own {nproc} workers",
                           "leave --nproc out under srun (one task per process), or run one task per node")
-    per_node = _per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
+    per_node = tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
     gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0)
     if gpus and per_node != gpus:
         raise ConfigError("srun", f"{per_node} tasks per node on {gpus} GPUs per node",
