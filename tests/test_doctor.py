@@ -318,3 +318,18 @@ def test_interpret_earliest_error_is_the_cause_and_a_failed_group_skips_the_rest
 def test_interpret_a_crash_after_every_check_finished_is_only_a_warning():
     found = doctor._interpret(2, "2 ranks", {0: finished_rank(0), 1: finished_rank(1)}, {1: (-6, 1.0)}, None, {})
     assert [c.status for c in found] == [PASS, PASS, PASS, WARN]
+
+
+def test_slurm_section_reports_the_layout_and_names_the_classic_mistakes():
+    from ganscale import doctor
+
+    assert doctor.slurm_checks({}) == []
+    job = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NNODES": "2",
+           "SLURM_GPUS_ON_NODE": "4", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_ID": "0"}
+    fine = doctor.slurm_checks(job)
+    assert [c.status for c in fine] == ["PASS"]
+    assert "2 node(s), 8 task(s) (4 per node), 4 GPU(s) per node, rendezvous on gpu07" in fine[0].detail
+    batch_shell = {k: v for k, v in job.items() if k != "SLURM_STEP_ID"}
+    assert "srun ganscale train" in doctor.slurm_checks(batch_shell)[1].fix
+    wrong = doctor.slurm_checks({**job, "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4"})
+    assert wrong[1].status == "FAIL" and "--ntasks-per-node=4" in wrong[1].fix

@@ -93,6 +93,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     from ganscale import launch, memory, preflight, rundir
     from ganscale.runtime import environment_world_size
 
+    launch.adopt_slurm_task(nproc)
     worker = launch.under_launcher()
     if worker and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and run_dir is None:
         raise ConfigError("--run-dir", "torchrun --max-restarts restarts the workers, and they must find the run "

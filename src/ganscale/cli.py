@@ -1,4 +1,4 @@
-"""Command line: `ganscale` train, verify, recipes, export, sample, eval, doctor, bench, make-facades and
+"""Command line: `ganscale` train, slurm, verify, recipes, export, sample, eval, doctor, bench, make-facades and
 fit-digits-features.
 
 Configuration errors exit with code 2 and one message naming the key and the fix, before any
@@ -147,6 +147,58 @@ def leave(error: Exception) -> NoReturn:
         traceback.print_exception(error)
     sys.stderr.flush()
     os._exit(known[1] if known else 1)
+
+
+@main.command()
+@click.argument("recipe", required=False)
+@click.option("--nodes", type=click.IntRange(min=1), required=True, help="Nodes to allocate.")
+@click.option("--gpus-per-node", type=click.IntRange(min=0), required=True, help="GPUs per node; 0 for a CPU job.")
+@click.option("--procs-per-node", type=click.IntRange(min=1), default=None,
+              help="Processes per node (default: one per GPU; required with --gpus-per-node 0).")
+@click.option("--time", "time_limit", default=None, metavar="HH:MM:SS", help="Time limit ([D-]HH:MM:SS).")
+@click.option("--partition", default=None, help="Slurm partition.")
+@click.option("--account", default=None, help="Slurm account.")
+@click.option("--requeue/--no-requeue", default=True, show_default=True,
+              help="Requeue the job after it stopped on a signal (time limit, preemption); it resumes.")
+@click.option("--signal-lead", type=click.IntRange(min=1), default=None, metavar="S",
+              help="Seconds before the time limit Slurm signals the job to checkpoint and stop "
+                   "(default: fault.stop_grace_s + 30).")
+@click.option("--dry-run", is_flag=True, help="Print the script; write and submit nothing.")
+@SET
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Run directory on storage every node sees (default: runs/<recipe>-<time>).")
+def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: int | None, time_limit: str | None,
+          partition: str | None, account: str | None, requeue: bool, signal_lead: int | None, dry_run: bool,
+          overrides: tuple[str, ...], run_dir: str | None) -> None:
+    """Write RUN_DIR/slurm/job.sbatch for RECIPE (a shipped recipe or a YAML file) and submit it with sbatch.
+
+    One task per node runs torchrun (c10d rendezvous on the first node); before the time limit the job
+    checkpoints, stops and, with --requeue, comes back and resumes from the same run directory."""
+    from ganscale import preflight, rundir
+    from ganscale import slurm as slurming
+
+    try:
+        shape = slurming.layout(nodes, gpus_per_node, procs_per_node)
+        slurming.check_time(time_limit)
+        cfg = config_mod.load(recipe, overrides)
+        preflight.check(cfg, shape.world_size, gpus_per_node > 0)
+        sbatch = None if dry_run else slurming.check_sbatch()
+        # A run directory that holds a run is continued (the job trains with --resume auto).
+        target, _ = rundir.resolve_run(cfg, run_dir, "auto" if run_dir else None)
+        job = slurming.Job(shape, f"ganscale-{cfg.name}", target.resolve(), slurming.train_args(recipe, overrides),
+                           time_limit, partition, account, requeue,
+                           signal_lead or slurming.default_signal_lead_s(cfg))
+        text = slurming.script(job)
+        if dry_run:
+            click.echo(text, nl=False)
+            return
+        path, kept = slurming.write_script(job.run_dir, text)
+        if kept:
+            click.echo(f"ganscale: the earlier script is kept as {kept}")
+        job_id = slurming.submit(sbatch, path)
+    except ConfigError as e:
+        _fail(e)
+    click.echo(f"submitted job {job_id}: {path} (logs in {path.parent})")
 
 
 @main.command()

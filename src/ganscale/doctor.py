@@ -334,6 +334,34 @@ def environment_checks(environ: Mapping[str, str], nproc: int, cores: int, backe
     return checks
 
 
+def slurm_checks(environ: Mapping[str, str]) -> list[Check]:
+    """Inside a Slurm allocation: its layout, and the classic mistakes with their fix; [] outside one."""
+    from ganscale.slurm import tasks_per_node, first_host
+
+    if "SLURM_JOB_ID" not in environ:
+        return []
+    tasks = int(environ.get("SLURM_NTASKS", "1"))
+    per_node = tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
+    gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0)
+    host = first_host(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "localhost"))
+    layout = (f"job {environ['SLURM_JOB_ID']}: {environ.get('SLURM_NNODES', '1')} node(s), {tasks} task(s) "
+              f"({per_node} per node), {gpus} GPU(s) per node, rendezvous on {host}")
+    checks = [Check(PASS, "slurm layout", layout)]
+    if tasks > 1 and "SLURM_STEP_ID" not in environ:
+        checks.append(Check(WARN, "slurm srun", "this is the batch shell of a multi-task job",
+                            "`ganscale train` here runs outside srun, and is refused",
+                            "start it with `srun ganscale train ...` or submit with `ganscale slurm`"))
+    if gpus and per_node > 1 and per_node != gpus:
+        checks.append(Check(FAIL, "slurm tasks", f"{per_node} tasks per node on {gpus} GPUs per node",
+                            "`srun ganscale train` starts one process per task and needs one per GPU",
+                            f"ask for --ntasks-per-node={gpus}, or one task per node running torchrun (`ganscale slurm`)"))
+    if gpus and per_node == 1 and tasks > 1:
+        checks.append(Check(WARN, "slurm tasks", f"one task per node on {gpus} GPUs per node",
+                            "`srun ganscale train` would use one GPU per node",
+                            "run torchrun in the task (`ganscale slurm` writes that script)"))
+    return checks
+
+
 def _omp_check(value: str, nproc: int, cores: int, label: str, detail: str) -> Check:
     try:
         threads = int(value)
@@ -758,6 +786,7 @@ def run(nproc: int | None = None, backend: str = "auto", device: str = "auto",
     emit(backend_checks(backend, chosen, on_cuda, dist.is_available() and dist.is_nccl_available(),
                         dist.is_available() and dist.is_gloo_available(), torch.version.cuda is not None))
     emit(environment_checks(environ, nproc, cores, chosen))
+    emit(slurm_checks(environ))
     failed = [c.name for c in checks if c.status == FAIL]
     if failed:
         reason = f"FAIL above: {', '.join(dict.fromkeys(failed))}"

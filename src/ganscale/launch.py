@@ -23,6 +23,13 @@ from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_
 from ganscale.rundir import AlreadyTrained, decide_run, resume_after_restart
 
 
+def adopt_slurm_task(nproc: int | None) -> None:
+    """Under `srun ganscale train` (one Slurm task per process), the process group's variables from Slurm's."""
+    from ganscale import slurm
+
+    os.environ.update(slurm.task_environment(os.environ, nproc))
+
+
 def under_launcher() -> bool:
     """True in a worker started by torchrun / the elastic launcher."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
@@ -189,7 +196,7 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     Raises AlreadyTrained on every rank when rank 0 finds the run finished."""
     import torch
 
-    from ganscale import memory
+    from ganscale import memory, slurm
     from ganscale import runtime as rt
     from ganscale.trainer import Trainer
 
@@ -207,6 +214,8 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
         if needed.note and runtime.is_main:
             print(f"ganscale: warning: {needed.note}", file=sys.stderr, flush=True)
         run_path, resume_from, held = decide_run(cfg, run_dir, resume)
+        if runtime.is_main and (said := slurm.start_line(resume_from)):
+            print(said, flush=True)
         summary = Trainer(cfg, runtime, run_path, resume_from).fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them
     except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining, ReplicaDivergence):

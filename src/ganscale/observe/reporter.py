@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ganscale import checkpoint
+from ganscale import checkpoint, slurm
 from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.fault import restart_count
 from ganscale.metrics.images import ImageScorer
@@ -143,7 +143,7 @@ class Reporter:
         return {"steps": training.step, "world_size": training.runtime.world, "global_batch": training.global_batch,
                 "micro_batch": training.slicing.micro_batch, "accumulation_steps": training.slicing.accumulation,
                 "skipped_steps": training.skipped_steps, "stopped": stopped, "wall_s": wall,
-                "restarts": restart_count(),
+                "restarts": restart_count(), "requeues": slurm.requeue_count(),
                 "img_per_s": (training.step - self.start_step) * training.global_batch / max(wall, 1e-9),
                 "final": self.record, "quality": self.quality, "held_bytes": training.memory,
                 "communicated_bytes": {phase: dict(kinds) for phase, kinds in training.traffic.by_phase.items()},

@@ -1,0 +1,229 @@
+"""`ganscale slurm`: a readable sbatch script in the run directory, submitted with `sbatch`.
+
+The script follows torchtitan's and Accelerate's convention: one task per node, `srun` running torchrun with a
+c10d rendezvous on the allocation's first node, the job id as rendezvous id. Before the time limit Slurm signals
+the batch shell (USR1), which forwards SIGTERM to srun: torchrun's agents pass it to the workers, which finish
+their step, write an agreed checkpoint and exit (fault.StopSignals); the job then requeues itself and resumes
+from the same run directory (`--resume auto`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ganscale.config import Config, ConfigError
+from ganscale.fault import EXIT_PREEMPTED, stop_grace_s
+
+TIME = re.compile(r"^(?:(\d+)-)?(\d{1,2}):([0-5]\d):([0-5]\d)$")  # [D-]HH:MM:SS, one of sbatch's forms
+SCRIPT = "job.sbatch"
+RDZV_PORT = 29500
+PORT_BASE, PORT_SPAN = 10000, 50000  # an srun job's MASTER_PORT: from its job id, so jobs sharing a node differ
+# Slurm's default KillWait: a signal the scheduler delivers late still leaves the stop this long before SIGKILL.
+SLURM_SLACK_S = 30
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    gpus_per_node: int
+    procs_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the sbatch script asks of Slurm and runs."""
+    layout: Layout
+    name: str
+    run_dir: Path
+    train_args: list[str]  # after `ganscale train`: recipe or config file, --set values
+    time: str | None
+    partition: str | None
+    account: str | None
+    requeue: bool
+    signal_lead_s: int
+
+
+def layout(nodes: int, gpus_per_node: int, procs_per_node: int | None) -> Layout:
+    """The per-node layout; a CPU job (gloo) names its processes per node, a GPU job defaults to one per GPU."""
+    if procs_per_node is None:
+        if gpus_per_node == 0:
+            raise ConfigError("--procs-per-node", "a CPU job (--gpus-per-node 0) has no GPU count to start one "
+                              "process per", "pass --procs-per-node P (processes per node)")
+        procs_per_node = gpus_per_node
+    if gpus_per_node and procs_per_node != gpus_per_node:
+        raise ConfigError("--procs-per-node", f"{procs_per_node} processes per node on {gpus_per_node} GPUs per node",
+                          "start one process per GPU: leave --procs-per-node out, or make it equal --gpus-per-node")
+    return Layout(nodes, gpus_per_node, procs_per_node)
+
+
+def check_time(value: str | None) -> None:
+    if value is not None and not TIME.match(value):
+        raise ConfigError("--time", f"'{value}' is not a time limit Slurm reads here",
+                          "write HH:MM:SS or D-HH:MM:SS, e.g. --time 04:00:00")
+
+
+def default_signal_lead_s(cfg: Config) -> int:
+    """Seconds before the time limit to signal: the longest a rank takes to stop (fault.stop_grace_s, which covers
+    the measured checkpoint-on-signal time, benchmarks/results/stop-grace-*.md) plus Slurm's KillWait."""
+    return math.ceil(stop_grace_s(cfg.fault.exit_timeout_s)) + SLURM_SLACK_S
+
+
+def train_args(recipe: str | None, overrides: tuple[str, ...]) -> list[str]:
+    """`ganscale train`'s arguments for the job: a config file by its absolute path (the job may start elsewhere)."""
+    args = []
+    if recipe is not None:
+        args.append(str(Path(recipe).resolve()) if recipe.endswith((".yaml", ".yml")) else recipe)
+    for override in overrides:
+        args += ["--set", override]
+    return args
+
+
+def script(job: Job, python: str = sys.executable) -> str:
+    """The sbatch script: readable and complete, so it can be edited and resubmitted by hand."""
+    q = shlex.quote
+    run_dir = q(str(job.run_dir))
+    logs = f"{job.run_dir}/slurm"
+    lines = ["#!/bin/bash",
+             f"#SBATCH --job-name={q(job.name)}",
+             f"#SBATCH --nodes={job.layout.nodes}",
+             "#SBATCH --ntasks-per-node=1  # one torchrun agent per node; it starts the node's processes"]
+    if job.layout.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={job.layout.gpus_per_node}")
+    if job.time:
+        lines.append(f"#SBATCH --time={job.time}")
+    if job.partition:
+        lines.append(f"#SBATCH --partition={q(job.partition)}")
+    if job.account:
+        lines.append(f"#SBATCH --account={q(job.account)}")
+    lines += [f"#SBATCH --signal=B:USR1@{job.signal_lead_s}  # to this shell, before the time limit",
+              "#SBATCH --requeue" if job.requeue else "#SBATCH --no-requeue",
+              "#SBATCH --open-mode=append  # a requeued job adds to its logs",
+              f"#SBATCH --output={q(logs + '/%j.out')}",
+              f"#SBATCH --error={q(logs + '/%j.err')}",
+              "",
+              "set -u",
+              f"RUN_DIR={run_dir}",
+              f"REQUEUE={int(job.requeue)}",
+              'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+              'echo "ganscale: job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0}, rendezvous on $HEAD_NODE"',
+              "",
+              "# USR1 (before the time limit) or SIGTERM (scancel, preemption): SIGTERM to srun, which reaches every",
+              "# worker through torchrun; each finishes its step, writes an agreed checkpoint and exits.",
+              "STOPPED=0",
+              'stop() { STOPPED=1; kill -TERM "$SRUN_PID" 2>/dev/null; }',
+              "trap stop USR1 TERM",
+              "",
+              f"srun --kill-on-bad-exit=1 {q(python)} -m torch.distributed.run \\",
+              '    --nnodes "$SLURM_NNODES" '
+              f"--nproc-per-node {job.layout.procs_per_node} \\",
+              f'    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" \\',
+              '    --log-dir "$RUN_DIR/slurm/logs/$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" --tee 3 \\',
+              "    -m ganscale train " + " ".join(q(a) for a in job.train_args) + ' --resume auto --run-dir "$RUN_DIR" &',
+              "SRUN_PID=$!",
+              'while wait "$SRUN_PID"; STATUS=$?; kill -0 "$SRUN_PID" 2>/dev/null; do :; done  # wait ends at a trap',
+              "",
+              'if [ "$STOPPED" = 1 ]; then',
+              '    if [ "$REQUEUE" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+              f"    exit {EXIT_PREEMPTED}  # stopped on a signal, checkpoint written: resumes with --resume auto",
+              "fi",
+              'exit "$STATUS"',
+              ""]
+    return "\n".join(lines)
+
+
+def requeue_count(environ=os.environ) -> int:
+    """How many times Slurm requeued this job (SLURM_RESTART_COUNT; 0 outside Slurm)."""
+    return int(environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def start_line(resume_from: Path | None, environ=os.environ) -> str | None:
+    """Rank 0's line at the start of a Slurm job; None outside one."""
+    if "SLURM_JOB_ID" not in environ:
+        return None
+    resuming = f", resuming from {resume_from}" if resume_from else ""
+    return f"ganscale: Slurm job {environ['SLURM_JOB_ID']}, requeued {requeue_count(environ)} times{resuming}"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list ("node[03-05,9],gpu1" -> "node03"), as `scontrol show hostnames`."""
+    found = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if found is None:
+        raise ConfigError("SLURM_NODELIST", f"'{nodelist}' is not a node list", "run inside an allocation (srun)")
+    return found[1] + (re.split(r"[,-]", found[2])[0] if found[2] else "")
+
+
+def tasks_per_node(value: str) -> int:
+    return int(re.match(r"\d+", value)[0])  # SLURM_TASKS_PER_NODE "4(x2),3": the first node's count
+
+
+def task_environment(environ, nproc: int | None) -> dict[str, str]:
+    """torch.distributed's variables for a task `srun` started (Lightning's convention: one task per process);
+    {} where another launcher set them or there is no Slurm job step. Refuses layouts that cannot work."""
+    if "SLURM_JOB_ID" not in environ or "TORCHELASTIC_RUN_ID" in environ or "RANK" in environ:
+        return {}
+    tasks = int(environ.get("SLURM_NTASKS", "1"))
+    if tasks == 1:
+        return {}
+    if "SLURM_STEP_ID" not in environ:
+        raise ConfigError("srun", f"this job has {tasks} tasks but ganscale runs in the batch script, outside srun",
+                          "start it with `srun ganscale train ...`, or submit with `ganscale slurm`")
+    if nproc:
+        raise ConfigError("--nproc", f"each of the {tasks} srun tasks would start its own {nproc} workers",
+                          "leave --nproc out under srun (one task per process), or run one task per node")
+    per_node = tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
+    gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0)
+    if gpus and per_node != gpus:
+        raise ConfigError("srun", f"{per_node} tasks per node on {gpus} GPUs per node",
+                          f"ask for one task per GPU: --ntasks-per-node={gpus}")
+    return {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ["SLURM_LOCALID"], "WORLD_SIZE": str(tasks),
+            "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": first_host(environ["SLURM_NODELIST"]),
+            "MASTER_PORT": str(PORT_BASE + int(environ["SLURM_JOB_ID"]) % PORT_SPAN)}
+
+
+def check_sbatch() -> str:
+    found = shutil.which("sbatch")
+    if found is None:
+        raise ConfigError("sbatch", "no sbatch on PATH, so the job cannot be submitted",
+                          "run this on a Slurm login node (or load its module), or pass --dry-run to print the script")
+    return found
+
+
+def write_script(run_dir: Path, text: str) -> tuple[Path, Path | None]:
+    """(script path, where an earlier, different script was kept). Atomic; an earlier script is never lost."""
+    folder = run_dir / "slurm"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / SCRIPT
+    kept = None
+    if target.exists() and target.read_text() != text:
+        n = 1
+        while (folder / f"job.{n}.sbatch").exists():
+            n += 1
+        kept = folder / f"job.{n}.sbatch"
+        os.replace(target, kept)
+    partial = folder / f".{SCRIPT}.{os.getpid()}.tmp"
+    partial.write_text(text)
+    partial.chmod(0o755)
+    os.replace(partial, target)
+    return target, kept
+
+
+def submit(sbatch: str, path: Path) -> str:
+    """The job id sbatch gives; sbatch's own refusal (a partition or account it rejects) is bad input."""
+    done = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise ConfigError("sbatch", f"refused {path}: {said[-1] if said else f'exit {done.returncode}'}",
+                          "fix the option it names (--partition, --account, --time, --nodes) and submit again")
+    return done.stdout.strip().split(";")[0]

@@ -1,0 +1,196 @@
+"""`ganscale slurm`: the sbatch script it writes and submits, its refusals, and the script's stop on a signal (run
+with stand-ins for srun and scontrol, no Slurm needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_cli import clean_env, explain
+
+CPU_JOB = ["digits", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2"]
+
+
+def slurm(*args: str, cwd: Path, path_dirs: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+    env = clean_env()
+    env["PATH"] = os.pathsep.join([*map(str, path_dirs), os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    return subprocess.run([sys.executable, "-m", "ganscale", "slurm", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def tool(folder: Path, name: str, body: str) -> Path:
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def fake_sbatch(folder: Path, job_id: str = "4242") -> Path:
+    """sbatch that records the script it was given and answers as `sbatch --parsable` does."""
+    return tool(folder, "sbatch", f'echo "$@" >> {folder}/sbatch.calls\necho "{job_id};cluster"').parent
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
+    result = slurm(*CPU_JOB, "--set", "train.steps=4", "--time", "01:00:00", "--partition", "debug",
+                   "--run-dir", "run", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    text = result.stdout
+    for line in ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --time=01:00:00",
+                 "#SBATCH --partition=debug", "#SBATCH --signal=B:USR1@55", "#SBATCH --requeue",
+                 f"#SBATCH --output={tmp_path}/run/slurm/%j.out",
+                 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1',
+                 '--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:29500" --rdzv-id "$SLURM_JOB_ID"',
+                 '--nnodes "$SLURM_NNODES" --nproc-per-node 2',
+                 f"{sys.executable} -m torch.distributed.run",
+                 '-m ganscale train digits --set train.steps=4 --resume auto --run-dir "$RUN_DIR" &',
+                 'scontrol requeue "$SLURM_JOB_ID"', "trap stop USR1 TERM"]:
+        assert line in text, line
+    assert "--gpus-per-node" not in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_gpu_job_asks_for_gpus_and_one_process_each(tmp_path):
+    result = slurm("digits", "--nodes", "2", "--gpus-per-node", "4", "--no-requeue", "--signal-lead", "120",
+                   "--set", "train.device=auto", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert "#SBATCH --gpus-per-node=4" in result.stdout and "--nproc-per-node 4" in result.stdout
+    assert "#SBATCH --no-requeue" in result.stdout and "#SBATCH --signal=B:USR1@120" in result.stdout
+    assert "#SBATCH --nodes=2" in result.stdout
+
+
+def test_submits_with_sbatch_and_keeps_an_earlier_script(tmp_path):
+    bin_dir = fake_sbatch(tmp_path / "bin")
+    first = slurm(*CPU_JOB, "--set", "train.steps=4", "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,))
+    assert first.returncode == 0, explain(first)
+    script = tmp_path / "run" / "slurm" / "job.sbatch"
+    assert "job 4242" in first.stdout and str(script) in first.stdout
+    assert (bin_dir / "sbatch.calls").read_text().split() == ["--parsable", str(script)]
+    before = script.read_text()
+    second = slurm(*CPU_JOB, "--set", "train.steps=8", "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,))
+    assert second.returncode == 0, explain(second)
+    assert (tmp_path / "run" / "slurm" / "job.1.sbatch").read_text() == before
+    assert "train.steps=8" in script.read_text()
+
+
+def test_a_config_file_is_named_by_its_absolute_path(tmp_path):
+    (tmp_path / "my.yaml").write_text("train: {steps: 4}\n")
+    result = slurm("my.yaml", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2", "--dry-run",
+                   cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert f"-m ganscale train {tmp_path}/my.yaml --resume auto" in result.stdout
+
+
+def _refused(result: subprocess.CompletedProcess, option: str) -> None:
+    assert result.returncode == 2, explain(result)
+    assert option in result.stderr and len(result.stderr.strip().splitlines()) == 1, explain(result)
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_input_exits_2_submits_and_writes_nothing(tmp_path):
+    bin_dir = fake_sbatch(tmp_path / "bin")
+    cases = [
+        (["digits", "--nodes", "1", "--gpus-per-node", "0"], "--procs-per-node"),
+        ([*CPU_JOB, "--time", "90 minutes"], "--time"),
+        ([*CPU_JOB, "--set", "train.batch_size=63"], "train.batch_size"),
+        (["digits", "--nodes", "1", "--gpus-per-node", "2", "--procs-per-node", "3"], "--procs-per-node"),
+    ]
+    for args, option in cases:
+        _refused(slurm(*args, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), option)
+    _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path), "sbatch")  # not on PATH
+    assert not (tmp_path / "run").exists() and not (bin_dir / "sbatch.calls").exists()
+
+
+def test_sbatch_refusal_is_one_line(tmp_path):
+    bin_dir = tool(tmp_path / "bin", "sbatch", 'echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1').parent
+    _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), "invalid partition")
+
+
+def test_the_script_stops_on_usr1_checkpoints_and_requeues(tmp_path):
+    """The batch shell, given Slurm's signal, stops torchrun's workers: they checkpoint, the job exits with the
+    preempted code (3) and asks scontrol to requeue it."""
+    bin_dir = tmp_path / "bin"
+    tool(bin_dir, "srun", 'shift; exec "$@"')  # --kill-on-bad-exit=1, then the command: one task, here
+    tool(bin_dir, "scontrol", f'if [ "$1" = show ]; then echo 127.0.0.1; else echo "$@" >> {bin_dir}/scontrol.calls; fi')
+    written = slurm(*CPU_JOB, "--set", "train.steps=100000", "--set", "log.every=1", "--set", "checkpoint.every=100000",
+                    "--run-dir", "run", "--dry-run", cwd=tmp_path)
+    assert written.returncode == 0, explain(written)
+    script = tmp_path / "job.sbatch"
+    script.write_text(written.stdout)
+    env = clean_env()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="localhost",
+               SLURM_NNODES="1", GLOO_SOCKET_IFNAME="lo")
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 150
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and job.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    job.send_signal(signal.SIGUSR1)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 3, out
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*")), out
+    assert (bin_dir / "scontrol.calls").read_text().split() == ["requeue", "77"]
+
+
+def test_a_requeued_job_says_so_and_records_it_in_the_summary(tmp_path):
+    env = clean_env()
+    env.update(SLURM_JOB_ID="77", SLURM_RESTART_COUNT="2")
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", "--set", "train.steps=2",
+                             "--run-dir", "run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, explain(result)
+    assert "Slurm job 77, requeued 2 times" in result.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["requeues"] == 2
+
+
+def srun_task(proc_id: int, tasks: int, job_id: int, **extra: str) -> dict[str, str]:
+    """The environment srun gives one task of a one-node job step."""
+    env = clean_env()
+    env.update(SLURM_JOB_ID=str(job_id), SLURM_STEP_ID="0", SLURM_PROCID=str(proc_id), SLURM_LOCALID=str(proc_id),
+               SLURM_NTASKS=str(tasks), SLURM_TASKS_PER_NODE=str(tasks), SLURM_NODELIST="localhost",
+               GLOO_SOCKET_IFNAME="lo", **extra)
+    return env
+
+
+def test_srun_tasks_train_as_one_world(tmp_path):
+    import socket
+
+    from ganscale.slurm import PORT_BASE
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "ganscale", "train", "ring8", "--set", "train.steps=2", "--run-dir", "run"]
+    tasks = [subprocess.Popen(command, cwd=tmp_path, env=srun_task(rank, 2, port - PORT_BASE), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
+    outputs = [task.communicate(timeout=240)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
+
+
+def test_srun_layouts_that_cannot_work_are_refused(tmp_path):
+    from ganscale.config import ConfigError
+    from ganscale.slurm import first_host, task_environment
+
+    assert first_host("node[03-05,9],gpu1") == "node03" and first_host("localhost") == "localhost"
+    batch_shell = {k: v for k, v in srun_task(0, 2, 5).items() if k != "SLURM_STEP_ID"}
+    wrong_gpus = srun_task(0, 2, 5, SLURM_GPUS_ON_NODE="4")
+    for environ, nproc, option in [(batch_shell, None, "srun"), (srun_task(0, 2, 5), 2, "--nproc"),
+                                   (wrong_gpus, None, "--ntasks-per-node=4")]:
+        try:
+            task_environment(environ, nproc)
+        except ConfigError as e:
+            assert option in str(e)
+        else:
+            raise AssertionError(f"not refused: {option}")
+    refused = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", "--run-dir", "run"], cwd=tmp_path,
+                             env=batch_shell, capture_output=True, text=True, timeout=120)
+    _refused(refused, "srun")
+    assert not (tmp_path / "run").exists()
