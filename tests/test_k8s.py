@@ -97,6 +97,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and f"'{option}'" in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
+    if option == "train.batch_size":
+        assert "(--nodes 5 x --gpus-per-node 1)" in result.stderr
 
 
 def test_an_existing_manifest_is_kept_unless_forced(tmp_path):

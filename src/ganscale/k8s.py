@@ -150,7 +150,14 @@ def write(recipe: str | None, overrides: tuple[str, ...], layout: Layout, run_di
     RUN_DIR/k8s/job.yaml). Raises ConfigError before anything is written."""
     cfg = config_mod.load(recipe, overrides)
     check_layout(layout)
-    preflight.check(cfg, layout.world_size, cuda_available=True)  # the pods have the GPUs asked for
+    try:
+        preflight.check(cfg, layout.world_size, cuda_available=True)  # the pods have the GPUs asked for
+    except ConfigError as e:
+        if e.key != "train.batch_size":
+            raise
+        # The world that cannot split the batch is the layout's: name it.
+        raise ConfigError(e.key, f"{e.problem} (--nodes {layout.nodes} x --gpus-per-node {layout.gpus_per_node})",
+                          f"{e.fix}, or change --nodes or --gpus-per-node") from None
     run = Path(run_dir) if run_dir else rundir.resolve_run(cfg, None, None)[0]
     path = outputs.check_output(out or str(run / "k8s" / "job.yaml"), force)
     text = yaml.dump_all(manifest(cfg, layout, run), Dumper=_Manifest, sort_keys=False)
