@@ -318,3 +318,28 @@ def test_interpret_earliest_error_is_the_cause_and_a_failed_group_skips_the_rest
 def test_interpret_a_crash_after_every_check_finished_is_only_a_warning():
     found = doctor._interpret(2, "2 ranks", {0: finished_rank(0), 1: finished_rank(1)}, {1: (-6, 1.0)}, None, {})
     assert [c.status for c in found] == [PASS, PASS, PASS, WARN]
+
+
+# ------------------------------------------------------------------------------------ torch range
+def test_torch_inside_the_checked_range_passes():
+    check = doctor.torch_check("2.14.1+cu130")
+    assert check.status == PASS and "2.14.1" in check.detail and "2.11 through 2.15" in check.detail
+
+
+def test_torch_older_than_the_range_warns_and_names_what_it_lacks():
+    check = doctor.torch_check("2.5.1")
+    assert check.status == WARN and "older than the supported range" in check.detail
+    assert "fsdp (parallel strategies zero2, fsdp, hsdp" in check.cause and "pipeline" not in check.cause
+    assert "torch>=2.11" in check.fix
+
+
+def test_torch_newer_than_the_checked_range_warns_to_run_the_tests():
+    check = doctor.torch_check("2.16.0")
+    assert check.status == WARN and "newer than the checked range" in check.detail
+    assert "scripts/test.sh" in check.fix
+
+
+def test_doctor_reports_the_running_torch_against_the_range(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    found = {c.name: c for c in doctor.version_checks("gloo", False, False, "")}
+    assert found["torch"].status == WARN and "2.10.0" in found["torch"].detail
