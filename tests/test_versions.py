@@ -93,3 +93,15 @@ def test_bootstrap_loads_the_module_by_path_without_ganscale():
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "False"]
+
+
+def test_the_loopback_override_matches_this_torch_and_a_renamed_method_is_refused(monkeypatch):
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from ganscale import loopback
+
+    loopback.overridable()  # this torch (2.13 or 2.14.1) has the method the override replaces
+    monkeypatch.delattr(DynamicRendezvousHandler, "_create_tcp_store_server")
+    with pytest.raises(ConfigError) as info:
+        loopback.register()
+    assert info.value.key == "--nproc" and "127.0.0.1" in info.value.problem and "torchrun" in info.value.fix
