@@ -39,13 +39,21 @@ def test_lacking_names_each_feature_older_than_its_first_version():
     assert "pipeline" in versions.lacking("2.3.1") and "pipeline" not in versions.lacking("2.4.0")
 
 
-def test_ddp_keyword_follows_the_2_13_rename():
-    assert versions.ddp_no_buffer_sync("2.12.1") == {"broadcast_buffers": False}
-    assert versions.ddp_no_buffer_sync("2.13.0") == {"forward_sync_buffers": False}
-    # the running torch accepts the keyword chosen for it
-    from torch.nn.parallel import DistributedDataParallel
+def test_ddp_keyword_follows_the_2_13_rename(monkeypatch):
     import inspect
-    assert set(versions.ddp_no_buffer_sync()) <= set(inspect.signature(DistributedDataParallel).parameters)
+
+    from torch.nn import parallel
+
+    chosen = versions.ddp_no_buffer_sync()
+    assert set(chosen) <= set(inspect.signature(parallel.DistributedDataParallel).parameters)  # this torch takes it
+    if versions.parse(torch.__version__)[:2] >= (2, 13):
+        assert chosen == {"forward_sync_buffers": False}
+
+    class Before213:  # DDP's signature in torch 2.11 and 2.12
+        def __init__(self, module, device_ids=None, broadcast_buffers=True):
+            pass
+    monkeypatch.setattr(parallel, "DistributedDataParallel", Before213)
+    assert versions.ddp_no_buffer_sync() == {"broadcast_buffers": False}
 
 
 @pytest.mark.parametrize("overrides, key", [

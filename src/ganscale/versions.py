@@ -37,8 +37,7 @@ FEATURES = {
     "flight-recorder": Feature((2, 11), "torch._C._distributed_c10d._dump_fr_trace_json (gloo and NCCL)",
                                "rankN-flight-recorder.json in a hang's diagnostics"),
 }
-# Not features but spellings: DDP's `forward_sync_buffers` replaced `broadcast_buffers` in 2.13 (`ddp_no_buffer_sync`).
-FORWARD_SYNC_BUFFERS = (2, 13)
+# Not a feature but a spelling: DDP's `forward_sync_buffers` replaced `broadcast_buffers` in 2.13 (`ddp_no_buffer_sync`).
 
 
 def parse(version: str) -> tuple[int, int, int]:
@@ -87,7 +86,12 @@ def describe_range() -> str:
     return f"torch {'.'.join(map(str, OLDEST))} through {'.'.join(map(str, NEWEST))}"
 
 
-def ddp_no_buffer_sync(version: str | None = None) -> dict[str, bool]:
-    """DDP's keyword that turns the pre-forward buffer broadcast off, as the running torch spells it."""
-    new = parse(version or running())[:2] >= FORWARD_SYNC_BUFFERS
+def ddp_no_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword that turns the pre-forward buffer broadcast off, as the running torch spells it: torch 2.13
+    renamed `broadcast_buffers` (2.11, 2.12; deprecated since) to `forward_sync_buffers`."""
+    import inspect
+
+    from torch.nn import parallel
+
+    new = "forward_sync_buffers" in inspect.signature(parallel.DistributedDataParallel).parameters
     return {"forward_sync_buffers": False} if new else {"broadcast_buffers": False}
