@@ -1,5 +1,6 @@
 """Everything a resume needs, in one place: what a training checkpoint holds (G, D, G_ema, both optimizers, the
-scaler, the step counters, the data position, every rank's RNG streams), when one is written, and loading it back.
+scaler, the step counters, the path lengths' running mean, the data position, every rank's RNG streams), when one
+is written, and loading it back.
 The file format (atomic, completion markers, DCP shards, keep-k) is checkpoint.py's.
 """
 
@@ -65,6 +66,7 @@ class Checkpointer:
         training = self.training
         return {"step": training.step, "data_position": training.batches.position,
                 "skipped_steps": training.skipped_steps, "consecutive_skips": training.consecutive_skips,
+                "pl_mean": training.pl_mean,
                 "world_size": training.runtime.world, **networks, "scaler": training.precision.state_dict(),
                 "rng": rng_states, "config": to_yaml(training.cfg)}
 
@@ -93,6 +95,7 @@ class Checkpointer:
         training.precision.load_state_dict(state["scaler"])
         training.step, training.skipped_steps = int(state["step"]), int(state["skipped_steps"])
         training.consecutive_skips = int(state.get("consecutive_skips", 0))  # older checkpoints lack it
+        training.pl_mean = float(state.get("pl_mean", 0.0))  # likewise
         if state["data_position"] != training.step * training.cfg.loss.n_critic:
             raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
                               "resume with the loss.n_critic the checkpoint was written with")

@@ -181,8 +181,21 @@ class LossConfig(Section):
     r1_gamma: float = Field(0.0, ge=0)
     """R1 penalty weight on real data (0: off)."""
     r1_interval: int = Field(1, ge=1, le=MAX_STEPS)
-    """Lazy R1: every k iterations, scaled by k, in that iteration's D loss (no extra optimizer step, no lr
-    correction)."""
+    """Lazy R1: every k iterations, scaled by k (where it runs: loss.lazy_regularization)."""
+    lazy_regularization: Literal["folded", "separate"] = "folded"
+    """folded: a due R1 is added to that iteration's D loss (no extra optimizer step, no lr correction).
+    separate: StyleGAN2's phases, each regularisation (R1, path length) its own forward, backward and optimizer
+    step, with the network's Adam corrected by c = k/(k+1): lr x c, betas ** c (phases.py)."""
+    pl_weight: float = Field(0.0, ge=0)
+    """stylegan2 only: path length regularisation weight on G (0: off; StyleGAN2: 2). Needs
+    loss.lazy_regularization=separate."""
+    pl_interval: int = Field(4, ge=1, le=MAX_STEPS)
+    """Path length regularisation every k iterations, scaled by k (StyleGAN2: 4)."""
+    pl_batch_shrink: int = Field(2, ge=1)
+    """The path length batch is the global batch divided by this (StyleGAN2: 2); it must divide each rank's
+    micro-batch."""
+    pl_decay: float = Field(0.01, gt=0, le=1)
+    """Weight of each step's mean path length in its running mean pl_mean (StyleGAN2: 0.01)."""
     gp_weight: float = Field(10.0, ge=0)
     """Gradient-penalty weight (wgan-gp, or loss.gradient_penalty)."""
     l1_weight: float = Field(0.0, ge=0)

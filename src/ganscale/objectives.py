@@ -80,3 +80,17 @@ def gradient_penalty(interp_logits: Tensor, interp: Tensor, grad_scale: float = 
     """WGAN-GP (Gulrajani et al. 2017): mean (||grad D(x_hat)|| - 1)^2 on interpolates."""
     norm = (input_gradient_sq_norm(interp_logits, interp, grad_scale) + 1e-12).sqrt()
     return (norm - 1).square().mean()
+
+
+def path_lengths(images: Tensor, ws: Tensor, noise: Tensor, grad_scale: float = 1.0) -> Tensor:
+    """StyleGAN2's path lengths, per sample: ||J_w^T y|| for random images y (`noise`), the gradient of
+    (images * y).sum() w.r.t. the per-layer ws (N, num_ws, w_dim), its squared norm summed over w's values and
+    averaged over the layers; kept differentiable. `grad_scale` as in `input_gradient_sq_norm`."""
+    (grad,) = torch.autograd.grad((images.float() * noise).sum() * grad_scale, ws, create_graph=True)
+    grad = grad.float() / grad_scale
+    return grad.square().sum(2).mean(1).sqrt()
+
+
+def path_length_penalty(lengths: Tensor, pl_mean: float) -> Tensor:
+    """Mean (length - pl_mean)^2 over samples (weight and lazy interval applied by the caller)."""
+    return (lengths - pl_mean).square().mean()

@@ -75,12 +75,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("checkpoint.format", f"sharded checkpoints are written through torch's state-dict API, "
                           f"which {', '.join(unsupported)} does not offer", "use checkpoint.format=full with "
                           f"{', '.join(unsupported)}, or zero2/fsdp/hsdp (which shard the optimizer state too)")
-    if not CAPABILITIES[cfg.parallel.discriminator].double_backward and cfg.loss.penalises_input_gradient:
-        raise ConfigError("parallel.discriminator",
-                          f"{cfg.parallel.discriminator} cannot take the double backward of R1 / gradient penalty "
-                          "(FSDP2 crashes, or silently leaves every D gradient empty)",
-                          "keep D on ddp or zero1 (set parallel.discriminator=zero1 to still shard its optimizer "
-                          "state), or drop the penalty")
+    _check_double_backward(cfg)
     if cfg.parallel.sync_bn and world_size > 1 and penalty_through_batchnorm(cfg):
         raise ConfigError("parallel.sync_bn", "D has BatchNorm, and the double backward of R1 / the gradient penalty "
                           "cannot pass through a cross-rank BatchNorm",
@@ -120,7 +115,51 @@ def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
                           f"packs of {m.pack}", f"make model.pack a divisor of {micro}, or change {how.split(' ')[0]}")
 
 
+def double_backward_penalties(cfg: Config) -> dict[str, str]:
+    """The networks a penalty differentiates twice ("G", "D"), each with the penalty's name."""
+    penalties = {}
+    if cfg.loss.penalises_input_gradient:
+        penalties["D"] = "R1 / gradient penalty"
+    if cfg.loss.pl_weight > 0:
+        penalties["G"] = "path length regularisation"
+    return penalties
+
+
+def _check_double_backward(cfg: Config) -> None:
+    """Each network a penalty differentiates twice runs on a strategy that can carry a double backward."""
+    for network, penalty in double_backward_penalties(cfg).items():
+        key = "parallel.generator" if network == "G" else "parallel.discriminator"
+        strategy = getattr(cfg.parallel, key.split(".")[1])
+        if CAPABILITIES[strategy].double_backward:
+            continue
+        why = ("FSDP2 crashes, or silently leaves every gradient empty" if CAPABILITIES[strategy].fully_sharded else
+               "the gradient would have to flow back through every stage twice")
+        raise ConfigError(key, f"{strategy} cannot take the double backward of {penalty} in {network} ({why})",
+                          f"keep {network} on ddp or zero1 (set {key}=zero1 to still shard its optimizer state), or "
+                          "drop the penalty")
+
+
+def _check_path_length(cfg: Config, micro: int) -> None:
+    loss = cfg.loss
+    if loss.pl_weight == 0:
+        return
+    if cfg.model.kind != "stylegan2":
+        raise ConfigError("loss.pl_weight", f"path length regularisation differentiates G's images with respect to "
+                          f"its mapping network's w, and model.kind={cfg.model.kind} has none",
+                          "set loss.pl_weight=0, or use model.kind=stylegan2")
+    if loss.lazy_regularization != "separate":
+        raise ConfigError("loss.lazy_regularization", "path length regularisation runs as its own phase (its own "
+                          "forward, backward and optimizer step), not folded into G's loss",
+                          "set loss.lazy_regularization=separate, or loss.pl_weight=0")
+    if micro % loss.pl_batch_shrink:
+        how = "train.micro_batch" if cfg.train.micro_batch else "train.batch_size / world size"
+        raise ConfigError("loss.pl_batch_shrink", f"each rank's micro-batch of {micro} samples ({how}) does not "
+                          f"divide by {loss.pl_batch_shrink}, so the path length batch would depend on the number of "
+                          "ranks", f"make loss.pl_batch_shrink a divisor of {micro}, or change {how.split(' ')[0]}")
+
+
 def _check_stylegan2(cfg: Config, micro: int) -> None:
+    _check_path_length(cfg, micro)
     m = cfg.model
     if m.conditional and m.kind != "stylegan2":
         raise ConfigError("model.conditional", f"model.conditional applies to stylegan2 only, not model.kind={m.kind}",
@@ -298,10 +337,12 @@ def _check_compile(cfg: Config) -> None:
     """torch.compile where it computes what eager does: no double backward, no FSDP2 hooks or pipeline stages."""
     if cfg.train.compile == "off":
         return
-    if cfg.loss.penalises_input_gradient:
-        raise ConfigError("train.compile", "compiled networks cannot take the double backward of R1 or the gradient "
-                          "penalty (aot_autograd does not support it)",
-                          "set train.compile=off, or loss.r1_gamma=0 with a loss other than wgan-gp")
+    penalties = double_backward_penalties(cfg)
+    if penalties:
+        raise ConfigError("train.compile", f"compiled networks cannot take the double backward of "
+                          f"{' and '.join(penalties.values())} (aot_autograd does not support it)",
+                          "set train.compile=off, or loss.r1_gamma=0 and loss.pl_weight=0 with a loss other than "
+                          "wgan-gp")
     eager_only = sorted({s for s in cfg.parallel.strategies() if not CAPABILITIES[s].compiles})
     if eager_only:
         raise ConfigError("train.compile", f"compiling {', '.join(eager_only)} networks is not supported by ganscale "

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ganscale import checkpoint, objectives, usercode
+from ganscale import checkpoint, objectives, phases, usercode
 from ganscale.checkpointer import Checkpointer
 from ganscale.config import Config, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
@@ -40,7 +40,7 @@ from ganscale.parallel.speed import compiled, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuses_fake
-from ganscale.randomness import seeds_from
+from ganscale.randomness import normal, sample_seeds, seeds_from
 from ganscale.rundir import config_to_write
 from ganscale.runtime import Runtime, calm_gloo_polling, seed_rank_streams
 from ganscale.seeds import StepSeeds
@@ -50,7 +50,8 @@ from ganscale.watchdog import Watchdog
 # Noise streams: each phase of each step draws the whole global batch's latents from its own seed,
 # and each rank keeps its slice. Ranks get different noise, and the union over ranks is the same
 # whatever the world size, so 1 x 2b and 2 x b train identically.
-PHASE_G, PHASE_D, PHASE_SAMPLES = 0, 1, 2**20
+PHASE_G, PHASE_D, PHASE_PATH_LENGTH, PHASE_SAMPLES = 0, 1, 2**19, 2**20
+PL_NOISE_SALT = 0x504C  # the path length's random images y, per sample (ganscale.randomness)
 NOTHING = contextlib.nullcontext()  # reusable
 
 
@@ -174,7 +175,15 @@ class Trainer:
         self.opt_g = self._adam(self.G, cfg.optim.g, fused=cfg.optim.fused)
         self.opt_d = self._adam(self.D, cfg.optim.d, fused=cfg.optim.fused)
         self.precision = Precision(cfg.train.precision, device)
+        self.phases = phases.iteration_phases(cfg.loss)  # what an iteration runs (phases.py)
         self.configure_optimizers()
+        self.pl_mean = 0.0  # path lengths' running mean: agreed over the ranks, saved in the checkpoint
+        # The path length batch: the global batch / loss.pl_batch_shrink, cut like the global batch.
+        self.pl_slicing = Slicing(self.slicing.rank, self.slicing.world,
+                                  self.slicing.micro_batch // cfg.loss.pl_batch_shrink, self.slicing.accumulation)
+        self.phase_steps = {"adversarial": {"D": self._critic_steps, "G": self._generator_phase},
+                            "r1": {"D": self.r1_step}, "path_length": {"G": self.path_length_step}}
+        self.stats: dict[str, float] = {}  # each phase's last values, logged (a lazy phase's until it runs again)
 
         self.step, self.skipped_steps, self.consecutive_skips = 0, 0, 0
         self.stop_signal: str | None = None  # set by a signal on this rank
@@ -216,9 +225,7 @@ class Trainer:
 
     @staticmethod
     def _adam(net: Wrapped, opt_cfg, fused: bool) -> torch.optim.Optimizer:
-        # A lazy R1 (every loss.r1_interval steps, scaled by the interval) is added to that step's D loss. StyleGAN2
-        # takes it as an extra optimizer step instead, hence its lr and betas correction by k/(k+1); here D makes
-        # exactly one step per iteration, so its lr and betas are the configured ones.
+        # lr and betas as configured; configure_optimizers applies the lazy regularisation correction
         return net.make_optimizer(torch.optim.Adam, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
                                   weight_decay=opt_cfg.weight_decay, fused=fused)
 
@@ -262,18 +269,13 @@ class Trainer:
         while self.step < cfg.train.steps:
             step, skipped_before = self.step, self.skipped_steps
             self._begin_step(step, start_step)
-            for critic in range(cfg.loss.n_critic):
-                with self.phase(part="data"):
-                    reals = next(self.batches)
-                d_stats = self.discriminator_step(reals, step, critic)
-                if critic < cfg.loss.n_critic - 1:
-                    self.precision.update()
-            skipped_before_g = self.skipped_steps
-            g_stats = self.generator_step(step, reals)  # paired data: G translates the last D batch's inputs
+            self._g_stepped = False
+            for phase in phases.steps_at(self.phases, step):  # a function of the step: the same on every rank
+                self.stats.update(self.phase_steps[phase.computes][phase.network](phase, step))
             self.precision.update()  # once per iteration, after both networks stepped
             self.consecutive_skips = self.consecutive_skips + 1 if self.skipped_steps > skipped_before else 0
             self.step = step + 1
-            if self.skipped_steps == skipped_before_g:  # a skipped G step leaves G_ema as it was too
+            if self._g_stepped:  # a skipped G main step leaves G_ema as it was too
                 with self.phase(part="optimizer"):
                     self.update_ema(ema_beta(self.global_batch, self.step * self.global_batch,
                                              cfg.train.ema_half_life_images, cfg.train.ema_rampup))
@@ -283,13 +285,13 @@ class Trainer:
             self.reporter.after_step()
 
             final = self.step == cfg.train.steps
-            self.reporter.log_metrics(self.step, final, {**d_stats, **g_stats})  # collective when due
+            self.reporter.log_metrics(self.step, final, dict(self.stats))  # collective when due
             # Both decisions below come from values every rank agreed on in _finish_step's collective.
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
                 self.reporter.close(stopped="non-finite")  # collective
                 raise NonFiniteTraining(
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
-                    f"(last: {self.reporter.record or g_stats}); {self._non_finite_fix()}")
+                    f"(last: {self.reporter.record or self.stats}); {self._non_finite_fix()}")
             last_step = final or self.stop_agreed  # the last step this process trains: it saves
             if self.reporter.due(self.step, final) or self.checkpointer.due(self.step, last_step):
                 with self.phase(part="outputs"):  # entered only then: on CUDA timing synchronises
@@ -337,13 +339,31 @@ class Trainer:
                 print(f"rank {rank} holds  {line}", flush=True)
         return everyone
 
+    # ----------------------------------------------------------------------------------- phases
+    def _critic_steps(self, phase: phases.TrainingPhase, step: int) -> dict[str, float]:
+        """D main: loss.n_critic D steps, each on a fresh global batch (kept for the phases after it)."""
+        n_critic = self.cfg.loss.n_critic
+        for critic in range(n_critic):
+            with self.phase(part="data"):
+                self._reals = next(self.batches)
+            d_stats = self.discriminator_step(self._reals, step, critic)
+            if critic < n_critic - 1:
+                self.precision.update()
+        return d_stats
+
+    def _generator_phase(self, phase: phases.TrainingPhase, step: int) -> dict[str, float]:
+        """G main (paired data: G translates the last D batch's inputs)."""
+        skipped_before = self.skipped_steps
+        g_stats = self.generator_step(step, self._reals)
+        self._g_stepped = self.skipped_steps == skipped_before
+        return g_stats
+
     def discriminator_step(self, reals: list[Sample], step: int, critic: int) -> dict[str, float]:
         with self.phase(f"D step {critic} (DDP all-reduce in backward)", traffic="d_step"):
-            loss_cfg = self.cfg.loss
             self.D.trainable(True)
             self.D.begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
             phase = PHASE_D + critic
-            with_r1 = loss_cfg.r1_gamma > 0 and step % loss_cfg.r1_interval == 0  # same on every rank
+            with_r1 = phases.folded_due(self.phases, "r1", step)  # same on every rank
             self.buffers.take()
             with self.phase(part="d_forward_backward"):
                 if self.pipeline is not None:
@@ -464,6 +484,83 @@ class Trainer:
                 self.precision.scale(means.share(loss)).backward()
         return means.values
 
+    def r1_step(self, phase: phases.TrainingPhase, step: int) -> dict[str, float]:
+        """D reg (loss.lazy_regularization=separate): R1 on the last D batch's reals, its own optimizer step."""
+        with self.phase("D reg step (DDP all-reduce in backward)", traffic="d_step"):
+            self.precision.update()  # D's optimizer stepped already in this iteration: the scaler's update first
+            self.D.trainable(True)
+            self.D.begin_iteration()
+            self.buffers.take()
+            with self.phase(part="d_forward_backward"):
+                terms = self._r1_micro_steps(self._reals, phase)
+            penalty, grad_norm = self._finish_step(self.D, self.opt_d, terms)
+        return {"penalty_r1": penalty, "grad_norm_d_reg": grad_norm}
+
+    def _r1_micro_steps(self, reals: list[Sample], phase: phases.TrainingPhase) -> list[Tensor | None]:
+        """Forward of D on the reals and backward of gamma/2 x interval x R1, per micro-batch (D main refined
+        spectral norm's estimate for this iteration already). Returns the penalty, mean over micro-batches."""
+        weight = 0.5 * self.cfg.loss.r1_gamma * phase.interval
+        means = MicroStepMeans(len(reals))
+        for micro, sample in enumerate(reals):
+            last = micro == len(reals) - 1
+            with self.D.gradient_sync(last), self.D.power_iteration(False):
+                real = self.task.critic_view(sample, self.task.real_images(sample)).detach().requires_grad_(True)
+                labels = sample[1] if self.task.n_classes else None  # the reals' classes
+                with self.precision.autocast():
+                    logits = self.D(real, *self.task.critic_conditions(None, labels))
+                penalty = weight * objectives.r1_penalty(logits, real, self.precision.loss_scale)
+                means.add(penalty)
+                if last:
+                    self._offer_agreement(self.D, means.values)
+                # D's last bias does not reach the input gradient: a zero term gives DDP a gradient for every parameter
+                loss = penalty + 0 * logits.float().sum()
+                self.precision.scale(means.share(loss)).backward()
+        return means.values
+
+    def path_length_step(self, phase: phases.TrainingPhase, step: int) -> dict[str, float]:
+        """G reg: path length regularisation, its own optimizer step. Then pl_mean moves towards the step's mean
+        length over every rank, agreed in the step's one all-reduce (_finish_step), so it is the same everywhere."""
+        with self.phase("G reg step (DDP all-reduce in backward)", traffic="g_step"):
+            self.precision.update()  # G's optimizer stepped already in this iteration: the scaler's update first
+            self.G.begin_iteration()
+            self.buffers.take()
+            skipped_before = self.skipped_steps
+            with self.phase(part="g_forward_backward"):
+                terms = self._path_length_micro_steps(step, phase)
+            penalty, mean_length, grad_norm = self._finish_step(self.G, self.opt_g, terms)
+        if self.skipped_steps == skipped_before:  # a skipped step leaves pl_mean too
+            self.pl_mean += self.cfg.loss.pl_decay * (mean_length - self.pl_mean)
+        return {"penalty_pl": penalty, "pl_mean": self.pl_mean, "grad_norm_g_reg": grad_norm}
+
+    def _path_length_micro_steps(self, step: int, phase: phases.TrainingPhase) -> list[Tensor | None]:
+        """Per micro-batch of the path length batch: images and their ws, the path lengths (a gradient with its
+        graph), weight x interval x (length - pl_mean)^2, backward (its double backward through G). pl_mean is the
+        one before this step: the step's mean length is known only once the ranks have agreed on it.
+        Returns the penalty and the mean length, means over micro-batches."""
+        slicing, loss_cfg = self.pl_slicing, self.cfg.loss
+        z_all = self._global_latents(step, PHASE_PATH_LENGTH, slicing.global_batch)
+        labels_all = self._global_labels(step, PHASE_PATH_LENGTH, slicing.global_batch)
+        weight = loss_cfg.pl_weight * phase.interval
+        means = MicroStepMeans(slicing.accumulation)
+        for micro in range(slicing.accumulation):
+            last = micro == slicing.accumulation - 1
+            z = slicing.take(z_all, micro)
+            labels = None if labels_all is None else slicing.take(labels_all, micro)
+            with self.G.gradient_sync(last), self.G.power_iteration(False), seeds_from(z):
+                with self.precision.autocast():
+                    images, ws = self.G(z, labels, return_ws=True)
+                height, width = images.shape[2:]
+                noise = normal(z, PL_NOISE_SALT, images.shape[1:], sample_seeds(z)) / math.sqrt(height * width)
+                lengths = objectives.path_lengths(images, ws, noise, self.precision.loss_scale)
+                penalty = weight * objectives.path_length_penalty(lengths, self.pl_mean)
+                means.add(penalty, lengths.mean())
+                if last:
+                    self._offer_agreement(self.G, means.values)
+                # G's output biases do not reach the gradient w.r.t. ws: a zero term gives DDP a gradient for each
+                loss = penalty + 0 * images.float().sum()
+                self.precision.scale(means.share(loss)).backward()
+        return means.values
+
     def _agreement(self, terms: list[Tensor | None]) -> Tensor:
         """What the ranks sum once per optimizer step: the loss terms the step has, and the stop flag."""
         present = [t for t in terms if t is not None]
@@ -533,9 +630,11 @@ class Trainer:
                               f"at step {self.step}", f"nothing of this step was saved; {self._non_finite_fix()}")
 
     def configure_optimizers(self) -> None:
-        """The config's Adam settings on every parameter group (`initial_lr` is what the schedule scales). Also
+        """The config's Adam settings on every parameter group (`initial_lr` is what the schedule scales), with
+        StyleGAN2's lazy regularisation correction where a network has a regularisation phase of its own. Also
         after a resume: the optimizer state brings back the checkpoint's groups, whose lr, betas and weight decay
         would silently override what a resumed run's --set changed (and its config.resumed file records)."""
-        for optimizer, settings in ((self.opt_g, self.cfg.optim.g), (self.opt_d, self.cfg.optim.d)):
+        for name, optimizer, settings in (("G", self.opt_g, self.cfg.optim.g), ("D", self.opt_d, self.cfg.optim.d)):
+            lr, betas = phases.corrected_adam(settings.lr, tuple(settings.betas), phases.lazy_ratio(self.phases, name))
             for group in optimizer.param_groups:
-                group.update(initial_lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
+                group.update(initial_lr=lr, betas=betas, weight_decay=settings.weight_decay)

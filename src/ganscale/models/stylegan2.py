@@ -211,7 +211,10 @@ class StyleGAN2Generator(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.num_ws = first_w + 1
 
-    def forward(self, z: Tensor, labels: Tensor | None = None, psi: float = 1.0) -> Tensor:
+    def forward(self, z: Tensor, labels: Tensor | None = None, psi: float = 1.0, *,
+                return_ws: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Images; with `return_ws`, (images, ws): the per-layer ws they were drawn from, (N, num_ws, w_dim),
+        part of the graph (path length regularisation differentiates the images with respect to them)."""
         seeds = randomness.sample_seeds(z)
         w = self.mapping(z, labels)
         if self.training:
@@ -222,7 +225,7 @@ class StyleGAN2Generator(nn.Module):
         x = image = None
         for block in self.blocks:
             x, image = block(x, image, ws, seeds)
-        return image
+        return (image, ws) if return_ws else image
 
     @torch.no_grad()
     def track_w_avg(self) -> None:
