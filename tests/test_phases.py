@@ -19,6 +19,8 @@ TINY = {"model.channel_base": 64, "model.channel_max": 8, "model.mapping_layers"
         "loss.pl_weight": 2.0, "loss.pl_interval": 2, "checkpoint.every": 0, "log.every": 1,
         "log.sample_every": 0, "log.tensorboard": "false"}
 
+FOLDED = {"loss.lazy_regularization": "folded", "loss.pl_weight": 0}  # the default: R1 folded, no path length
+
 
 def load(overrides: dict) -> config.Config:
     return config.load(RECIPE, [f"{k}={v}" for k, v in overrides.items()])
@@ -34,7 +36,7 @@ def test_the_phase_schedule_is_a_function_of_the_step():
     assert names(phases.steps_at(separate, 1)) == ["D main", "G main"]
     assert names(phases.steps_at(separate, 2)) == ["D main", "G main", "G reg"]
     assert names(phases.steps_at(separate, 4)) == ["D main", "D reg", "G main", "G reg"]
-    folded = phases.iteration_phases(load({"loss.r1_interval": 4}).loss)  # the recipes' default: R1 in D main's loss
+    folded = phases.iteration_phases(load({**FOLDED, "loss.r1_interval": 4}).loss)  # R1 in D main's loss
     assert all(names(phases.steps_at(folded, step)) == ["D main", "G main"] for step in range(5))
     assert [phases.folded_due(folded, "r1", step) for step in range(5)] == [True, False, False, False, True]
     assert not any(phases.folded_due(separate, "r1", step) for step in range(5))
@@ -67,7 +69,7 @@ def test_lazy_regularisation_corrects_each_networks_adam(tmp_path):
         assert d["betas"] == pytest.approx((0.0, 0.99 ** (16 / 17)))
         assert g["betas"] == pytest.approx((0.5 ** 0.8, 0.99 ** 0.8))
         trainer.batches.close()
-        folded = Trainer(load({"checkpoint.every": 0}), runtime, tmp_path / "folded")  # no phase of its own
+        folded = Trainer(load({**FOLDED, "checkpoint.every": 0}), runtime, tmp_path / "folded")  # no own phase
         assert folded.opt_d.param_groups[0]["initial_lr"] == 0.002
         assert folded.opt_d.param_groups[0]["betas"] == (0.0, 0.99)
         folded.batches.close()

@@ -159,11 +159,11 @@ def _check_path_length(cfg: Config, micro: int) -> None:
 
 
 def _check_stylegan2(cfg: Config, micro: int) -> None:
-    _check_path_length(cfg, micro)
     m = cfg.model
     if m.conditional and m.kind != "stylegan2":
         raise ConfigError("model.conditional", f"model.conditional applies to stylegan2 only, not model.kind={m.kind}",
                           "remove model.conditional (biggan is always class-conditional)")
+    _check_path_length(cfg, micro)
     if m.kind != "stylegan2":
         return
     stylegan2.check_resolution(cfg.data.resolution)
