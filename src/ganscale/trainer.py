@@ -1,4 +1,5 @@
-"""The training loop, top to bottom: global batch -> D step(s) -> G step -> EMA -> logs, samples, checkpoints.
+"""The training loop, top to bottom: the iteration's phases (phases.py: D step(s), D reg, G step, G reg), each on
+its global batch -> EMA -> logs, samples, checkpoints.
 
 Every rank runs exactly this control flow. The decisions taken from local data or events (skip a
 step with a non-finite loss or gradient, stop after a signal) are agreed in one all-reduce per
@@ -184,6 +185,8 @@ class Trainer:
         self.phase_steps = {"adversarial": {"D": self._critic_steps, "G": self._generator_phase},
                             "r1": {"D": self.r1_step}, "path_length": {"G": self.path_length_step}}
         self.stats: dict[str, float] = {}  # each phase's last values, logged (a lazy phase's until it runs again)
+        self._reals: list[Sample] = []  # the iteration's last D batch: D reg and G main take it too
+        self._g_stepped = False  # whether this iteration's G main step was taken (not skipped): G_ema follows
 
         self.step, self.skipped_steps, self.consecutive_skips = 0, 0, 0
         self.stop_signal: str | None = None  # set by a signal on this rank
@@ -269,7 +272,6 @@ class Trainer:
         while self.step < cfg.train.steps:
             step, skipped_before = self.step, self.skipped_steps
             self._begin_step(step, start_step)
-            self._g_stepped = False
             for phase in phases.steps_at(self.phases, step):  # a function of the step: the same on every rank
                 self.stats.update(self.phase_steps[phase.computes][phase.network](phase, step))
             self.precision.update()  # once per iteration, after both networks stepped
