@@ -3,6 +3,8 @@ the penalty and its gradient, 2 ranks == 1 process, exact resume with pl_mean, a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -53,6 +55,10 @@ def test_the_trainer_runs_the_scheduled_optimizer_steps(tmp_path):
     got = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "run"), _steps, None, RECIPE)[0]["extra"]
     assert [s["net"] for s in got["steps"]] == ["D", "D", "G", "G", "D", "G", "D", "D", "G", "D", "G", "G"]
     assert got["pl_mean"] > 0
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = logged[-1]
+    assert last["pl_mean"] == got["pl_mean"] and last["penalty_pl"] > 0 and last["penalty_r1"] > 0
+    assert logged[0]["pl_mean"] < last["pl_mean"]  # moved by step 3's G reg
 
 
 def test_lazy_regularisation_corrects_each_networks_adam(tmp_path):
