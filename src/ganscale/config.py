@@ -313,6 +313,32 @@ class ParallelConfig(Section):
         return "pipeline" in self.strategies()
 
 
+AdaOperation = Literal["xflip", "rotate90", "xint", "scale", "rotate", "aniso", "xfrac", "brightness", "contrast",
+                       "lumaflip", "hue", "saturation"]
+ADA_OPERATIONS = get_args(AdaOperation)
+DiffAugmentPolicy = Literal["color", "translation", "cutout"]
+
+
+class AugmentConfig(Section):
+    kind: Literal["none", "ada", "diffaugment"] = "none"
+    """Augmentation of every image D sees (reals and fakes, in D's and G's steps; ganscale.augment): none; ada
+    (adaptive discriminator augmentation: augment.ada_ops, each with probability p, p adapted to D's overfitting);
+    diffaugment (augment.policy on every image). Image models only."""
+    target: float = Field(0.6, gt=0, lt=1)
+    """ada: p rises while r_t = E[sign(D(real))] is above this, and falls while it is below."""
+    interval: int = Field(4, ge=1, le=MAX_STEPS)
+    """ada: steps between adjustments of p."""
+    speed_images: float = Field(500_000, gt=0)
+    """ada: reals D judges for p to move from 0 to 1 (each adjustment moves it by the reals D judged since the
+    last one / this)."""
+    p: float = Field(0.0, ge=0, le=1)
+    """ada: the augmentation probability at the start of training (a resume takes the checkpoint's)."""
+    ada_ops: list[AdaOperation] = Field(list(ADA_OPERATIONS), min_length=1)
+    """ada: the operations (the paper's "bgc" pipeline by default); the colour ones need 1 or 3 data.channels."""
+    policy: list[DiffAugmentPolicy] = Field(["color", "translation", "cutout"], min_length=1)
+    """diffaugment: DiffAugment's operations, each applied to every image."""
+
+
 class CheckpointConfig(Section):
     every: int = Field(500, ge=0, le=MAX_STEPS)
     """Write a checkpoint every this many steps (0: only at the end)."""
@@ -390,6 +416,7 @@ class Config(Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
+    augment: AugmentConfig = AugmentConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()

@@ -91,6 +91,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
                           "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
     _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
+    _check_augment(cfg)
     _check_stylegan2(cfg, micro)
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
@@ -118,6 +119,25 @@ def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
         how = "train.micro_batch" if cfg.train.micro_batch else "train.batch_size / world size"
         raise ConfigError("model.pack", f"each rank's micro-batch of {micro} samples ({how}) does not split into "
                           f"packs of {m.pack}", f"make model.pack a divisor of {micro}, or change {how.split(' ')[0]}")
+
+
+def _check_augment(cfg: Config) -> None:
+    """Augmentation transforms images, and runs where the trainer hands D its input (not inside the pipeline)."""
+    a = cfg.augment
+    if a.kind == "none":
+        return
+    if cfg.model.kind == "mlp" or len(cfg.data.sample_shape) != 3:
+        raise ConfigError("augment.kind", f"augment.kind={a.kind} transforms images, and model.kind="
+                          f"{cfg.model.kind} with data.kind={cfg.data.kind} trains on 2-D points",
+                          "set augment.kind=none, or train an image model (dcgan, biggan, stylegan2, pix2pix)")
+    if cfg.parallel.pipelined:
+        raise ConfigError("augment.kind", "the pipeline feeds D's first stage itself, where no augmentation runs",
+                          "set augment.kind=none with the pipeline strategy, or use ddp/zero1/fsdp")
+    colour = sorted(set(a.ada_ops) & {"brightness", "contrast", "lumaflip", "hue", "saturation"})
+    if a.kind == "ada" and colour and cfg.data.channels not in (1, 3):
+        raise ConfigError("augment.ada_ops", f"the colour operations ({', '.join(colour)}) transform grey or RGB "
+                          f"images, not data.channels={cfg.data.channels}",
+                          "remove them from augment.ada_ops, or use 1 or 3 channels")
 
 
 def _check_stylegan2(cfg: Config, micro: int) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ganscale import checkpoint, objectives, usercode
+from ganscale.augment import build_augmentation
 from ganscale.checkpointer import Checkpointer
 from ganscale.config import Config, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
@@ -175,6 +176,7 @@ class Trainer:
         self.opt_d = self._adam(self.D, cfg.optim.d, fused=cfg.optim.fused)
         self.precision = Precision(cfg.train.precision, device)
         self.configure_optimizers()
+        self.augment = build_augmentation(cfg)  # every image D sees passes through it (ganscale.augment)
 
         self.step, self.skipped_steps, self.consecutive_skips = 0, 0, 0
         self.stop_signal: str | None = None  # set by a signal on this rank
@@ -349,18 +351,23 @@ class Trainer:
                 if self.pipeline is not None:
                     real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
                     with self.precision.autocast():
-                        terms = [self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale), None]
+                        pass_loss = self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale)
+                    terms = [pass_loss, None, None]  # preflight refuses augmentation with the pipeline
                 else:
                     terms = self._discriminator_micro_steps(reals, step, phase, with_r1)
-            loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, terms)
-        return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
+            loss_d, penalty_d, real_sign, grad_norm = self._finish_step(self.D, self.opt_d, terms)
+            # ADA's p moves on the sign of D(real) agreed in that step's all-reduce: the same p on every rank.
+            self.augment.adjust(real_sign, critic == self.cfg.loss.n_critic - 1
+                                and (step + 1) % self.cfg.augment.interval == 0)
+        return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm, **self.augment.metrics()}
 
     def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int,
                                    with_r1: bool) -> list[Tensor | None]:
         """Forward and backward of every micro-batch; D's gradients are reduced in the last one's backward.
         Spectral norm (in G or D) refines its estimate in the first micro-step only: once per step, as a step
         of the whole batch in one micro-step does, whatever the accumulation (models/spectral.py).
-        Returns the adversarial loss and the penalty (None on a step without one), means over micro-batches."""
+        Returns the adversarial loss, the penalty (None on a step without one) and the mean sign of D(real) (None
+        without ADA), means over micro-batches."""
         z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
         alpha_all = self._global_uniform(step, phase) if self.cfg.loss.with_gradient_penalty else None
         accumulation = len(reals)
@@ -373,10 +380,10 @@ class Trainer:
                 with torch.set_grad_enabled(self.reuse_fake), self.precision.autocast():
                     fake = self.task.generate(self.G, real, z, labels)
                 self._fake_for_g = (fake, labels, z) if self.reuse_fake else None
-                adversarial, penalty = self._d_objective(real, fake.detach(), labels, with_r1,
-                                                         self._take(alpha_all, micro))
+                adversarial, penalty, real_sign = self._d_objective(real, fake.detach(), labels, with_r1,
+                                                                    self._take(alpha_all, micro))
                 loss = adversarial if penalty is None else adversarial + penalty
-                means.add(adversarial, penalty)
+                means.add(adversarial, penalty, real_sign)
                 if micro == accumulation - 1:
                     self._offer_agreement(self.D, means.values)
                 self.precision.scale(means.share(loss)).backward()
@@ -386,9 +393,10 @@ class Trainer:
         return None if global_tensor is None else self.slicing.take(global_tensor, micro)
 
     def _d_objective(self, sample: Sample, fake: Tensor, labels: Tensor | None, with_r1: bool,
-                     alpha: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """D's loss on one micro-batch: one D forward over [real, fake, (interpolates)], and its penalty
-        (R1, gradient penalty) or None."""
+                     alpha: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """D's loss on one micro-batch: one D forward over [real, fake, (interpolates)], augmented (the penalties
+        differentiate through the augmentation), its penalty (R1, gradient penalty) or None, and ADA's sign of
+        D(real) or None."""
         loss_cfg = self.cfg.loss
         real = self.task.critic_view(sample, self.task.real_images(sample))
         fake = self.task.critic_view(sample, fake)
@@ -400,8 +408,9 @@ class Trainer:
             shape = [b] + [1] * (real.dim() - 1)
             interp = (alpha.view(shape) * real.detach() + (1 - alpha.view(shape)) * fake).requires_grad_(True)
             parts.append(interp)
+        seen = self.augment(torch.cat(parts))
         with self.precision.autocast():
-            logits = self.D(torch.cat(parts), *self.task.critic_conditions(sample, labels))
+            logits = self.D(seen, *self.task.critic_conditions(sample, labels))
         real_logits, fake_logits, *interp_logits = logits.chunk(len(parts))  # a packed D (model.pack) gives b/pack each
         adversarial = objectives.d_loss(loss_cfg.kind, real_logits, fake_logits)
         penalty = None
@@ -411,7 +420,7 @@ class Trainer:
         if alpha is not None:
             gp = loss_cfg.gp_weight * objectives.gradient_penalty(interp_logits[0], interp, scale)
             penalty = gp if penalty is None else penalty + gp
-        return adversarial, penalty
+        return adversarial, penalty, self.augment.real_sign(real_logits)
 
     def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
         with self.phase("G step (DDP all-reduce in backward)", traffic="g_step"):
@@ -453,7 +462,8 @@ class Trainer:
                     else:
                         labels = self._take(labels_all, micro)
                         fake = self.task.generate(self.G, sample, z, labels)
-                    logits = self.D(self.task.critic_view(sample, fake), *self.task.critic_conditions(None, labels))
+                    logits = self.D(self.augment(self.task.critic_view(sample, fake)),
+                                    *self.task.critic_conditions(None, labels))
                 loss = objectives.g_loss(self.cfg.loss.kind, logits)
                 reconstruction = self.task.reconstruction(fake, sample)
                 if reconstruction is not None:
