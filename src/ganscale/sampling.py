@@ -77,7 +77,8 @@ def slerp(a: Tensor, b: Tensor, t: float) -> Tensor:
     sin = torch.sin(omega)
     parallel = sin.abs() < 1e-6
     safe = torch.where(parallel, torch.ones_like(sin), sin)
-    spherical = (torch.sin((1 - t) * omega) * a + torch.sin(t * omega) * b) / safe
+    # Weights first: at t=0 they are exactly 1 and 0, so the walk starts at the keyframe itself.
+    spherical = torch.sin((1 - t) * omega) / safe * a + torch.sin(t * omega) / safe * b
     return torch.where(parallel, torch.lerp(a, b, t), spherical)
 
 
