@@ -337,8 +337,8 @@ def interpolate(run_dir: str, out: str, force: bool, cells: int, count: int, ste
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", required=True, help="Output PNG.")
 @FORCE
-@click.option("--rows", type=click.IntRange(1, 64), default=5, show_default=True, help="Row sources (coarse styles).")
-@click.option("--cols", type=click.IntRange(1, 64), default=5, show_default=True,
+@click.option("--rows", type=click.IntRange(1, 16), default=5, show_default=True, help="Row sources (coarse styles).")
+@click.option("--cols", type=click.IntRange(1, 16), default=5, show_default=True,
               help="Column sources (fine styles).")
 @click.option("--crossover", type=int, default=None, metavar="LAYER",
               help="First layer whose style comes from the column source (default: half of G's layers).")

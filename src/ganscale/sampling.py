@@ -60,7 +60,8 @@ def check_images(cfg: Config, run_dir: Path, command: str) -> None:
                           f"grid for {command}", "use `ganscale sample` for its scatter plot")
     if cfg.model.conditioning == "paired":
         raise ConfigError("RUN_DIR", f"run {run_dir} translates images ({cfg.model.kind}, image to image): its G "
-                          f"takes no latents for {command}", "use `ganscale sample` for its input | output | target rows")
+                          f"takes no latents for {command}",
+                          "use `ganscale sample` for its input | output | target rows")
 
 
 def grid_latents(count: int, n: int, z_dim: int, seed: int) -> list[Tensor]:
@@ -108,12 +109,13 @@ def broadcast(generator: StyleGAN2Generator, w: Tensor) -> Tensor:
     return w[:, None].expand(-1, generator.num_ws, -1)
 
 
-def write_gif(frames: list[np.ndarray], out: Path, grey: bool) -> Path:
-    """An endlessly looping GIF of `frames` (H, W, 3 uint8). Identical consecutive frames are stored once, for
-    their combined time (pillow does)."""
-    pictures = [Image.fromarray(frame[..., 0] if grey else frame) for frame in frames]  # grey: exact, no palette
-    return write_output(out, lambda tmp: pictures[0].save(tmp, save_all=True, append_images=pictures[1:],
-                                                          duration=FRAME_MS, loop=0))
+def write_gif(frames: Iterator[np.ndarray], out: Path, grey: bool) -> Path:
+    """An endlessly looping GIF of `frames` (H, W, 3 uint8), made one at a time. Identical consecutive frames are
+    stored once, for their combined time (pillow does)."""
+    pictures = (Image.fromarray(frame[..., 0] if grey else frame) for frame in frames)  # grey: exact, no palette
+    first = next(pictures)
+    return write_output(out, lambda tmp: first.save(tmp, save_all=True, append_images=pictures, duration=FRAME_MS,
+                                                    loop=0))
 
 
 def interpolation(run_dir: Path, out: Path, n: int, count: int, steps: int, seed: int = 0, psi: float = 1.0,
@@ -128,7 +130,7 @@ def interpolation(run_dir: Path, out: Path, n: int, count: int, steps: int, seed
     check_truncation(psi, cfg)
     check_sampling(cfg, lambda net, z: task.preview(truncated(net, psi), z, label), n, task.grid_columns)
     keys = grid_latents(count, n, cfg.model.z_dim, seed)
-    frames = [image_grid(images, cols=task.grid_columns) for images in walk(generator, task, keys, steps, psi, label)]
+    frames = (image_grid(images, cols=task.grid_columns) for images in walk(generator, task, keys, steps, psi, label))
     return write_gif(frames, out, cfg.data.channels < 3)
 
 
