@@ -59,16 +59,17 @@ def _open(path: Path) -> Image.Image:
 
 
 def all_grey(files: list[Path]) -> bool:
-    """Every image is grey (only the headers read)."""
+    """Every image is grey. Reads every header, so a file that is no image is named before anything is written."""
+    modes = set()
     for path in files:
         with _open(path) as image:
-            if image.mode not in GREY_MODES:
-                return False
-    return True
+            modes.add(image.mode)
+    return modes <= GREY_MODES
 
 
 def square(path: Path, resolution: int, mode: str) -> Image.Image:
-    """The image's centre square resized to resolution x resolution (one resampling), in `mode` (L or RGB)."""
+    """The image's centre square resized to resolution x resolution, in `mode` (L or RGB). Cropped first, as NVlabs'
+    tool does: resizing the whole image would blend pixels from outside the square into its edges."""
     with _open(path) as image:
         try:
             image = image.convert(mode)
@@ -76,7 +77,8 @@ def square(path: Path, resolution: int, mode: str) -> Image.Image:
             raise ConfigError("SRC", f"cannot read image {path}: {e}", "remove or replace the file") from None
         side = min(image.size)
         left, top = (image.width - side) // 2, (image.height - side) // 2
-        return image.resize((resolution, resolution), Image.Resampling.LANCZOS, box=(left, top, left + side, top + side))
+        return image.crop((left, top, left + side, top + side)).resize((resolution, resolution),
+                                                                        Image.Resampling.LANCZOS)
 
 
 def write_zip(target: Path, source: Source, resolution: int, mode: str, progress: bool = True) -> None:
@@ -97,6 +99,7 @@ def create(src: str, dest: str, resolution: int, grey: bool | None, force: bool,
         raise ConfigError("DEST", f"'{dest}' is not a .zip file", "give DEST a name ending in .zip")
     check_resolution(resolution)
     source = find_source(Path(src))
-    mode = "L" if (all_grey(source.files) if grey is None else grey) else "RGB"
+    source_grey = all_grey(source.files)  # every header read: a file that is no image is named here
+    mode = "L" if (source_grey if grey is None else grey) else "RGB"
     write_output(target, lambda tmp: write_zip(tmp, source, resolution, mode, progress), "DEST")
     return source
