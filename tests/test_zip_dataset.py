@@ -190,6 +190,24 @@ def test_data_loader_workers_read_the_zip_each_with_its_own_handle(tmp_path):
         assert labels.tolist() == list(range(12)), context
 
 
+def test_a_forked_process_reads_through_a_file_of_its_own(tmp_path):
+    """A forked worker that read through its parent's open zip would move the file offset the two share."""
+    # Images larger than a file buffer, so that reading one moves the file's offset.
+    write_nvlabs_zip(tmp_path / "nv.zip", [Image.new("RGB", (64, 64), (9 * i, 0, 0)) for i in range(4)])
+    dataset = ImageZip(tmp_path / "nv.zip", 64, 3)
+    dataset[0]  # opens the zip in this process
+    parents = dataset._archive.fp.fileno()
+    offset = os.lseek(parents, 0, os.SEEK_CUR)
+    child = os.fork()
+    if child == 0:
+        try:
+            dataset[3]
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert os.lseek(parents, 0, os.SEEK_CUR) == offset
+
+
 def test_the_training_stream_with_two_workers_equals_the_in_process_one(tmp_path):
     write_nvlabs_zip(tmp_path / "nv.zip", [Image.new("L", (8, 8), 9 * i) for i in range(12)])
     dataset = ImageZip(tmp_path / "nv.zip", 8, 1)
