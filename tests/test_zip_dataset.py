@@ -179,6 +179,21 @@ def test_a_zip_without_labels_reads_unconditionally_and_refuses_data_labels(tmp_
     assert info.value.key == "data.path" and "no class labels" in info.value.problem
 
 
+def test_a_member_that_fails_to_decode_while_training_is_an_unreadable_image_naming_it(tmp_path):
+    from ganscale.data.folder import UnreadableImage
+
+    names = write_nvlabs_zip(tmp_path / "nv.zip", [Image.new("RGB", (16, 16), (i, 0, 0)) for i in range(2)])
+    with zipfile.ZipFile(tmp_path / "nv.zip") as archive:
+        whole = archive.read(names[1])
+    write_nvlabs_zip(tmp_path / "cut.zip", [Image.new("RGB", (16, 16))])
+    with zipfile.ZipFile(tmp_path / "cut.zip", "a") as archive:
+        archive.writestr(names[1], whole[:len(whole) // 2])  # its header reads, its pixels do not
+    dataset = ImageZip(tmp_path / "cut.zip", 16, 3)  # the check reads headers only
+    with pytest.raises(UnreadableImage) as raised:
+        dataset[1]
+    assert raised.value.problem().startswith(f"cannot read image {names[1]} of {tmp_path / 'cut.zip'}: ")
+
+
 def test_data_loader_workers_read_the_zip_each_with_its_own_handle(tmp_path):
     write_nvlabs_zip(tmp_path / "nv.zip", [Image.new("L", (8, 8), 9 * i) for i in range(12)], list(range(12)))
     dataset = ImageZip(tmp_path / "nv.zip", 8, 1, classes=12)
