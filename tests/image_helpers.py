@@ -18,3 +18,23 @@ def write_decompression_bomb_png(path: Path, side: int = 20000) -> None:
     data[ihdr + 4:ihdr + 12] = struct.pack(">II", side, side)
     data[ihdr + 17:ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr:ihdr + 17])))
     path.write_bytes(bytes(data))
+
+
+def write_nvlabs_zip(path: Path, images: list[Image.Image], labels: list[int] | None = None) -> list[str]:
+    """A StyleGAN data set zip laid out as NVlabs' dataset_tool writes one (uncompressed zip, uncompressed PNGs
+    named 00000/img00000000.png, dataset.json last), built here without ganscale. Returns the member names."""
+    import io
+    import json
+    import zipfile
+
+    names = []
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for index, image in enumerate(images):
+            digits = f"{index:08d}"
+            names.append(f"{digits[:5]}/img{digits}.png")
+            png = io.BytesIO()
+            image.save(png, format="png", compress_level=0, optimize=False)
+            archive.writestr(names[-1], png.getbuffer())
+        entries = None if labels is None else [[name, label] for name, label in zip(names, labels)]
+        archive.writestr("dataset.json", json.dumps({"labels": entries}))
+    return names

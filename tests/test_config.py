@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from PIL import Image
 
 from ganscale import config, preflight
 from ganscale.config import Config, ConfigError
+from image_helpers import write_nvlabs_zip
 
 
 # ------------------------------------------------------------------------------------------ recipes
@@ -19,9 +21,13 @@ def test_there_are_shipped_recipes_and_the_default_is_one_of_them():
 @pytest.mark.parametrize("name", config.recipe_names())
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_shipped_recipe_loads_and_passes_check(name, world, tmp_path):
-    # Recipes for the user's own images (pix2pix) name no folder: give them one.
-    user_data = config.load_raw(name).get("data", {}).get("kind") in ("folder", "paired")
-    cfg = config.load(name, [f"data.path={tmp_path}"] if user_data else [])
+    # Recipes for the user's own images (pix2pix, a StyleGAN zip) name no data: give them some.
+    data = config.load_raw(name).get("data", {})
+    user_data = {"folder": tmp_path, "paired": tmp_path, "zip": tmp_path / "data.zip"}.get(data.get("kind"))
+    if data.get("kind") == "zip":
+        side = data["resolution"]
+        write_nvlabs_zip(user_data, [Image.new("RGB", (side, side))] * 2)
+    cfg = config.load(name, [f"data.path={user_data}"] if user_data else [])
     assert isinstance(cfg, Config)
     assert cfg.name == name
     assert cfg.description, f"recipe {name} has no description"

@@ -68,6 +68,7 @@ class Checkpointer:
                 "skipped_steps": training.skipped_steps, "consecutive_skips": training.consecutive_skips,
                 "pl_mean": training.pl_mean,
                 "world_size": training.runtime.world, **networks, "scaler": training.precision.state_dict(),
+                "augment": training.augment.state_dict(),
                 "rng": rng_states, "config": to_yaml(training.cfg)}
 
     def _sharded_state(self) -> dict:
@@ -96,6 +97,7 @@ class Checkpointer:
         training.step, training.skipped_steps = int(state["step"]), int(state["skipped_steps"])
         training.consecutive_skips = int(state.get("consecutive_skips", 0))  # older checkpoints lack it
         training.pl_mean = float(state.get("pl_mean", 0.0))  # likewise
+        training.augment.load_state_dict(state.get("augment", {}))  # ADA's p; older checkpoints lack it
         if state["data_position"] != training.step * training.cfg.loss.n_critic:
             raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
                               "resume with the loss.n_critic the checkpoint was written with")

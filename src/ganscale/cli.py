@@ -1,5 +1,5 @@
-"""Command line: `ganscale` train, slurm, k8s, verify, recipes, export, sample, eval, doctor, bench, make-facades and
-fit-digits-features.
+"""Command line: `ganscale` train, slurm, k8s, verify, recipes, export, sample, interpolate, style-mix, eval, doctor,
+bench, dataset, make-facades and fit-digits-features.
 
 Configuration errors exit with code 2 and one message naming the key and the fix, before any
 process starts or anything is written.
@@ -272,23 +272,87 @@ def export(run_dir: str, out: str, force: bool, checkpoint_path: str | None) -> 
     click.echo(f"wrote {written}")
 
 
+SEED = click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
+TRUNCATION = click.option("--truncation", "psi", type=float, default=1.0, show_default=True, metavar="PSI",
+                          help="StyleGAN2: pull w towards its average, w_avg + PSI (w - w_avg); 0 to 1.")
+CLASS = click.option("--class", "label", type=int, default=None,
+                     help="Class to draw in every cell (class-conditional models only).")
+
+
+def _out_named(out: str, force: bool, suffix: str) -> Path:
+    """--out checked by outputs.py's rule, and that it names a `suffix` file."""
+    from ganscale.outputs import check_output
+
+    target = check_output(out, force)
+    if target.suffix.lower() != suffix:
+        raise ConfigError("--out", f"'{out}' is not a {suffix} file", f"give --out a name ending in {suffix}")
+    return target
+
+
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--n", "count", type=click.IntRange(min=1), default=64, show_default=True, help="Samples to draw.")
 @click.option("--out", required=True, help="Output PNG.")
 @FORCE
-@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
-@click.option("--class", "label", type=int, default=None, help="Class to draw (class-conditional models only).")
-def sample(run_dir: str, count: int, out: str, force: bool, seed: int, label: int | None) -> None:
+@SEED
+@TRUNCATION
+@CLASS
+def sample(run_dir: str, count: int, out: str, force: bool, seed: int, psi: float, label: int | None) -> None:
     """Draw from a run's G_ema into a PNG grid (a scatter plot for 2D data)."""
     from ganscale.evaluate import sample_picture
-    from ganscale.outputs import check_output
 
     try:
-        target = check_output(out, force)
-        if target.suffix.lower() != ".png":
-            raise ConfigError("--out", f"'{out}' is not a .png file", "give --out a name ending in .png")
-        written = sample_picture(Path(run_dir), count, target, seed, label)
+        written = sample_picture(Path(run_dir), count, _out_named(out, force, ".png"), seed, label, psi)
+    except ConfigError as e:
+        _fail(e)
+    click.echo(f"wrote {written}")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, help="Output GIF.")
+@FORCE
+@click.option("--n", "cells", type=click.IntRange(min=1), default=16, show_default=True, help="Walks in the grid.")
+@click.option("--count", type=click.IntRange(min=2), default=4, show_default=True,
+              help="Keyframes each walk visits before it returns to the first.")
+@click.option("--steps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Frames from one keyframe to the next.")
+@SEED
+@TRUNCATION
+@CLASS
+def interpolate(run_dir: str, out: str, force: bool, cells: int, count: int, steps: int, seed: int, psi: float,
+                label: int | None) -> None:
+    """Write an animated GIF of a grid of latent walks through a run's G_ema (lerp in w for StyleGAN2, slerp in
+    z otherwise); its first frame is `ganscale sample` with the same --n, --seed, --truncation and --class."""
+    from ganscale.sampling import interpolation
+
+    try:
+        written = interpolation(Path(run_dir), _out_named(out, force, ".gif"), cells, count, steps, seed, psi, label)
+    except ConfigError as e:
+        _fail(e)
+    click.echo(f"wrote {written} ({count * steps} frames)")
+
+
+@main.command(name="style-mix")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, help="Output PNG.")
+@FORCE
+@click.option("--rows", type=click.IntRange(1, 16), default=5, show_default=True, help="Row sources (coarse styles).")
+@click.option("--cols", type=click.IntRange(1, 16), default=5, show_default=True,
+              help="Column sources (fine styles).")
+@click.option("--crossover", type=int, default=None, metavar="LAYER",
+              help="First layer whose style comes from the column source (default: half of G's layers).")
+@SEED
+@TRUNCATION
+@CLASS
+def style_mix(run_dir: str, out: str, force: bool, rows: int, cols: int, crossover: int | None, seed: int,
+              psi: float, label: int | None) -> None:
+    """StyleGAN2's style-mixing grid from a run's G_ema: each cell has its row source's coarse styles and its
+    column source's fine styles; the first row and column show the sources."""
+    from ganscale.sampling import style_mixing
+
+    try:
+        written = style_mixing(Path(run_dir), _out_named(out, force, ".png"), rows, cols, seed, psi, crossover, label)
     except ConfigError as e:
         _fail(e)
     click.echo(f"wrote {written}")
@@ -407,5 +471,7 @@ def doctor(nproc: int | None, backend: str, device: str) -> None:
 
 
 from ganscale.bench.cli import bench  # noqa: E402 - the group lives with its benchmarks
+from ganscale.data.cli import dataset  # noqa: E402 - likewise, with the data sets
 
 main.add_command(bench)
+main.add_command(dataset)

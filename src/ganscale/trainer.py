@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ganscale import checkpoint, objectives, phases, usercode
+from ganscale.augment import build_augmentation
 from ganscale.checkpointer import Checkpointer
 from ganscale.config import Config, to_yaml
 from ganscale.data import GlobalBatches, Slicing, build_dataset
@@ -51,7 +52,7 @@ from ganscale.watchdog import Watchdog
 # Noise streams: each phase of each step draws the whole global batch's latents from its own seed,
 # and each rank keeps its slice. Ranks get different noise, and the union over ranks is the same
 # whatever the world size, so 1 x 2b and 2 x b train identically.
-PHASE_G, PHASE_D, PHASE_PATH_LENGTH, PHASE_SAMPLES = 0, 1, 2**19, 2**20
+PHASE_G, PHASE_D, PHASE_PATH_LENGTH, PHASE_R1, PHASE_SAMPLES = 0, 1, 2**19, 2**19 + 1, 2**20
 PL_NOISE_SALT = 0x504C  # the path length's random images y, per sample (ganscale.randomness)
 NOTHING = contextlib.nullcontext()  # reusable
 
@@ -178,6 +179,7 @@ class Trainer:
         self.precision = Precision(cfg.train.precision, device)
         self.phases = phases.iteration_phases(cfg.loss)  # what an iteration runs (phases.py)
         self.configure_optimizers()
+        self.augment = build_augmentation(cfg)  # every image D sees passes through it (ganscale.augment)
         self.pl_mean = 0.0  # path lengths' running mean: agreed over the ranks, saved in the checkpoint
         # The path length batch: the global batch / loss.pl_batch_shrink, cut like the global batch.
         self.pl_slicing = Slicing(self.slicing.rank, self.slicing.world,
@@ -371,18 +373,23 @@ class Trainer:
                 if self.pipeline is not None:
                     real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
                     with self.precision.autocast():
-                        terms = [self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale), None]
+                        pass_loss = self.pipeline.discriminator_pass(real, z, scale_loss=self.precision.scale)
+                    terms = [pass_loss, None, None]  # preflight refuses augmentation with the pipeline
                 else:
                     terms = self._discriminator_micro_steps(reals, step, phase, with_r1)
-            loss_d, penalty_d, grad_norm = self._finish_step(self.D, self.opt_d, terms)
-        return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm}
+            loss_d, penalty_d, real_sign, grad_norm = self._finish_step(self.D, self.opt_d, terms)
+            # ADA's p moves on the sign of D(real) agreed in that step's all-reduce: the same p on every rank.
+            self.augment.adjust(real_sign, critic == self.cfg.loss.n_critic - 1
+                                and (step + 1) % self.cfg.augment.interval == 0)
+        return {"loss_d": loss_d, "penalty_d": penalty_d, "grad_norm_d": grad_norm, **self.augment.metrics()}
 
     def _discriminator_micro_steps(self, reals: list[Sample], step: int, phase: int,
                                    with_r1: bool) -> list[Tensor | None]:
         """Forward and backward of every micro-batch; D's gradients are reduced in the last one's backward.
         Spectral norm (in G or D) refines its estimate in the first micro-step only: once per step, as a step
         of the whole batch in one micro-step does, whatever the accumulation (models/spectral.py).
-        Returns the adversarial loss and the penalty (None on a step without one), means over micro-batches."""
+        Returns the adversarial loss, the penalty (None on a step without one) and the mean sign of D(real) (None
+        without ADA), means over micro-batches."""
         z_all, labels_all = self._global_latents(step, phase), self._global_labels(step, phase)
         alpha_all = self._global_uniform(step, phase) if self.cfg.loss.with_gradient_penalty else None
         accumulation = len(reals)
@@ -395,10 +402,10 @@ class Trainer:
                 with torch.set_grad_enabled(self.reuse_fake), self.precision.autocast():
                     fake = self.task.generate(self.G, real, z, labels)
                 self._fake_for_g = (fake, labels, z) if self.reuse_fake else None
-                adversarial, penalty = self._d_objective(real, fake.detach(), labels, with_r1,
-                                                         self._take(alpha_all, micro))
+                adversarial, penalty, real_sign = self._d_objective(real, fake.detach(), labels, with_r1,
+                                                                    self._take(alpha_all, micro))
                 loss = adversarial if penalty is None else adversarial + penalty
-                means.add(adversarial, penalty)
+                means.add(adversarial, penalty, real_sign)
                 if micro == accumulation - 1:
                     self._offer_agreement(self.D, means.values)
                 self.precision.scale(means.share(loss)).backward()
@@ -408,9 +415,10 @@ class Trainer:
         return None if global_tensor is None else self.slicing.take(global_tensor, micro)
 
     def _d_objective(self, sample: Sample, fake: Tensor, labels: Tensor | None, with_r1: bool,
-                     alpha: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """D's loss on one micro-batch: one D forward over [real, fake, (interpolates)], and its penalty
-        (R1, gradient penalty) or None."""
+                     alpha: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """D's loss on one micro-batch: one D forward over [real, fake, (interpolates)], augmented (the penalties
+        differentiate through the augmentation), its penalty (R1, gradient penalty) or None, and ADA's sign of
+        D(real) or None."""
         loss_cfg = self.cfg.loss
         real = self.task.critic_view(sample, self.task.real_images(sample))
         fake = self.task.critic_view(sample, fake)
@@ -422,8 +430,9 @@ class Trainer:
             shape = [b] + [1] * (real.dim() - 1)
             interp = (alpha.view(shape) * real.detach() + (1 - alpha.view(shape)) * fake).requires_grad_(True)
             parts.append(interp)
+        seen = self.augment(torch.cat(parts))
         with self.precision.autocast():
-            logits = self.D(torch.cat(parts), *self.task.critic_conditions(sample, labels))
+            logits = self.D(seen, *self.task.critic_conditions(sample, labels))
         real_logits, fake_logits, *interp_logits = logits.chunk(len(parts))  # a packed D (model.pack) gives b/pack each
         adversarial = objectives.d_loss(loss_cfg.kind, real_logits, fake_logits)
         penalty = None
@@ -433,7 +442,7 @@ class Trainer:
         if alpha is not None:
             gp = loss_cfg.gp_weight * objectives.gradient_penalty(interp_logits[0], interp, scale)
             penalty = gp if penalty is None else penalty + gp
-        return adversarial, penalty
+        return adversarial, penalty, self.augment.real_sign(real_logits)
 
     def generator_step(self, step: int, reals: list[Sample]) -> dict[str, float]:
         with self.phase("G step (DDP all-reduce in backward)", traffic="g_step"):
@@ -475,7 +484,8 @@ class Trainer:
                     else:
                         labels = self._take(labels_all, micro)
                         fake = self.task.generate(self.G, sample, z, labels)
-                    logits = self.D(self.task.critic_view(sample, fake), *self.task.critic_conditions(None, labels))
+                    logits = self.D(self.augment(self.task.critic_view(sample, fake)),
+                                    *self.task.critic_conditions(None, labels))
                 loss = objectives.g_loss(self.cfg.loss.kind, logits)
                 reconstruction = self.task.reconstruction(fake, sample)
                 if reconstruction is not None:
@@ -494,22 +504,24 @@ class Trainer:
             self.D.begin_iteration()
             self.buffers.take()
             with self.phase(part="d_forward_backward"):
-                terms = self._r1_micro_steps(self._reals, phase)
+                terms = self._r1_micro_steps(self._reals, step, phase)
             penalty, grad_norm = self._finish_step(self.D, self.opt_d, terms)
         return {"penalty_r1": penalty, "grad_norm_d_reg": grad_norm}
 
-    def _r1_micro_steps(self, reals: list[Sample], phase: phases.TrainingPhase) -> list[Tensor | None]:
-        """Forward of D on the reals and backward of gamma/2 x interval x R1, per micro-batch (D main refined
-        spectral norm's estimate for this iteration already). Returns the penalty, mean over micro-batches."""
+    def _r1_micro_steps(self, reals: list[Sample], step: int, phase: phases.TrainingPhase) -> list[Tensor | None]:
+        """Forward of D on the augmented reals and backward of gamma/2 x interval x R1 (the gradient with respect to
+        the un-augmented reals), per micro-batch (D main refined spectral norm's estimate for this iteration
+        already). Returns the penalty, mean over micro-batches."""
         weight = 0.5 * self.cfg.loss.r1_gamma * phase.interval
+        z_all = self._global_latents(step, PHASE_R1)  # only the samples' seeds: augmentation draws from them
         means = MicroStepMeans(len(reals))
         for micro, sample in enumerate(reals):
             last = micro == len(reals) - 1
-            with self.D.gradient_sync(last), self.D.power_iteration(False):
+            with self.D.gradient_sync(last), self.D.power_iteration(False), seeds_from(self._take(z_all, micro)):
                 real = self.task.critic_view(sample, self.task.real_images(sample)).detach().requires_grad_(True)
                 labels = sample[1] if self.task.n_classes else None  # the reals' classes
                 with self.precision.autocast():
-                    logits = self.D(real, *self.task.critic_conditions(None, labels))
+                    logits = self.D(self.augment(real), *self.task.critic_conditions(None, labels))
                 penalty = weight * objectives.r1_penalty(logits, real, self.precision.loss_scale)
                 means.add(penalty)
                 if last:

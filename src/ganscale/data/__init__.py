@@ -11,10 +11,12 @@ from __future__ import annotations
 from torch.utils.data import Dataset
 
 from ganscale.config import Config
+from ganscale.data.archive import ImageZip
 from ganscale.data.custom import user_dataset
 from ganscale.data.folder import ImageFolder
 from ganscale.data.images import digits
 from ganscale.data.mixtures import grid25, ring8
+from ganscale.data.mnist import mnist
 from ganscale.data.paired import PairedImages
 from ganscale.data.stream import GlobalBatches, Slicing
 
@@ -23,6 +25,10 @@ def build_dataset(cfg: Config) -> Dataset:
     d = cfg.data
     if d.kind == "digits":
         return digits(d.resolution, d.channels, d.labels)
+    if d.kind == "mnist":
+        return mnist(d.resolution, d.channels, d.labels)
+    if d.kind == "zip":
+        return ImageZip(d.path, d.resolution, d.channels, cfg.model.n_classes if d.labels else None)
     if d.kind == "ring8":
         return ring8(d.size, seed=cfg.train.seed)
     if d.kind == "grid25":
@@ -34,4 +40,4 @@ def build_dataset(cfg: Config) -> Dataset:
     return ImageFolder(d.path, d.resolution, d.channels)
 
 
-__all__ = ["build_dataset", "GlobalBatches", "Slicing", "ImageFolder", "PairedImages"]
+__all__ = ["build_dataset", "GlobalBatches", "Slicing", "ImageFolder", "ImageZip", "PairedImages"]

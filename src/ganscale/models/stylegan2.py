@@ -222,10 +222,16 @@ class StyleGAN2Generator(nn.Module):
         ws = self.truncate(w, psi)[:, None].expand(-1, self.num_ws, -1)
         if self.training and self.style_mixing > 0:
             ws = self.mix_styles(ws, z, labels, seeds)
+        images = self.synthesize(ws, seeds)
+        return (images, ws) if return_ws else images
+
+    def synthesize(self, ws: Tensor, seeds: Tensor) -> Tensor:
+        """Images from one w per layer, ws (N, num_ws, w_dim), with the noise drawn from `seeds` (`sample_seeds` of
+        the latents): the synthesis network alone, for walks in w and style mixing at sampling time."""
         x = image = None
         for block in self.blocks:
             x, image = block(x, image, ws, seeds)
-        return (image, ws) if return_ws else image
+        return image
 
     @torch.no_grad()
     def track_w_avg(self) -> None:
