@@ -5,6 +5,7 @@ The session fixture `slurm_cluster` installs the packages when they are missing 
 `sinfo` shows the node idle; where any of that cannot work the tests skip with the reason.
 One node, this machine's hostname, CPUs from nproc with oversubscription so two tasks fit on small machines.
 Two slurmd in network namespaces are not tried yet.
+Installing the packages (apt-get update + install) took about 20 s on a 2-core Debian 12 machine (Slurm 22.05).
 """
 
 from __future__ import annotations
