@@ -48,6 +48,7 @@ SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=socket={root}/munge/munge.socket
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -93,11 +94,12 @@ def slurm_cluster(tmp_path_factory):
     key = root / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    socket_path = "/run/munge/munge.socket.2"
-    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    munge = root / "munge"  # this cluster's own munged: its socket, pid, seed and log beside the key
     started = []
     try:
-        started.append(subprocess.Popen([_binary("munged"), "-F", "--force", "-S", socket_path, "--key-file", str(key)],
+        started.append(subprocess.Popen([_binary("munged"), "-F", "--force", "-S", str(munge / "munge.socket"),
+                                         "--key-file", str(key), "--pid-file", str(munge / "munged.pid"),
+                                         "--seed-file", str(munge / "munged.seed"), "--log-file", str(munge / "munged.log")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for daemon in ("slurmctld", "slurmd"):
             started.append(subprocess.Popen([_binary(daemon), "-D", "-f", str(conf)] + (["-i"] if daemon == "slurmctld" else []),
