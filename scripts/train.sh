@@ -3,4 +3,4 @@
 # e.g. scripts/train.sh --nproc 2, or scripts/train.sh ring8 --set train.steps=1000.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
-exec .venv/bin/ganscale train "$@"
+exec "$venv"/bin/ganscale train "$@"

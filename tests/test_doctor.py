@@ -333,3 +333,28 @@ def test_slurm_section_reports_the_layout_and_names_the_classic_mistakes():
     assert "srun ganscale train" in doctor.slurm_checks(batch_shell)[1].fix
     wrong = doctor.slurm_checks({**job, "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4"})
     assert wrong[1].status == "FAIL" and "--ntasks-per-node=4" in wrong[1].fix
+
+
+# ------------------------------------------------------------------------------------ torch range
+def test_torch_inside_the_checked_range_passes():
+    check = doctor.torch_check("2.14.1+cu130")
+    assert check.status == PASS and "2.14.1" in check.detail and "2.11 through 2.15" in check.detail
+
+
+def test_torch_older_than_the_range_warns_and_names_what_it_lacks():
+    check = doctor.torch_check("2.5.1")
+    assert check.status == WARN and "older than the supported range" in check.detail
+    assert "fsdp (parallel strategies zero2, fsdp, hsdp" in check.cause and "pipeline" not in check.cause
+    assert "torch>=2.11" in check.fix
+
+
+def test_torch_newer_than_the_checked_range_warns_to_run_the_tests():
+    check = doctor.torch_check("2.16.0")
+    assert check.status == WARN and "newer than the checked range" in check.detail
+    assert "scripts/test.sh" in check.fix
+
+
+def test_doctor_reports_the_running_torch_against_the_range(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    found = {c.name: c for c in doctor.version_checks("gloo", False, False, "")}
+    assert found["torch"].status == WARN and "2.10.0" in found["torch"].detail

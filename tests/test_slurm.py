@@ -17,9 +17,10 @@ from test_cli import clean_env, explain
 CPU_JOB = ["digits", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2"]
 
 
-def slurm(*args: str, cwd: Path, path_dirs: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+def slurm(*args: str, cwd: Path, path_dirs: tuple[Path, ...] = (), system_path: bool = True) -> subprocess.CompletedProcess:
     env = clean_env()
-    env["PATH"] = os.pathsep.join([*map(str, path_dirs), os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    system = ["/usr/bin", "/bin"] if system_path else []  # without: no real sbatch, where Slurm is installed
+    env["PATH"] = os.pathsep.join([*map(str, path_dirs), os.path.dirname(sys.executable), *system])
     return subprocess.run([sys.executable, "-m", "ganscale", "slurm", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -103,7 +104,7 @@ def test_bad_input_exits_2_submits_and_writes_nothing(tmp_path):
     ]
     for args, option in cases:
         _refused(slurm(*args, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), option)
-    _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path), "sbatch")  # not on PATH
+    _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, system_path=False), "sbatch")  # not on PATH
     assert not (tmp_path / "run").exists() and not (bin_dir / "sbatch.calls").exists()
 
 

@@ -457,7 +457,8 @@ def _missing_shard_files(staging: Path) -> list[str]:
     return sorted(name for name in named if not (staging / name).is_file())
 
 
-# Every global the .metadata of a sharded checkpoint written by torch 2.13's DCP names (besides torch's dtypes).
+# Every global the .metadata of a sharded checkpoint written by torch 2.11-2.14's DCP names (besides torch's dtypes):
+# metadata.py and filesystem.py's _StorageInfo define the same classes in each (ganscale.versions).
 METADATA_GLOBALS = {
     *(("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",

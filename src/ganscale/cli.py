@@ -1,4 +1,4 @@
-"""Command line: `ganscale` train, slurm, verify, recipes, export, sample, eval, doctor, bench, make-facades and
+"""Command line: `ganscale` train, slurm, k8s, verify, recipes, export, sample, eval, doctor, bench, make-facades and
 fit-digits-features.
 
 Configuration errors exit with code 2 and one message naming the key and the fix, before any
@@ -347,6 +347,35 @@ def fit_digits_features(out: str, force: bool, seed: int, epochs: int) -> None:
     except ConfigError as e:
         _fail(e)
     click.echo(f"wrote {written}: {json.dumps(record)}")
+
+
+@main.command()
+@click.argument("recipe", required=False)
+@SET
+@click.option("--nodes", type=int, default=1, show_default=True, help="Pods, one per node.")
+@click.option("--gpus-per-node", type=int, default=1, show_default=True, help="GPUs (and workers) per pod.")
+@click.option("--image", default=None, help="Container image with ganscale installed (required).")
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--volume", default=None, metavar="CLAIM:/path",
+              help="PersistentVolumeClaim mounted at /path for the run directory (required for --nodes > 1).")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="Restart the whole pod group up to K times; it resumes from the newest checkpoint.")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Run directory; its name names the job and its folder on the volume (default: runs/<recipe>-<time>).")
+@click.option("--out", default=None, help="Manifest to write (default: RUN_DIR/k8s/job.yaml).")
+@FORCE
+def k8s(recipe: str | None, overrides: tuple[str, ...], nodes: int, gpus_per_node: int, image: str | None,
+        namespace: str, volume: str | None, max_restarts: int, run_dir: str | None, out: str | None,
+        force: bool) -> None:
+    """Write a Kubernetes JobSet manifest that trains RECIPE with torchrun across --nodes pods."""
+    from ganscale import k8s as kube
+
+    layout = kube.Layout(nodes, gpus_per_node, image, namespace, volume, max_restarts)
+    try:
+        path = kube.write(recipe, overrides, layout, run_dir, out, force)
+    except ConfigError as e:
+        _fail(e)
+    click.echo(f"wrote {path}\nkubectl apply -f {path}")
 
 
 @main.command()

@@ -4,7 +4,8 @@
 
 One line per check, `STATUS  name  detail`, in this order:
 
-1. Versions: python, torch, CUDA runtime of the torch build, cuDNN, NCCL, GPU driver, gloo.
+1. Versions: python, torch (against the supported range of ganscale.versions, naming the features an older
+   torch lacks), CUDA runtime of the torch build, cuDNN, NCCL, GPU driver, gloo.
 2. Devices: the visible GPUs (name, memory) against the N ranks of a CUDA run (one GPU per rank;
    more ranks than GPUs is a FAIL), CUDA_VISIBLE_DEVICES repeating a device (CUDA then shows no GPU
    at all), and N ranks against the CPU cores of a CPU run.
@@ -50,9 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ganscale import versions
+
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 
-TESTED_TORCH = "2.13"            # the torch version ganscale's distributed facts were checked on
 BANDWIDTH_BYTES = 16 * 2**20     # all-reduce size for the bandwidth measurement
 WARMUP_ITERS, TIMED_ITERS = 3, 10
 LATENCY_BYTES, LATENCY_ITERS = 4096, 50  # a small all-reduce: what a collective costs whatever its size
@@ -217,7 +219,7 @@ def device_checks(nproc: int, device: str, on_cuda: bool, cuda_available: bool, 
     if not cuda_available:
         if cuda_build is None:
             cause, fix = ("this torch is a CPU build (torch.version.cuda is None)",
-                          f"install the CUDA build of torch {TESTED_TORCH} (README: GPU machines), or use --device cpu")
+                          f"install the CUDA build of torch {versions.DEFAULT_INSTALL} (README: GPU machines), or use --device cpu")
         elif visible is not None and (visible.strip() == "" or duplicates):
             cause, fix = (f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU",
                           "unset CUDA_VISIBLE_DEVICES or list the GPUs to use, each once")
@@ -403,17 +405,29 @@ def _driver_version() -> str | None:
     return None
 
 
+def torch_check(version: str) -> Check:
+    """The torch version against ganscale's supported range (ganscale.versions), naming the features it lacks."""
+    supported = versions.describe_range()
+    missing = versions.lacking(version)
+    if not versions.in_range(version):
+        lost = "; ".join(f"{name} ({versions.FEATURES[name].used_by})" for name in missing)
+        return Check(WARN, "torch", f"{version}: older than the supported range ({supported})",
+                     "ganscale was not checked on it" + (f"; it lacks: {lost}" if lost else ""),
+                     f"install torch>={'.'.join(map(str, versions.OLDEST))} (the CUDA build on GPU machines)")
+    if not versions.checked(version):
+        return Check(WARN, "torch", f"{version}: newer than the checked range ({supported})",
+                     "the private torch APIs ganscale overrides were not read in this version",
+                     "run `scripts/test.sh` once in this environment; if it fails, install torch "
+                     f"{'.'.join(map(str, versions.NEWEST))}")
+    return Check(PASS, "torch", f"{version} (supported: {supported}; all features)")
+
+
 def version_checks(backend: str, on_cuda: bool, cuda_available: bool, cuda_warning: str) -> list[Check]:
     import torch
     import torch.distributed as dist
 
     checks = [Check(PASS, "python", f"{platform.python_version()} ({sys.executable})")]
-    if torch.__version__.startswith(TESTED_TORCH + "."):
-        checks.append(Check(PASS, "torch", torch.__version__))
-    else:
-        checks.append(Check(WARN, "torch", torch.__version__,
-                            f"ganscale's distributed behaviour was checked on torch {TESTED_TORCH}",
-                            f"install torch=={TESTED_TORCH}.* (the CUDA build on GPU machines)"))
+    checks.append(torch_check(torch.__version__))
     if not dist.is_available():
         checks.append(Check(FAIL, "distributed", "torch.distributed is not available in this build",
                             "torch was built without distributed support", "install an official torch build"))
@@ -422,7 +436,7 @@ def version_checks(backend: str, on_cuda: bool, cuda_available: bool, cuda_warni
     if cuda is None and driver:
         checks.append(Check(WARN, "cuda runtime", "none: this torch is a CPU build, but an NVIDIA driver is installed",
                             "the CPU build of torch cannot use the GPUs: every run stays on the CPU",
-                            f"install the CUDA build of torch {TESTED_TORCH} (README: GPU machines)"))
+                            f"install the CUDA build of torch {versions.DEFAULT_INSTALL} (README: GPU machines)"))
     elif cuda is None:
         checks.append(Check(PASS, "cuda runtime", "none: this torch is a CPU build"))
     elif not cuda_available:

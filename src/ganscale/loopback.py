@@ -8,6 +8,7 @@ Registered with torch's rendezvous handler registry as RENDEZVOUS; multi-node ru
 from __future__ import annotations
 
 import datetime
+import inspect
 import socket
 
 import torch.distributed as dist
@@ -30,6 +31,22 @@ def loopback_store(timeout_s: float = 300.0) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
 
 
+def overridable() -> None:
+    """The private method LoopbackRendezvousHandler overrides, as torch 2.11-2.14 define it: a torch that renamed
+    it would silently skip the override and open the workers' store on every interface: refused (exit 2) instead."""
+    method = getattr(DynamicRendezvousHandler, "_create_tcp_store_server", None)
+    if method is None or list(inspect.signature(method).parameters) != ["self", "master_addr", "master_port"]:
+        import torch
+
+        from ganscale.config import ConfigError
+        from ganscale.versions import describe_range
+
+        raise ConfigError("--nproc", f"torch {torch.__version__}'s DynamicRendezvousHandler has no "
+                          "_create_tcp_store_server(master_addr, master_port): its launch could not keep the "
+                          "workers' store on 127.0.0.1", f"install {describe_range()}, or start the workers with "
+                          "torchrun instead of --nproc")
+
+
 class LoopbackRendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous; the store it shares with its workers (MASTER_ADDR/PORT) is on the loopback."""
 
@@ -48,4 +65,5 @@ def create_handler(params: RendezvousParameters) -> LoopbackRendezvousHandler:
 
 def register() -> None:
     """Make RENDEZVOUS known to torch's elastic launcher (again: a no-op)."""
+    overridable()
     rendezvous_handler_registry.register(RENDEZVOUS, create_handler)

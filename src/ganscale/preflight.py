@@ -20,11 +20,13 @@ from ganscale.models import build_networks, meta_networks, stylegan2
 from ganscale.parallel import CAPABILITIES
 from ganscale.parallel.pipeline import split
 from ganscale.tasks import build_task
+from ganscale.versions import require
 
 
 def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     """Combinations that cannot be right, checked once the world size is known."""
     _check_user_code_named(cfg)
+    _check_torch_features(cfg)
     t = cfg.train
     pipelined = cfg.parallel.pipelined
     if pipelined:
@@ -204,6 +206,20 @@ def _check_reuse_fake(cfg: Config, world_size: int) -> None:
     conflict = reuse_fake_conflict(cfg, world_size) if cfg.train.reuse_fake else None
     if conflict is not None:
         raise ConfigError("train.reuse_fake", *conflict)
+
+
+def _check_torch_features(cfg: Config) -> None:
+    """Options whose torch API the running torch lacks (ganscale.versions), refused by name."""
+    p = cfg.parallel
+    for strategy, option in ((p.generator, "parallel.generator"), (p.discriminator, "parallel.discriminator")):
+        if strategy == "pipeline":
+            require("pipeline", option)
+        elif CAPABILITIES[strategy].fully_sharded:
+            require("fsdp", option)
+    if p.cpu_offload:
+        require("fsdp", "parallel.cpu_offload")
+    if cfg.checkpoint.format == "sharded":
+        require("sharded-checkpoint", "checkpoint.format")
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:

@@ -17,7 +17,7 @@ from ganscale.fault import error_of_rank, report_of, told_by
 RUNS_ROOT = Path("runs")
 RESUMED_CONFIG = re.compile(r"^config\.resumed-(\d{8,})\.yaml$")  # a resume's config, where it differed
 # What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
-RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|config\.yaml|config\.resumed-\d{8,}\.yaml"
+RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|k8s|config\.yaml|config\.resumed-\d{8,}\.yaml"
                        r"|metrics\.jsonl|fingerprints\.jsonl|summary\.json|eval\.json|slurm|run\.lock(\.stale-[0-9a-f]+)?)$")
 
 

@@ -30,7 +30,11 @@ from contextlib import suppress
 from pathlib import Path
 
 import torch.distributed as dist
-from torch._dynamo.callback import CallbackArgs, callback_handler
+
+try:  # private: read in torch 2.11-2.14 (ganscale.versions' compile-callbacks); without it, no compile patience
+    from torch._dynamo.callback import CallbackArgs, callback_handler
+except ImportError:
+    CallbackArgs, callback_handler = object, None
 
 from ganscale.config import FaultConfig
 from ganscale.fault import EXIT_HANG, StopSignals
@@ -71,14 +75,16 @@ class Watchdog:
     def __enter__(self) -> Watchdog:
         # Registered whether or not the run compiles: they are called only when torch does compile, and then the
         # allowance is due. Removed in __exit__, so no watchdog outlives its run in this process.
-        callback_handler.register_start_callback(self._compile_started)
-        callback_handler.register_end_callback(self._compile_ended)
+        if callback_handler is not None:
+            callback_handler.register_start_callback(self._compile_started)
+            callback_handler.register_end_callback(self._compile_ended)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        callback_handler.remove_start_callback(self._compile_started)
-        callback_handler.remove_end_callback(self._compile_ended)
+        if callback_handler is not None:
+            callback_handler.remove_start_callback(self._compile_started)
+            callback_handler.remove_end_callback(self._compile_ended)
         self._stop.set()
         self._waker.send(b"x")
         self._thread.join(timeout=5)

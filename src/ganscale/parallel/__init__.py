@@ -43,6 +43,7 @@ from ganscale.config import ParallelConfig
 from ganscale.models.spectral import power_iteration_paused, spectral_norms
 from ganscale.parallel.syncbn import average_batchnorm_stats, convert_batchnorm
 from ganscale.runtime import Runtime
+from ganscale.versions import ddp_no_buffer_sync
 
 
 
@@ -360,7 +361,7 @@ def data_parallel(module: nn.Module, runtime: Runtime) -> DistributedDataParalle
     with low-precision parameters keeps DDP's own hook, and the trainer its separate all-reduce.
     """
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-    ddp = DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(module, device_ids=device_ids, **ddp_no_buffer_sync())
     exact = all(p.dtype in (torch.float32, torch.float64) for p in module.parameters() if p.requires_grad)
     ddp.carrier = GradientCarrier(runtime.world) if exact else None  # decided alike on every rank (same dtypes)
     if ddp.carrier is not None:

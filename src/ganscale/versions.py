@@ -1,0 +1,97 @@
+"""The torch versions ganscale supports, and the first torch version of each feature it uses.
+
+One table, read by `ganscale doctor`, by the code paths that need a feature (`require`), and by
+scripts/bootstrap.sh (loaded by path, before ganscale is installed: this module imports nothing of ganscale).
+
+SUPPORTED is the range whose source was read for every torch API ganscale touches (2.11.0, 2.12.1, 2.13.0,
+2.14.1) and whose suite runs in CI (2.13.0, 2.14.1). A torch older than a feature's first version does not
+have it: that feature is refused by name (exit 2), the rest of ganscale still runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+OLDEST = (2, 11)   # pyproject.toml's floor (torch>=2.11)
+NEWEST = (2, 15)   # the newest release when the range was declared; a later one is allowed, but unchecked
+DEFAULT_INSTALL = "2.13.0"  # what scripts/bootstrap.sh installs when no torch in range is there
+
+
+@dataclass(frozen=True)
+class Feature:
+    first: tuple[int, int]  # the first release that has it; for a private API, the oldest release read (2.11)
+    api: str                # what ganscale calls
+    used_by: str            # what a user loses without it
+
+
+FEATURES = {
+    "pipeline": Feature((2, 4), "torch.distributed.pipelining (PipelineStage, GPipe/1F1B schedules)",
+                        "parallel strategy pipeline"),
+    "fsdp": Feature((2, 6), "torch.distributed.fsdp.fully_shard (FSDP2), CPUOffloadPolicy",
+                    "parallel strategies zero2, fsdp, hsdp and parallel.cpu_offload"),
+    "sharded-checkpoint": Feature((2, 6), "torch.distributed.checkpoint save/load, state_dict API, "
+                                  "distribute_tensor(src_data_rank=)", "checkpoint.format=sharded"),
+    "compile-callbacks": Feature((2, 11), "torch._dynamo.callback.callback_handler with CallbackArgs",
+                                 "the hang watchdog's extra patience while torch compiles"),
+    "flight-recorder": Feature((2, 11), "torch._C._distributed_c10d._dump_fr_trace_json (gloo and NCCL)",
+                               "rankN-flight-recorder.json in a hang's diagnostics"),
+}
+# Not a feature but a spelling: DDP's `forward_sync_buffers` replaced `broadcast_buffers` in 2.13 (`ddp_no_buffer_sync`).
+
+
+def parse(version: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a torch version string: '2.14.1+cu130' -> (2, 14, 1); '2.16.0a0' -> (2, 16, 0)."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def in_range(version: str) -> bool:
+    """Whether `version` is inside the supported range (a release after NEWEST counts: it is allowed)."""
+    return parse(version)[:2] >= OLDEST
+
+
+def checked(version: str) -> bool:
+    """Whether `version` is one whose source was read against ganscale's uses (OLDEST..NEWEST)."""
+    return OLDEST <= parse(version)[:2] <= NEWEST
+
+
+def lacking(version: str) -> list[str]:
+    """The features (FEATURES' names) a torch of `version` does not have."""
+    release = parse(version)[:2]
+    return [name for name, feature in FEATURES.items() if release < feature.first]
+
+
+def running() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def require(name: str, option: str) -> None:
+    """Refuse `option` (a ConfigError: one line, exit 2) when the running torch lacks feature `name`."""
+    if name in lacking(running()):
+        from ganscale.config import ConfigError
+
+        feature = FEATURES[name]
+        first = ".".join(map(str, feature.first))
+        raise ConfigError(option, f"needs torch >= {first} ({feature.api}); this torch is {running()}",
+                          f"install torch>={first} (ganscale supports {describe_range()}), or choose another "
+                          f"value for {option}")
+
+
+def describe_range() -> str:
+    return f"torch {'.'.join(map(str, OLDEST))} through {'.'.join(map(str, NEWEST))}"
+
+
+def ddp_no_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword that turns the pre-forward buffer broadcast off, as the running torch spells it: torch 2.13
+    renamed `broadcast_buffers` (2.11, 2.12; deprecated since) to `forward_sync_buffers`."""
+    import inspect
+
+    from torch.nn import parallel
+
+    new = "forward_sync_buffers" in inspect.signature(parallel.DistributedDataParallel).parameters
+    return {"forward_sync_buffers": False} if new else {"broadcast_buffers": False}

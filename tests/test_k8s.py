@@ -1,0 +1,166 @@
+"""`ganscale k8s`: the JobSet manifest it writes is valid against JobSet's published schema, and the pods' own
+command and environment, run as local processes, rendezvous and train as `--nproc` would."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_cli import clean_env, ganscale
+
+jsonschema = pytest.importorskip("jsonschema", reason="the test extra's jsonschema validates the manifest")
+
+SCHEMA = Path(__file__).parent / "data" / "jobset-v1alpha2.schema.json"
+TINY = ["--set", "train.steps=3", "--set", "train.batch_size=6", "--set", "log.sample_every=0",
+        "--set", "log.tensorboard=false"]
+LAYOUT = ["--nodes", "2", "--gpus-per-node", "1", "--image", "example/ganscale:1", "--volume", "runs:/mnt/runs"]
+
+
+def strict(schema: dict) -> dict:
+    """`schema` with unknown fields refused where Kubernetes would drop them (a structural schema prunes every
+    field it does not name, unless x-kubernetes-preserve-unknown-fields): a misspelt field fails the test instead
+    of vanishing on the cluster. The other x-kubernetes-* keys are ignored, as jsonschema ignores unknown keys."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    tightened = {key: strict(value) for key, value in schema.items()}
+    if ("properties" in schema and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        tightened["additionalProperties"] = False
+    return tightened
+
+
+@pytest.fixture(scope="module")
+def validator():
+    return jsonschema.Draft7Validator(strict(json.loads(SCHEMA.read_text())))
+
+
+def write_manifest(tmp_path: Path, *args: str) -> list[dict]:
+    result = ganscale("k8s", *TINY, *LAYOUT, "--run-dir", "run", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    path = tmp_path / "run" / "k8s" / "job.yaml"
+    assert f"kubectl apply -f {path.relative_to(tmp_path)}" in result.stdout
+    return list(yaml.safe_load_all(path.read_text()))
+
+
+def test_the_manifest_is_a_valid_jobset_holding_everything_the_user_passed(tmp_path, validator):
+    config_map, jobset = write_manifest(tmp_path, "--max-restarts", "3", "--namespace", "gans")
+    validator.validate(jobset)
+    assert jobset["kind"] == "JobSet" and jobset["spec"]["failurePolicy"] == {"maxRestarts": 3}
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert (job["completionMode"], job["completions"], job["parallelism"], job["backoffLimit"]) == ("Indexed", 2, 2, 0)
+    container = job["template"]["spec"]["containers"][0]
+    assert container["image"] == "example/ganscale:1"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    command = " ".join(container["command"])
+    assert "--nnodes 2 --nproc-per-node 1 --node-rank $(GANSCALE_NODE_RANK) --rdzv-backend c10d" in command
+    assert command.endswith("--run-dir /mnt/runs/run --resume auto")
+    assert {"name": "run", "mountPath": "/mnt/runs"} in container["volumeMounts"]
+    assert {m["metadata"]["namespace"] for m in (config_map, jobset)} == {"gans"}
+    embedded = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert (embedded["train"]["steps"], embedded["train"]["batch_size"], embedded["log"]["tensorboard"]) == (3, 6, False)
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda js: js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0].pop("name"),
+    lambda js: js["spec"]["replicatedJobs"][0].pop("template"),
+    lambda js: js["spec"]["failurePolicy"].update(maxRestarts="3"),
+    lambda js: js["spec"].update(replicatedJob=js["spec"].pop("replicatedJobs")),
+], ids=["container without name", "job without template", "maxRestarts a string", "misspelt field"])
+def test_a_broken_manifest_fails_the_schema(tmp_path, validator, break_it):
+    _, jobset = write_manifest(tmp_path)
+    broken = copy.deepcopy(jobset)
+    break_it(broken)
+    with pytest.raises(jsonschema.ValidationError):
+        validator.validate(broken)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--nodes", "0", "--image", "i", "--volume", "c:/p"], "--nodes"),
+    (["--nodes", "2", "--image", "i", "--volume", "claim"], "--volume"),
+    (["--nodes", "2", "--image", "i", "--volume", "c:relative"], "--volume"),
+    (["--nodes", "2", "--image", "i"], "--volume"),
+    (["--nodes", "2", "--volume", "c:/p"], "--image"),
+    (["--nodes", "5", "--gpus-per-node", "1", "--image", "i", "--volume", "c:/p"], "train.batch_size"),
+    (["--image", "i", "--set", "train.steps=-1"], "train.steps"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option):
+    result = ganscale("k8s", *args, "--run-dir", "run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and f"'{option}'" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+    if option == "train.batch_size":
+        assert "(--nodes 5 x --gpus-per-node 1)" in result.stderr
+
+
+def test_an_existing_manifest_is_kept_unless_forced(tmp_path):
+    out = tmp_path / "job.yaml"
+    out.write_text("mine\n")
+    refused = ganscale("k8s", "--image", "i", "--out", str(out), cwd=tmp_path)
+    assert refused.returncode == 2 and "--force" in refused.stderr and out.read_text() == "mine\n"
+    forced = ganscale("k8s", "--image", "i", "--out", str(out), "--force", cwd=tmp_path)
+    assert forced.returncode == 0 and "kind: JobSet" in out.read_text()
+
+
+def pod_process(config_map: dict, jobset: dict, index: int, node: Path, volume: Path) -> subprocess.Popen:
+    """Pod `index` of the JobSet as a local process: its container's command and environment as Kubernetes makes
+    them, with pod 0's DNS name replaced by 127.0.0.1 (no cluster DNS here; that env value is the only place the
+    name appears) and the container's mounts by local folders (the ConfigMap's files, the shared volume)."""
+    name = jobset["metadata"]["name"]
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {"JOB_COMPLETION_INDEX": str(index), "HOSTNAME": f"{name}-node-0-{index}"}  # what the controllers add
+    annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
+    for var in container["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            key = re.fullmatch(r"metadata\.annotations\['(.+)'\]", var["valueFrom"]["fieldRef"]["fieldPath"])[1]
+            env[var["name"]] = annotations[key]
+    assert env["GANSCALE_RDZV_HOST"] == f"{name}-node-0-0.{name}"  # pod 0 under the JobSet's headless service
+    env["GANSCALE_RDZV_HOST"] = "127.0.0.1"
+    config = node / "config"
+    config.mkdir(parents=True)
+    for file, text in config_map["data"].items():
+        (config / file).write_text(text)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
+    local = {"run": volume, "config": config}
+    mounts = {m["mountPath"]: str(local[m["name"]]) for m in container["volumeMounts"]}
+
+    def in_pod(arg: str) -> str:
+        arg = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), arg)  # Kubernetes' $(VAR) expansion
+        for mount, folder in mounts.items():
+            arg = re.sub(rf"^{re.escape(mount)}(?=/|$)", folder, arg)
+        return arg
+
+    command = [in_pod(arg) for arg in container["command"]]
+    assert command[0] == "python"
+    return subprocess.Popen([sys.executable, *command[1:]], cwd=node, env={**clean_env(), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_the_pods_command_and_environment_rendezvous_and_train_as_nproc_does(tmp_path):
+    config_map, jobset = write_manifest(tmp_path)
+    volume = tmp_path / "volume"
+    pods = [pod_process(config_map, jobset, index, tmp_path / f"pod{index}", volume) for index in range(2)]
+    outputs = [pod.communicate(timeout=300) for pod in pods]
+    for pod, (_, err) in zip(pods, outputs):
+        assert pod.returncode == 0, err[-3000:]
+    on_pods = json.loads((volume / "run" / "summary.json").read_text())
+    assert (on_pods["world_size"], on_pods["steps"]) == (2, 3)
+
+    local = ganscale("train", *TINY, "--nproc", "2", "--run-dir", "local", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    by_nproc = json.loads((tmp_path / "local" / "summary.json").read_text())
+    trained = ("loss_d", "loss_g", "grad_norm_d", "grad_norm_g")
+    assert {k: on_pods["final"][k] for k in trained} == {k: by_nproc["final"][k] for k in trained}

@@ -1,0 +1,115 @@
+"""ganscale.versions: the supported torch range, each feature's first version, and what an older torch is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ganscale import config, preflight, versions
+from ganscale.config import ConfigError
+
+VERSIONS_PY = Path(versions.__file__)
+
+
+@pytest.mark.parametrize("text, parsed", [("2.14.1+cu130", (2, 14, 1)), ("2.13.0+cpu", (2, 13, 0)),
+                                          ("2.16.0a0+git1234", (2, 16, 0)), ("2.11", (2, 11, 0))])
+def test_parse_reads_local_and_pre_release_versions(text, parsed):
+    assert versions.parse(text) == parsed
+
+
+def test_parse_refuses_what_is_not_a_version():
+    with pytest.raises(ValueError):
+        versions.parse("nightly")
+
+
+def test_the_range_takes_2_11_through_2_15_and_later_releases_but_not_older_ones():
+    assert [versions.in_range(v) for v in ("2.10.0", "2.11.0", "2.13.0+cpu", "2.15.0", "2.16.0")] == \
+        [False, True, True, True, True]
+    assert [versions.checked(v) for v in ("2.10.0", "2.11.0", "2.15.0", "2.16.0")] == [False, True, True, False]
+    assert versions.in_range(torch.__version__) and versions.checked(torch.__version__)
+
+
+def test_lacking_names_each_feature_older_than_its_first_version():
+    assert versions.lacking("2.11.0") == [] and versions.lacking(torch.__version__) == []
+    assert versions.lacking("2.5.1") == ["fsdp", "sharded-checkpoint", "compile-callbacks", "flight-recorder"]
+    assert "pipeline" in versions.lacking("2.3.1") and "pipeline" not in versions.lacking("2.4.0")
+
+
+def test_ddp_keyword_follows_the_2_13_rename(monkeypatch):
+    import inspect
+
+    from torch.nn import parallel
+
+    chosen = versions.ddp_no_buffer_sync()
+    assert set(chosen) <= set(inspect.signature(parallel.DistributedDataParallel).parameters)  # this torch takes it
+    if versions.parse(torch.__version__)[:2] >= (2, 13):
+        assert chosen == {"forward_sync_buffers": False}
+
+    class Before213:  # DDP's signature in torch 2.11 and 2.12
+        def __init__(self, module, device_ids=None, broadcast_buffers=True):
+            pass
+    monkeypatch.setattr(parallel, "DistributedDataParallel", Before213)
+    assert versions.ddp_no_buffer_sync() == {"broadcast_buffers": False}
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.generator=fsdp", "parallel.discriminator=fsdp", "train.batch_size=64"], "parallel.generator"),
+    (["parallel.discriminator=zero2"], "parallel.discriminator"),
+    (["checkpoint.format=sharded"], "checkpoint.format"),
+])
+def test_an_option_whose_feature_an_older_torch_lacks_is_refused_by_name(monkeypatch, overrides, key):
+    cfg = config.load(None, overrides)
+    preflight.check(cfg, 2, False)  # fine on this torch
+    monkeypatch.setattr(versions, "running", lambda: "2.5.1")
+    with pytest.raises(ConfigError) as info:
+        preflight.check(cfg, 2, False)
+    assert info.value.key == key
+    assert "needs torch >= 2.6" in info.value.problem and "2.5.1" in info.value.problem
+    assert "torch>=2.6" in info.value.fix
+
+
+def test_pipeline_is_refused_on_a_torch_without_pipelining(monkeypatch):
+    monkeypatch.setattr(versions, "running", lambda: "2.3.1")
+    cfg = config.load(None, ["parallel.generator=pipeline", "parallel.discriminator=pipeline"])
+    with pytest.raises(ConfigError) as info:
+        preflight.check(cfg, 2, False)
+    assert info.value.key == "parallel.generator" and "torch.distributed.pipelining" in info.value.problem
+
+
+def test_the_refusal_is_one_line_and_exit_2_from_the_cli(tmp_path):
+    """Through `ganscale train`, with a torch that reports 2.5.1 (the version string only is faked)."""
+    code = ("import sys, torch; torch.__version__ = '2.5.1'; from ganscale.cli import main; "
+            "sys.argv = ['ganscale', 'train', '--run-dir', sys.argv[1], '--set', 'parallel.discriminator=fsdp']; main()")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "parallel.discriminator" in result.stderr and "needs torch >= 2.6" in result.stderr
+
+
+def test_bootstrap_loads_the_module_by_path_without_ganscale():
+    """scripts/bootstrap.sh reads the range before ganscale is installed: loaded by path in an isolated Python
+    (no PYTHONPATH, no ganscale importable), the file still answers."""
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('v', sys.argv[1]); "
+            "m = sys.modules['v'] = importlib.util.module_from_spec(spec); sys.modules['ganscale'] = None; spec.loader.exec_module(m); "
+            "print(m.in_range('2.14.1'), m.in_range('2.10.0'))")
+    result = subprocess.run([sys.executable, "-I", "-c", code, str(VERSIONS_PY)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+
+
+def test_the_loopback_override_matches_this_torch_and_a_renamed_method_is_refused(monkeypatch):
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from ganscale import loopback
+
+    loopback.overridable()  # this torch (2.13 or 2.14.1) has the method the override replaces
+    monkeypatch.delattr(DynamicRendezvousHandler, "_create_tcp_store_server")
+    with pytest.raises(ConfigError) as info:
+        loopback.register()
+    assert info.value.key == "--nproc" and "127.0.0.1" in info.value.problem and "torchrun" in info.value.fix
