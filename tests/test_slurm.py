@@ -47,7 +47,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
                  "#SBATCH --partition=debug", "#SBATCH --signal=B:USR1@55", "#SBATCH --requeue",
                  f"#SBATCH --output={tmp_path}/run/slurm/%j.out",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1',
-                 '--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:29500" --rdzv-id "$SLURM_JOB_ID"',
+                 "RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))",
+                 '--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"',
                  '--nnodes "$SLURM_NNODES" --nproc-per-node 2',
                  f"{sys.executable} -m torch.distributed.run",
                  '-m ganscale train digits --set train.steps=4 --resume auto --run-dir "$RUN_DIR" &',
@@ -99,6 +100,8 @@ def test_bad_input_exits_2_submits_and_writes_nothing(tmp_path):
     cases = [
         (["digits", "--nodes", "1", "--gpus-per-node", "0"], "--procs-per-node"),
         ([*CPU_JOB, "--time", "90 minutes"], "--time"),
+        ([*CPU_JOB, "--time", "00:01:00"], "--signal-lead"),  # the default 55 s lead: signalled as it starts
+        ([*CPU_JOB, "--time", "00:02:00", "--signal-lead", "90"], "--signal-lead"),
         ([*CPU_JOB, "--set", "train.batch_size=63"], "train.batch_size"),
         (["digits", "--nodes", "1", "--gpus-per-node", "2", "--procs-per-node", "3"], "--procs-per-node"),
     ]

@@ -1,11 +1,6 @@
 """A real Slurm: jobs through sbatch/srun on the test cluster of tests/slurm_cluster.py, `ganscale slurm` end to
 end (a job trains as `ganscale train --nproc 2` does, bit for bit) and stopped by Slurm's signal, requeued and
-resumed to the same final checkpoint.
-
-A job reaching its `--time` limit is not tested here: Slurm's limits are whole minutes and slurmctld looks at them
-about every 30 s, so signal, stop, requeue and the rerun would take two to three minutes of the suite's budget; the
-same path (USR1 to the batch shell, which stops, checkpoints and requeues) is the preemption test's, signalled with
-`scancel --signal=USR1 --batch` instead of by the clock.
+resumed to the same final checkpoint, by `scancel --signal=USR1` and by the clock (a job near its `--time` limit).
 """
 
 from __future__ import annotations
@@ -55,11 +50,11 @@ def _job_env(cluster: dict) -> dict:
     return env
 
 
-def _submit(cluster: dict, cwd: Path, run: Path, settings: list[str]) -> str:
-    """`ganscale slurm` of a two-process CPU job; the job id it printed."""
+def _submit(cluster: dict, cwd: Path, run: Path, settings: list[str], job_env: dict | None = None) -> str:
+    """`ganscale slurm` of a two-process CPU job; the job id it printed. `job_env`: more environment for the job."""
     done = subprocess.run([sys.executable, "-m", "ganscale", "slurm", "ring8", "--nodes", "1", "--gpus-per-node", "0",
-                           "--procs-per-node", "2", "--run-dir", str(run), *settings], cwd=cwd, env=_job_env(cluster),
-                          capture_output=True, text=True, timeout=120)
+                           "--procs-per-node", "2", "--run-dir", str(run), *settings], cwd=cwd,
+                          env={**_job_env(cluster), **(job_env or {})}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, explain(done)
     return re.search(r"job (\d+)", done.stdout)[1]
 
@@ -127,5 +122,25 @@ def test_a_signalled_job_checkpoints_requeues_itself_and_resumes_to_the_same_res
     summary = json.loads((run / "summary.json").read_text())
     assert summary["requeues"] >= 1 and summary["steps"] == steps, f"{summary}\n{log}"
     assert "restart 1," in log, log  # the script's first line on the requeued run
+    _train(tmp_path, tmp_path / "local-run", settings)
+    _assert_same_final_checkpoint(run, tmp_path / "local-run", steps)
+
+
+def test_a_job_near_its_time_limit_is_signalled_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):  # noqa: F811
+    """`--time 00:02:00 --signal-lead 55`: slurmctld (its time checks run every 30 s) signals the batch shell 35 to
+    65 s after the start. Rank 0's step 5 would take 100 s (an injected slow step, which a stop signal ends), so the
+    signal always comes before the run could finish; every rank stops after that step with a checkpoint, the job
+    requeues, and the next start resumes to an uninterrupted run's result."""
+    steps = 12
+    settings = [*TINY, "--set", f"train.steps={steps}", "--set", "checkpoint.every=4"]
+    run = tmp_path / "slurm-run"
+    job = _submit(slurm_cluster, tmp_path, run, [*settings, "--time", "00:02:00", "--signal-lead", "55"],
+                  job_env={"GANSCALE_INJECT_FAULT": "slow@0:5:100"})
+    state = _wait_job(slurm_cluster, job, timeout_s=400)
+    log = _job_log(run)
+    assert "JobState=COMPLETED" in state, f"{state}\n{log}"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["requeues"] == 1 and summary["steps"] == steps, f"{summary}\n{log}"
+    assert "stopped at step 6 on request" in log, log  # the slow step ended, then every rank stopped
     _train(tmp_path, tmp_path / "local-run", settings)
     _assert_same_final_checkpoint(run, tmp_path / "local-run", steps)

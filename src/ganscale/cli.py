@@ -185,9 +185,10 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         sbatch = None if dry_run else slurming.check_sbatch()
         # A run directory that holds a run is continued (the job trains with --resume auto).
         target, _ = rundir.resolve_run(cfg, run_dir, "auto" if run_dir else None)
+        signal_lead = signal_lead or slurming.default_signal_lead_s(cfg)
+        slurming.check_signal_lead(time_limit, signal_lead)
         job = slurming.Job(shape, f"ganscale-{cfg.name}", target.resolve(), slurming.train_args(recipe, overrides),
-                           time_limit, partition, account, requeue,
-                           signal_lead or slurming.default_signal_lead_s(cfg))
+                           time_limit, partition, account, requeue, signal_lead)
         text = slurming.script(job)
         if dry_run:
             click.echo(text, nl=False)
