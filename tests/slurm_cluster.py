@@ -4,7 +4,13 @@ The session fixture `slurm_cluster` installs the packages when they are missing 
 (root, apt-get), writes a munge key and a slurm.conf under a tmp folder, starts the daemons and waits until
 `sinfo` shows the node idle; where any of that cannot work the tests skip with the reason.
 One node, this machine's hostname, CPUs from nproc with oversubscription so two tasks fit on small machines.
-Two slurmd in network namespaces are not tried yet.
+
+`slurm_two_nodes` runs two nodes on this machine (root, iproute2, util-linux; skipped with the reason otherwise):
+each node is a network namespace on a bridge in this one, and its slurmd runs with the node's own host name
+(`unshare --uts`) and an /etc/hosts naming both nodes (`unshare --mount`, a bind mount), so job steps, srun and
+torchrun on a node see what they would on a real one. slurmctld runs on the first node; munged runs here, its
+socket a file that both namespaces reach. Where bridged traffic is filtered (br_netfilter with a dropping FORWARD
+chain, as some Docker hosts have) the second node never registers and the fixture skips.
 Installing the packages (apt-get update + install) took about 20 s on a 2-core Debian 12 machine (Slurm 22.05).
 """
 
