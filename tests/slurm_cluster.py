@@ -188,7 +188,8 @@ def _two_node_conf(root: Path, cpus: int, nodes: list[tuple[str, str]]) -> str:
     for line in _slurm_conf(root, head, cpus).splitlines():
         key = line.split("=", 1)[0]
         if key == "NodeName":
-            lines += [line.replace(f"NodeName={head}", f"NodeName={name} NodeAddr={address}") for name, address in nodes]
+            lines += [line.replace(f"NodeName={head}", f"NodeName={name} NodeAddr={address}")
+                      for name, address in nodes]
         elif key == "PartitionName":
             lines.append(line.replace(f"Nodes={head}", f"Nodes={names}"))
         else:
@@ -201,9 +202,22 @@ def _start_munged(munge: Path) -> subprocess.Popen:
     key = munge / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    return subprocess.Popen([_binary("munged"), "-F", "--force", "-S", str(munge / "munge.socket"), "--key-file", str(key),
-                             "--pid-file", str(munge / "munged.pid"), "--seed-file", str(munge / "munged.seed"),
-                             "--log-file", str(munge / "munged.log")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([_binary("munged"), "-F", "--force", "-S", str(munge / "munge.socket"),
+                             "--key-file", str(key), "--pid-file", str(munge / "munged.pid"),
+                             "--seed-file", str(munge / "munged.seed"), "--log-file", str(munge / "munged.log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _cancel_jobs(env: dict, timeout_s: float = 30) -> None:
+    """Cancels what is still queued or running (a failed test's job), so that no job step outlives its slurmd."""
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+    if not jobs:
+        return
+    subprocess.run(["scancel", *jobs], env=env, capture_output=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and subprocess.run(["squeue", "-h"], env=env, capture_output=True,
+                                                         text=True).stdout.strip():
+        time.sleep(1)
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
@@ -241,7 +255,7 @@ def slurm_two_nodes(tmp_path_factory):
         started = []
         try:
             started.append(_start_munged(root / "munge"))
-            daemons = [(0, [_binary("slurmctld"), "-D", "-i", "-f", str(conf)])]
+            daemons = [(0, [_binary("slurmctld"), "-D", "-i", "-f", str(conf)])]  # the controller on the first node
             daemons += [(i, [_binary("slurmd"), "-D", "-f", str(conf), "-N", name]) for i, name in enumerate(TWO_NODES)]
             for i, argv in daemons:
                 started.append(subprocess.Popen(_as_node(namespaces[i][0], TWO_NODES[i], hosts, argv), env=env,
@@ -250,4 +264,5 @@ def slurm_two_nodes(tmp_path_factory):
                 pytest.skip(f"the two Slurm nodes did not come up idle; see {root}/slurmctld.log and slurmd.*.log")
             yield env
         finally:
+            _cancel_jobs(env)
             _stop(started)

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 def test_each_node_answers_with_its_own_name_and_resolves_the_other(slurm_two_nodes, tmp_path):  # noqa: F811
     output = tmp_path / "names.out"
+    each_node = f"srun sh -c 'echo $(hostname) $(getent hosts {' '.join(TWO_NODES)} | wc -l)'"
     submitted = subprocess.run(["sbatch", "--parsable", "--nodes", "2", "--ntasks-per-node", "1", "-o", str(output),
-                                "--wrap", f"srun sh -c 'echo $(hostname) $(getent hosts {' '.join(TWO_NODES)} | wc -l)'"],
+                                "--wrap", each_node],
                                env=slurm_two_nodes, capture_output=True, text=True, cwd=tmp_path)
     assert submitted.returncode == 0, submitted.stderr
     _wait_job(slurm_two_nodes, submitted.stdout.strip().split(";")[0])
