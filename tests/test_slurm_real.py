@@ -107,11 +107,13 @@ def test_a_signalled_job_checkpoints_requeues_itself_and_resumes_to_the_same_res
     """USR1 to the batch shell (what Slurm sends before the time limit): the workers stop at an agreed checkpoint,
     the script requeues the job, which comes back and resumes (`--resume auto`) to an uninterrupted run's result."""
     steps = 400
-    settings = [*TINY, "--set", f"train.steps={steps}", "--set", "checkpoint.every=2"]
+    # No periodic checkpoint before the end: the rerun can only resume from the one written on the signal.
+    settings = [*TINY, "--set", f"train.steps={steps}", "--set", f"checkpoint.every={steps}"]
     run = tmp_path / "slurm-run"
     job = _submit(slurm_cluster, tmp_path, run, settings)
+    metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not list((run / "checkpoints").glob("step-*.pt")) and time.monotonic() < deadline:
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
         time.sleep(0.2)
     signalled = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_cluster, capture_output=True,
                                text=True)
@@ -122,6 +124,7 @@ def test_a_signalled_job_checkpoints_requeues_itself_and_resumes_to_the_same_res
     summary = json.loads((run / "summary.json").read_text())
     assert summary["requeues"] >= 1 and summary["steps"] == steps, f"{summary}\n{log}"
     assert "restart 1," in log, log  # the script's first line on the requeued run
+    assert re.search(r"stopped at step \d+ on request", log) and "resuming from" in log, log
     _train(tmp_path, tmp_path / "local-run", settings)
     _assert_same_final_checkpoint(run, tmp_path / "local-run", steps)
 
