@@ -256,6 +256,20 @@ def test_injection_spec_is_parsed_and_fires_only_where_asked():
     assert clock.monotonic() - started >= 0.2
 
 
+def test_a_slow_step_ends_early_on_a_stop_signal_and_only_then():
+    import time as clock
+
+    from ganscale.fault import injected_fault
+
+    asked = clock.monotonic() + 0.3
+    slow = injected_fault({"GANSCALE_INJECT_FAULT": "slow@0:2:60"}, stopping=lambda: clock.monotonic() > asked)
+    slow(2, 0)  # would take 60 s without the stop
+    assert asked <= clock.monotonic() < asked + 5
+    started = clock.monotonic()
+    injected_fault({"GANSCALE_INJECT_FAULT": "slow@0:2:0.3"})(2, 0)  # no stop: the whole time
+    assert clock.monotonic() - started >= 0.3
+
+
 def endless_ring8(run: Path) -> list[str]:
     """`ganscale train ring8 --nproc 2` into `run`, until stopped: no periodic checkpoint, a log every 10 steps."""
     return [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),

@@ -47,11 +47,13 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
                  "#SBATCH --partition=debug", "#SBATCH --signal=B:USR1@55", "#SBATCH --requeue",
                  f"#SBATCH --output={tmp_path}/run/slurm/%j.out",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1',
-                 '--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:29500" --rdzv-id "$SLURM_JOB_ID"',
+                 "RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))",
+                 '--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"',
                  '--nnodes "$SLURM_NNODES" --nproc-per-node 2',
                  f"{sys.executable} -m torch.distributed.run",
                  '-m ganscale train digits --set train.steps=4 --resume auto --run-dir "$RUN_DIR" &',
-                 'scontrol requeue "$SLURM_JOB_ID"', "trap stop USR1 TERM"]:
+                 'scontrol requeue "$SLURM_JOB_ID"', "trap stop USR1 TERM",
+                 'scancel --signal=TERM "$SLURM_JOB_ID"']:
         assert line in text, line
     assert "--gpus-per-node" not in text
     assert not (tmp_path / "run").exists()
@@ -99,6 +101,8 @@ def test_bad_input_exits_2_submits_and_writes_nothing(tmp_path):
     cases = [
         (["digits", "--nodes", "1", "--gpus-per-node", "0"], "--procs-per-node"),
         ([*CPU_JOB, "--time", "90 minutes"], "--time"),
+        ([*CPU_JOB, "--time", "00:01:00"], "--signal-lead"),  # the default 55 s lead: signalled as it starts
+        ([*CPU_JOB, "--time", "00:02:00", "--signal-lead", "90"], "--signal-lead"),
         ([*CPU_JOB, "--set", "train.batch_size=63"], "train.batch_size"),
         (["digits", "--nodes", "1", "--gpus-per-node", "2", "--procs-per-node", "3"], "--procs-per-node"),
     ]
@@ -119,6 +123,8 @@ def test_the_script_stops_on_usr1_checkpoints_and_requeues(tmp_path):
     bin_dir = tmp_path / "bin"
     tool(bin_dir, "srun", 'shift; exec "$@"')  # --kill-on-bad-exit=1, then the command: one task, here
     tool(bin_dir, "scontrol", f'if [ "$1" = show ]; then echo 127.0.0.1; else echo "$@" >> {bin_dir}/scontrol.calls; fi')
+    # scancel --signal=TERM JOB: SIGTERM to the job step's processes (here: this job's torchrun and its workers)
+    tool(bin_dir, "scancel", f'echo "$@" >> {bin_dir}/scancel.calls; pkill -TERM -f "run-dir {tmp_path}/run"')
     written = slurm(*CPU_JOB, "--set", "train.steps=100000", "--set", "log.every=1", "--set", "checkpoint.every=100000",
                     "--run-dir", "run", "--dry-run", cwd=tmp_path)
     assert written.returncode == 0, explain(written)
@@ -139,6 +145,7 @@ def test_the_script_stops_on_usr1_checkpoints_and_requeues(tmp_path):
     assert job.returncode == 3, out
     assert list((tmp_path / "run" / "checkpoints").glob("step-*")), out
     assert (bin_dir / "scontrol.calls").read_text().split() == ["requeue", "77"]
+    assert (bin_dir / "scancel.calls").read_text().split() == ["--signal=TERM", "77"]
 
 
 def test_a_requeued_job_says_so_and_records_it_in_the_summary(tmp_path):

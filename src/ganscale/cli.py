@@ -103,10 +103,19 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run
     """Train RECIPE (a shipped recipe name or a YAML file; default: digits)."""
     from ganscale import api
 
+    from ganscale import launch
+
     try:
         api.run(recipe, overrides, nproc, run_dir, resume, max_restarts, click.echo)
     except Exception as e:  # noqa: BLE001 - each kind ends as `leave` says
         leave(e)
+    if launch.under_launcher():
+        # A finished worker (everything written, its process group destroyed) leaves without the interpreter's
+        # teardown: about one exit in ten aborted there in C++ ("terminate called without an active exception",
+        # gloo's threads), and the launcher reported a finished run as failed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def leave(error: Exception) -> NoReturn:
@@ -185,9 +194,10 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         sbatch = None if dry_run else slurming.check_sbatch()
         # A run directory that holds a run is continued (the job trains with --resume auto).
         target, _ = rundir.resolve_run(cfg, run_dir, "auto" if run_dir else None)
+        signal_lead = signal_lead or slurming.default_signal_lead_s(cfg)
+        slurming.check_signal_lead(time_limit, signal_lead)
         job = slurming.Job(shape, f"ganscale-{cfg.name}", target.resolve(), slurming.train_args(recipe, overrides),
-                           time_limit, partition, account, requeue,
-                           signal_lead or slurming.default_signal_lead_s(cfg))
+                           time_limit, partition, account, requeue, signal_lead)
         text = slurming.script(job)
         if dry_run:
             click.echo(text, nl=False)

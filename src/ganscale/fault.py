@@ -254,7 +254,8 @@ def stop_grace_s(exit_timeout_s: float) -> float:
 
 # ----------------------------------------------------------------------------------- fault injection
 # Test-only: GANSCALE_INJECT_FAULT="KIND@RANK:STEP[:SECONDS]" makes rank RANK misbehave at the start of
-# step STEP: `raise` an exception, `sleep` SECONDS (a hang, for the watchdog), or `noise`: from then on, every
+# step STEP: `raise` an exception, `sleep` SECONDS (a hang, for the watchdog), `slow`: a step that takes SECONDS
+# unless a stop signal arrives (a long step that a scheduler's signal interrupts), or `noise`: from then on, every
 # linear and convolution layer in training mode adds noise drawn from the rank's own RNG stream (a network whose
 # randomness is per rank, for `ganscale verify`).
 # Used by the fault-injection tests; read once per process, checked once per step.
@@ -270,8 +271,8 @@ def _parse_injection(spec: str | None) -> tuple[str, int, int, float] | None:
     if not spec:
         return None
     kind, _, where = spec.partition("@")
-    if kind not in ("raise", "sleep", "noise"):
-        raise ValueError(f"{INJECT_ENV}: unknown fault kind {kind!r} (known: raise, sleep, noise)")
+    if kind not in ("raise", "sleep", "slow", "noise"):
+        raise ValueError(f"{INJECT_ENV}: unknown fault kind {kind!r} (known: raise, sleep, slow, noise)")
     rank, step, *seconds = where.split(":")
     return kind, int(rank), int(step), float(seconds[0]) if seconds else 3600.0
 
@@ -286,8 +287,9 @@ def _per_rank_noise(module, args, output):
     return output
 
 
-def injected_fault(environ: dict | None = None) -> Callable[[int, int], None]:
-    """A per-step hook (step, rank) that fires the configured fault, or does nothing."""
+def injected_fault(environ: dict | None = None, stopping: Callable[[], bool] = lambda: False) -> Callable[[int, int], None]:
+    """A per-step hook (step, rank) that fires the configured fault, or does nothing. `stopping`: whether this rank
+    has a stop signal (ends a `slow` step)."""
     import os
     import time
 
@@ -305,6 +307,11 @@ def injected_fault(environ: dict | None = None) -> Callable[[int, int], None]:
             from torch.nn.modules.module import register_module_forward_hook
 
             register_module_forward_hook(_per_rank_noise)
+            return
+        if kind == "slow":
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not stopping():
+                time.sleep(0.1)
             return
         time.sleep(seconds)
     return fire

@@ -24,8 +24,11 @@ from ganscale.fault import EXIT_PREEMPTED, stop_grace_s
 
 TIME = re.compile(r"^(?:(\d+)-)?(\d{1,2}):([0-5]\d):([0-5]\d)$")  # [D-]HH:MM:SS, one of sbatch's forms
 SCRIPT = "job.sbatch"
-RDZV_PORT = 29500
-PORT_BASE, PORT_SPAN = 10000, 50000  # an srun job's MASTER_PORT: from its job id, so jobs sharing a node differ
+SLURMCTLD_CHECK_S = 30  # slurmctld's time-limit check interval (PERIODIC_TIMEOUT): a signal may come this much early
+MIN_TRAINING_S = 30  # start-up and at least one step before the earliest signal
+# A job's rendezvous port (torchrun's) or MASTER_PORT (srun tasks) comes from its job id, so jobs sharing a node
+# differ; below Linux's ephemeral range (32768 and up), where the kernel hands out client ports.
+PORT_BASE, PORT_SPAN = 10000, 20000
 # Slurm's default KillWait: a signal the scheduler delivers late still leaves the stop this long before SIGKILL.
 SLURM_SLACK_S = 30
 
@@ -74,6 +77,26 @@ def check_time(value: str | None) -> None:
                           "write HH:MM:SS or D-HH:MM:SS, e.g. --time 04:00:00")
 
 
+def seconds(time_limit: str) -> int:
+    days, hours, minutes, secs = (int(part or 0) for part in TIME.match(time_limit).groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + secs
+
+
+def check_signal_lead(time_limit: str | None, lead_s: int) -> None:
+    """Refuse a lead that leaves no training before the signal: slurmctld checks limits every 30 s and sends the
+    signal at the first check within lead + 30 s of the limit, so a job with less than that plus a start-up margin
+    would be signalled as it starts, stop before its first step and requeue itself forever."""
+    if time_limit is None:
+        return
+    earliest = seconds(time_limit) - lead_s - SLURMCTLD_CHECK_S
+    if earliest < MIN_TRAINING_S:
+        raise ConfigError("--signal-lead", f"{lead_s} s before a {time_limit} limit: Slurm may signal the job "
+                          f"{max(earliest, 0)} s after it starts (it checks every {SLURMCTLD_CHECK_S} s), before it "
+                          "trains, and every requeue would stop the same way",
+                          f"ask for more --time (at least {lead_s + SLURMCTLD_CHECK_S + MIN_TRAINING_S} s) or a "
+                          "shorter --signal-lead")
+
+
 def default_signal_lead_s(cfg: Config) -> int:
     """Seconds before the time limit to signal: the longest a rank takes to stop (fault.stop_grace_s, which covers
     the measured checkpoint-on-signal time, benchmarks/results/stop-grace-*.md) plus Slurm's KillWait."""
@@ -117,18 +140,20 @@ def script(job: Job, python: str = sys.executable) -> str:
               f"RUN_DIR={run_dir}",
               f"REQUEUE={int(job.requeue)}",
               'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
-              'echo "ganscale: job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0}, rendezvous on $HEAD_NODE"',
+              f"RDZV_PORT=$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))  # from the job id: jobs sharing a node differ",
+              'echo "ganscale: job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0}, rendezvous on $HEAD_NODE:$RDZV_PORT"',
               "",
-              "# USR1 (before the time limit) or SIGTERM (scancel, preemption): SIGTERM to srun, which reaches every",
-              "# worker through torchrun; each finishes its step, writes an agreed checkpoint and exits.",
+              "# USR1 (before the time limit) or SIGTERM (scancel, preemption): SIGTERM to the job's steps (torchrun and",
+              "# every worker, on every node); each worker finishes its step, writes an agreed checkpoint and exits. Not",
+              "# `kill srun`: srun answers SIGTERM by killing its tasks at once, before any checkpoint.",
               "STOPPED=0",
-              'stop() { STOPPED=1; kill -TERM "$SRUN_PID" 2>/dev/null; }',
+              'stop() { STOPPED=1; scancel --signal=TERM "$SLURM_JOB_ID"; }',
               "trap stop USR1 TERM",
               "",
               f"srun --kill-on-bad-exit=1 {q(python)} -m torch.distributed.run \\",
               '    --nnodes "$SLURM_NNODES" '
               f"--nproc-per-node {job.layout.procs_per_node} \\",
-              f'    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" \\',
+              f'    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID" \\',
               '    --log-dir "$RUN_DIR/slurm/logs/$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" --tee 3 \\',
               "    -m ganscale train " + " ".join(q(a) for a in job.train_args) + ' --resume auto --run-dir "$RUN_DIR" &',
               "SRUN_PID=$!",

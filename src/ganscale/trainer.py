@@ -196,7 +196,8 @@ class Trainer:
         self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
         self.traffic = TrafficMeter()  # bytes communicated per step, measured on one step
         self.times = StepTimes(device, cfg.log.step_times)  # where each step's wall time goes
-        self.inject_fault = injected_fault()  # test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set
+        # Test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set.
+        self.inject_fault = injected_fault(stopping=lambda: self.stop_signal is not None)
         self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics",
                                  exit_timeout_s=cfg.fault.exit_timeout_s)
         self.checkpointer = Checkpointer(cfg.checkpoint, self)
