@@ -52,9 +52,9 @@ def two_nodes():
             _ip("netns", "del", ns)
 
 
-def _train_on_two_nodes(nodes, train_args: list[str], cwds: list, tag: str) -> None:
+def _train_on_two_nodes(nodes, train_args: list[str], cwds: list, tag: str, exit_code: int = 0) -> list[str]:
     """`ganscale train TRAIN_ARGS` under torchrun on both nodes (one process each), node i started in cwds[i];
-    fails the test unless both exit 0."""
+    fails the test unless both exit with `exit_code`. Returns each node's stderr."""
     endpoint = f"{nodes[0][2]}:29555"
     processes = []
     for node_rank, (ns, veth, address) in enumerate(nodes):
@@ -69,7 +69,8 @@ def _train_on_two_nodes(nodes, train_args: list[str], cwds: list, tag: str) -> N
                                           stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=240) for p in processes]
     for p, (_, err) in zip(processes, outputs):
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode == exit_code, err[-3000:]
+    return [err for _, err in outputs]
 
 
 def test_two_nodes_over_c10d_rendezvous_train_as_one_world(tmp_path, two_nodes):
@@ -95,3 +96,18 @@ def test_two_nodes_import_the_user_s_gan_from_an_absolute_code_path(tmp_path, tw
     _train_on_two_nodes(two_nodes, [str(moved), "--run-dir", str(run)], cwds, "user")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
+
+
+def test_a_run_directory_the_nodes_do_not_share_is_refused_on_every_node(tmp_path, two_nodes):
+    """`--run-dir run` from two working directories: each node's `run` is its own folder, as on storage that is
+    not shared. Every rank exits 2, rank 0 names --run-dir, and nothing stays behind."""
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for cwd in cwds:
+        cwd.mkdir()
+    errors = _train_on_two_nodes(two_nodes, ["--set", "train.steps=3", "--run-dir", "run"], cwds, "unshared",
+                                 exit_code=1)  # torchrun's own code when a worker failed
+    said = [line for line in errors[0].splitlines() if "not on storage every node shares" in line]
+    assert len(said) == 1 and "'--run-dir'" in said[0] and "rank(s) 1 do not see" in said[0], errors[0][-3000:]
+    for err in errors:  # torchrun's report of its worker on each node: a config error
+        assert "exitcode  : 2" in err, err[-3000:]
+    assert not (cwds[0] / "run").exists() and not (cwds[1] / "run").exists()

@@ -183,7 +183,7 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None
     if dist.get_rank() == 0:
         try:
             path, source, held = claim_run(cfg, run_dir, resume)
-            answer = [("run", str(path), str(source) if source else None)]
+            answer = [("run", str(path), str(source) if source else None, runlock.token_of(path))]
         except ConfigError as e:
             failure, answer = e, [("refused", e.key, e.problem, e.fix)]
         except AlreadyTrained as e:
@@ -200,7 +200,28 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None
         raise told_by(0, ConfigError(*fields))
     if kind == "done":
         raise AlreadyTrained(fields[0])
-    return Path(fields[0]), (Path(fields[1]) if fields[1] else None), held
+    path, source, token = Path(fields[0]), (Path(fields[1]) if fields[1] else None), fields[2]
+    sees: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sees, _sees_hold(path, token))  # one collective: does every rank see rank 0's directory?
+    blind = [rank for rank, seen in enumerate(sees) if not seen]
+    if blind:
+        if held is not None:
+            held.release(abandon=True)  # nothing of this run stays behind
+        error = ConfigError("--run-dir", f"rank(s) {', '.join(map(str, blind))} do not see {path / runlock.LOCK_NAME}, "
+                            "which rank 0 holds there: the run directory is not on storage every node shares",
+                            "put --run-dir on a file system every node mounts at the same path (NFS, Lustre, ...)")
+        raise error if dist.get_rank() == 0 else told_by(0, error)
+    return path, source, held
+
+
+def _sees_hold(run_dir: Path, token: str | None, patience_s: float = 5.0) -> bool:
+    """Whether this rank sees rank 0's hold on `run_dir`; a network file system may show a new file a moment late."""
+    deadline = time.monotonic() + patience_s
+    while runlock.token_of(run_dir) != token:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def resume_after_restart(run_dir: str | Path, resume: str | None) -> str | None:

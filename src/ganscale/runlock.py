@@ -144,6 +144,11 @@ def _stale(owner: dict | None, age_s: float, _mtime_ns: int) -> bool:
     return age_s > LEASE_S
 
 
+def token_of(run_dir: Path) -> str | None:
+    """The token of the hold on `run_dir` as this process sees it; None where it sees no lock."""
+    return (_owner(run_dir / LOCK_NAME) or {}).get("token")
+
+
 def _owner(lock: Path) -> dict | None:
     """The lock's owner; None when there is no lock, or it is being written (or is not a lock of ours)."""
     try:
