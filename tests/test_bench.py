@@ -201,3 +201,14 @@ def test_pix2pix_table_shows_a_failed_row_s_output_writes_the_table_and_exits_1(
     baseline, offload = json.loads(js.read_text())["rows"]
     assert baseline["status"].startswith("failed") and "cannot read image" in baseline["output"]
     assert offload["status"].startswith("skipped")  # a skipped row is no failure
+
+
+def test_throughput_of_stylegan2_counts_its_flops(tmp_path):
+    record = run_bench(tmp_path, "throughput", "--device", "cpu", "--model", "stylegan2", "--batch", "4", "--batch", "8",
+                       "--resolution", "8", "--stylegan2-base", "64", "--iters", "1", "--warmup", "1")
+    rows = record["rows"]
+    assert [(r["model"], r["batch"], r["width"]) for r in rows] == [("stylegan2", 4, 64), ("stylegan2", 8, 64)]
+    assert rows[0]["params_G"] > 0 and rows[0]["mfu"] is None  # no peak on the CPU unless given
+    # Per sample: modulated convolutions and the mapping; per forward, whatever the batch: w_avg's refresh (the
+    # mapping of 256 fixed latents). Twice the batch: more FLOPs, less than twice.
+    assert rows[0]["gflop_per_iter"] < rows[1]["gflop_per_iter"] < 2 * rows[0]["gflop_per_iter"]

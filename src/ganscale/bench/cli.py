@@ -94,11 +94,13 @@ def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, batch: i
 @bench.command()
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when visible.")
 @click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True, help="Batch sizes (default 64 and 256).")
-@click.option("--model", "models", type=click.Choice(["dcgan", "biggan"]), multiple=True,
-              help="Models (default both).")
+@click.option("--model", "models", type=click.Choice(["dcgan", "biggan", "stylegan2"]), multiple=True,
+              help="Models (default dcgan and biggan).")
 @click.option("--resolution", type=click.IntRange(min=8), default=None,
               help="Image side (default 64 on CUDA, 32 on CPU).")
 @click.option("--dcgan-width", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--stylegan2-base", type=click.IntRange(min=1), default=None,
+              help="StyleGAN2's channel_base (default 16384 on CUDA, as its 256 px config; 1024 on CPU).")
 @click.option("--biggan-ch", type=click.IntRange(min=1), default=None,
               help="BigGAN ch (default 64 on CUDA, 16 on CPU).")
 @click.option("--precision", type=click.Choice(["fp32", "bf16"]), default=None,
@@ -111,9 +113,10 @@ def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, batch: i
 @OUT_DIR
 @click.pass_context
 def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...], models: tuple[str, ...],
-               resolution: int | None, dcgan_width: int, biggan_ch: int | None, precision: str | None, iters: int,
-               warmup: int, peak_tflops: float | None, threads: int, out_dir: str) -> None:
-    """Images/s, model FLOPs per iteration and MFU of DCGAN and BigGAN-style training iterations."""
+               resolution: int | None, dcgan_width: int, stylegan2_base: int | None, biggan_ch: int | None,
+               precision: str | None, iters: int, warmup: int, peak_tflops: float | None, threads: int,
+               out_dir: str) -> None:
+    """Images/s, model FLOPs per iteration and MFU of DCGAN, BigGAN- and StyleGAN2-style training iterations."""
     import torch
 
     from ganscale.bench import throughput as bench_throughput
@@ -125,15 +128,18 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
     torch.set_num_threads(threads)
     ctx.params.update(device=device, batches=batches or (64, 256), models=models or ("dcgan", "biggan"),
                       resolution=resolution or (64 if on_cuda else 32), biggan_ch=biggan_ch or (64 if on_cuda else 16),
+                      stylegan2_base=stylegan2_base or (16384 if on_cuda else 1024),
                       precision=precision or ("bf16" if on_cuda else "fp32"))
     p = ctx.params
-    rows = [bench_throughput.measure(model, batch, p["resolution"], dcgan_width if model == "dcgan" else p["biggan_ch"],
-                                     torch.device(device), p["precision"], iters, warmup, peak_tflops)
+    width = {"dcgan": dcgan_width, "biggan": p["biggan_ch"], "stylegan2": p["stylegan2_base"]}
+    rows = [bench_throughput.measure(model, batch, p["resolution"], width[model], torch.device(device), p["precision"],
+                                     iters, warmup, peak_tflops)
             for model in p["models"] for batch in p["batches"]]
     columns = ["model", "resolution", "width", "batch", "precision", "img_per_s", "iter_median_s", "gflop_per_iter",
                "achieved_tflops", "mfu"]
     notes = ["one iteration = D step (G no-grad forward, D on [real, fake], Adam) + G step (G and frozen D, Adam); "
-             "DCGAN nonsaturating loss, BigGAN hinge loss with 10 classes",
+             "DCGAN nonsaturating loss, BigGAN hinge loss with 10 classes, StyleGAN2 nonsaturating loss (main phases: "
+             "no R1 or path length; style mixing and noise on; width = channel_base)",
              "FLOPs from torch.utils.flop_counter.FlopCounterMode over one iteration (forward + backward)",
              f"MFU against {rows[0]['peak_tflops']} TFLOP/s" if rows[0]["peak_tflops"] else "MFU: no peak given on CPU",
              f"{threads} thread(s)" if not on_cuda else "CUDA: cudnn.allow_tf32 is torch's default (True)"]

@@ -27,9 +27,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from ganscale import objectives
 from ganscale.models.biggan import BigGANDiscriminator, BigGANGenerator
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
+from ganscale.models.stylegan2 import StyleGAN2Discriminator, StyleGAN2Generator
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp32": 67.0}  # H100 SXM dense
 N_CLASSES = 10
+STYLEGAN2_Z = 512  # z and w, as StyleGAN2's configs
 
 
 @dataclass
@@ -54,6 +56,9 @@ def build(model: str, resolution: int, width: int) -> GanPair:
     if model == "dcgan":
         return GanPair("dcgan", DCGANGenerator(100, 3, resolution, width), DCGANDiscriminator(3, resolution, width),
                        100, False, "nonsaturating")
+    if model == "stylegan2":  # width: channel_base (channels at resolution r: min(width // r, 512)); main phases only
+        return GanPair("stylegan2", StyleGAN2Generator(resolution, STYLEGAN2_Z, 3, channel_base=width),
+                       StyleGAN2Discriminator(resolution, 3, channel_base=width), STYLEGAN2_Z, False, "nonsaturating")
     attn = max(8, resolution // 2)  # BigGAN puts its attention one octave below the output
     return GanPair("biggan", BigGANGenerator(resolution, width, 120, N_CLASSES, 3, 128, attn),
                    BigGANDiscriminator(resolution, width, N_CLASSES, 3, attn), 120, True, "hinge")

@@ -181,7 +181,9 @@ class SynthesisBlock(nn.Module):
     def forward(self, x: Tensor | None, image: Tensor | None, ws: Tensor, seeds: Tensor) -> tuple[Tensor, Tensor]:
         w = ws[:, self.first_w:self.first_w + self.num_ws].unbind(1)
         if x is None:
-            x = self.const[None].expand(ws.shape[0], -1, -1, -1)
+            # A copy, not a view: under no_grad a view of a parameter requires grad without a grad_fn, which
+            # torch's module tracker (FlopCounterMode, bench throughput) cannot hook.
+            x = self.const[None].repeat(ws.shape[0], 1, 1, 1)
         for conv, w_conv in zip(self.convs, w):
             x = conv(x, w_conv, seeds)
         rgb = self.torgb(x, w[-1])
