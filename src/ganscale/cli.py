@@ -101,9 +101,7 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
 def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run_dir: str | None,
           resume: str | None, max_restarts: int) -> None:
     """Train RECIPE (a shipped recipe name or a YAML file; default: digits)."""
-    from ganscale import api
-
-    from ganscale import launch
+    from ganscale import api, launch
 
     try:
         api.run(recipe, overrides, nproc, run_dir, resume, max_restarts, click.echo)
@@ -452,6 +450,35 @@ def k8s(recipe: str | None, overrides: tuple[str, ...], nodes: int, gpus_per_nod
     click.echo(f"wrote {path}\nkubectl apply -f {path}")
 
 
+@main.group()
+def dataset() -> None:
+    """Data set tools: make a StyleGAN data set zip (data.kind=zip)."""
+
+
+@dataset.command()
+@click.argument("src")
+@click.argument("dest")
+@click.option("--resolution", type=int, required=True, help="Side length of the square images (a power of two).")
+@click.option("--grayscale/--rgb", "grey", default=None,
+              help="Grey or RGB images (default: grey when every source image is grey).")
+@click.option("--force", is_flag=True, help="Replace DEST if it exists (never a run's checkpoints or config).")
+def create(src: str, dest: str, resolution: int, grey: bool | None, force: bool) -> None:
+    """Make the StyleGAN data set DEST.zip from the folder SRC (searched recursively), in NVlabs' layout.
+
+    Each image's centre square is resized to --resolution. When every image lies in a sub-folder of SRC, the
+    sub-folders are the classes (sorted names: 0, 1, ...) and dataset.json holds each image's class; train
+    with data.kind=zip, data.path=DEST (and data.labels=true for a class-conditional model)."""
+    from ganscale.data import create as creating
+
+    try:
+        source = creating.create(src, dest, resolution, grey, force)
+    except ConfigError as e:
+        _fail(e)
+    classes = "no labels" if source.class_names is None else "classes " + ", ".join(
+        f"{index}={name}" for index, name in enumerate(source.class_names))
+    click.echo(f"wrote {dest}: {len(source.files)} images of {resolution}x{resolution}, {classes}")
+
+
 @main.command()
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Ranks to test with (default: every visible GPU on a CUDA run, else 2).")
@@ -481,7 +508,5 @@ def doctor(nproc: int | None, backend: str, device: str) -> None:
 
 
 from ganscale.bench.cli import bench  # noqa: E402 - the group lives with its benchmarks
-from ganscale.data.cli import dataset  # noqa: E402 - likewise, with the data sets
 
 main.add_command(bench)
-main.add_command(dataset)
