@@ -19,6 +19,10 @@ BEYOND_ANY_MACHINE = [("model.z_dim=100000000", "model.z_dim"), ("model.d_width=
                       ("train.batch_size=100000000", "train.batch_size"), ("log.samples=100000000", "log.samples")]
 
 
+# Recipes written for a GPU, and the memory of the smallest GPU they are for (an 80 GB H100).
+GPU_RECIPES = {"stylegan2-256": 79 * memory.GiB}
+
+
 def refused_in_one_line(result, key: str) -> None:
     assert result.returncode == 2, explain(result)
     lines = result.stderr.strip().splitlines()
@@ -61,13 +65,15 @@ def test_sample_refuses_more_samples_than_the_machine_holds_and_writes_nothing(t
 @pytest.mark.parametrize("recipe", config.recipe_names())
 @pytest.mark.parametrize("world", [1, 2])
 def test_shipped_recipes_fit_this_machine(recipe, world):
-    """Every model kind builds and runs on the meta device, and no shipped recipe is refused."""
+    """Every model kind builds and runs on the meta device, and no shipped recipe is refused (a GPU recipe: on
+    the GPU it is written for)."""
     cfg = config.load(recipe)
     if cfg.train.batch_size % world:
         pytest.skip(f"{recipe}'s batch does not split over {world} ranks (preflight.check refuses it)")
     estimate = memory.training_estimate(cfg, world, local_ranks=world)
     assert estimate.state > 0 and estimate.activations > 0
-    memory.check_training(cfg, world, memory.host_available() // world, "available", local_ranks=world)
+    room = GPU_RECIPES.get(recipe, memory.host_available() // world)
+    memory.check_training(cfg, world, room, "available", local_ranks=world)
 
 
 def test_the_estimate_counts_the_real_networks_parameters_gradients_adam_and_ema():
@@ -96,6 +102,22 @@ def test_activations_grow_with_the_micro_batch_and_count_spectrally_normalised_l
     assert accumulated.activations == small.activations
     spectral = memory.training_estimate(config.load("digits", ["model.d_spectral_norm=true"]), 1)
     assert spectral.activations >= small.activations  # a parametrized conv's output is counted too
+
+
+def test_double_backward_phases_count_the_graph_they_keep(monkeypatch):
+    """R1 (folded or its own phase) and path length regularisation differentiate twice: the first backward's
+    graph is kept as well, and a StyleGAN2 at the size of a real run must not be estimated below its need."""
+    plain = ["loss.r1_gamma=0", "loss.pl_weight=0", "train.batch_size=64", "log.samples=4"]
+
+    def activations(*extra: str) -> int:
+        return memory.training_estimate(config.load("digits-stylegan2", plain + list(extra)), 1).activations
+
+    assert activations("loss.r1_gamma=1") > 1.2 * activations(), "R1's double backward through D"
+    # Path length's double backward is through G: seen where D is too small to be the heavier step.
+    real_networks = memory.meta_networks
+    monkeypatch.setattr(memory, "meta_networks", lambda cfg: (real_networks(cfg)[0], torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(16 * 16, 1, device="meta"))))
+    assert activations("loss.pl_weight=2", "loss.pl_batch_shrink=1") > 1.2 * activations()
 
 
 def _refusal_of_each_rank(rank: int, world: int, run_dir: str) -> str | None:

@@ -5,8 +5,9 @@ every module that computes, to count per rank:
   state        parameters and buffers, gradients, Adam's two moments and G_ema, each divided over the ranks
                that shard it (zero1: Adam; zero2: gradients and Adam; fsdp: all; hsdp: all, over a shard group;
                pipeline: all, over the stages; FSDP's CPU offload on a GPU: none on the device);
-  activations  the outputs the heavier of the D and G steps keeps for backward on one micro-batch (a pipeline
-               rank: its share of its replica's), plus backward's working set, twice the largest output;
+  activations  the outputs the heaviest step keeps for backward on one micro-batch (a pipeline rank: its share
+               of its replica's), twice a network's for a double backward (R1, gradient penalty, path length),
+               plus backward's working set, twice the largest output;
                Or drawing the sample grid between steps (no gradients), where that needs more;
   latents      the noise of a global batch and of the sample grid (drawn whole on every rank).
 Left out: the functional operations between modules, temporaries, the allocator's slack and the framework itself.
@@ -168,9 +169,14 @@ def _step_activations(cfg: Config, generator: nn.Module, discriminator: nn.Modul
             discriminator(task.critic_view(real, fake), *task.critic_conditions(None, labels))
     g_forward = _bytes(z, *real) + sum(g_outputs)
     kept_g = g_forward if reuses_fake(cfg, world, task.same_fake_for_g)[0] else 0  # G's graph kept for its step
-    d_heavier = _bytes(critic_input) + sum(d_step) + kept_g
+    loss = cfg.loss
+    # A double backward keeps the first backward's graph too, about the forward's size again.
+    d_kept = sum(d_step) * (2 if loss.penalises_input_gradient else 1)
+    d_heavier = _bytes(critic_input) + d_kept + kept_g
     g_heavier = g_forward + sum(g_step)
-    return max(d_heavier, g_heavier), max([*g_outputs, *d_step, 0])
+    # Path length regularisation: G's forward on micro / pl_batch_shrink samples, differentiated twice.
+    path_length = 2 * g_forward // loss.pl_batch_shrink if loss.pl_weight > 0 else 0
+    return max(d_heavier, g_heavier, path_length), max([*g_outputs, *d_step, 0])
 
 
 def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
