@@ -112,6 +112,9 @@ def _assert_same_training(one: dict, two: list[dict], overrides: dict) -> None:
     assert one["extra"]["pl_mean"] > 0
     gen = torch.Generator().manual_seed(1)
     inputs = {"G": (torch.randn(8, 32, generator=gen),), "D": (torch.rand(8, 1, 16, 16, generator=gen) * 2 - 1,)}
+    if overrides.get("model.conditional") == "true":
+        classes = torch.arange(8) % 10
+        inputs = {net: (*args, classes) for net, args in inputs.items()}
     assert_same_functions(overrides, one, two, inputs, RECIPE)
 
 
@@ -119,12 +122,13 @@ def _assert_same_training(one: dict, two: list[dict], overrides: dict) -> None:
 @pytest.mark.parametrize("micro_batch", [None, 2])
 def test_two_ranks_equal_one_process_with_r1_and_path_length(tmp_path, micro_batch):
     """R1 and path length regularisation in their own phases (double backward through DDP-wrapped D and G), style
-    mixing and noise inputs: 3 steps on 2 ranks compute what 1 process does, without accumulation, and with it
-    and ADA."""
+    mixing and noise inputs: 3 steps on 2 ranks compute what 1 process does, without accumulation, and with it,
+    ADA and classes."""
     overrides = {**TINY, "train.steps": 3, "model.style_mixing": 0.5}
     if micro_batch:  # 1 process: 4 micro-batches of 2 (path length batch: 1 each); 2 ranks: 2 each
         overrides["train.micro_batch"] = micro_batch
         overrides.update({"augment.kind": "ada", "augment.p": 0.5})  # D reg augments its reals as D main does
+        overrides.update({"model.conditional": "true", "data.labels": "true"})  # D reg judges reals with theirs
     one = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "one"), _steps, None, RECIPE)[0]
     two = run_ranks(train_and_collect, 2, overrides, str(tmp_path / "two"), _steps, None, RECIPE)
     _assert_same_training(one, two, overrides)

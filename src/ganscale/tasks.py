@@ -38,6 +38,10 @@ class Unconditional:
         """Extra arguments of D (class labels) for the batch [real, fake], or [fake] when `real` is None; or ()."""
         return ()
 
+    def real_labels(self, real: Sample) -> Tensor | None:
+        """The classes of a batch of reals (D's condition when it judges them alone, as R1 does); None: none."""
+        return None
+
     def reconstruction(self, fake: Tensor, real: Sample) -> Tensor | None:
         """A supervised term added to G's loss (pix2pix's L1); None here."""
         return None
@@ -72,6 +76,9 @@ class ClassConditional(Unconditional):
 
     def critic_conditions(self, real: Sample | None, labels: Tensor | None) -> tuple[Tensor, ...]:
         return (labels if real is None else torch.cat([real[1], labels]),)
+
+    def real_labels(self, real: Sample) -> Tensor:
+        return real[1]
 
     def preview(self, G: nn.Module, z: Tensor, label: int | None = None) -> Tensor:
         return G(z, self.preview_labels(len(z), label, z.device))

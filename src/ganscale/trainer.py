@@ -520,7 +520,7 @@ class Trainer:
             last = micro == len(reals) - 1
             with self.D.gradient_sync(last), self.D.power_iteration(False), seeds_from(self._take(z_all, micro)):
                 real = self.task.critic_view(sample, self.task.real_images(sample)).detach().requires_grad_(True)
-                labels = sample[1] if self.task.n_classes else None  # the reals' classes
+                labels = self.task.real_labels(sample)
                 with self.precision.autocast():
                     logits = self.D(self.augment(real), *self.task.critic_conditions(None, labels))
                 penalty = weight * objectives.r1_penalty(logits, real, self.precision.loss_scale)

@@ -132,7 +132,7 @@ def network_outputs(cfg: Config, states: dict[str, dict], real: tuple[Tensor, ..
     labels = task.labels(n, inputs) if task.n_classes else None
     seen = task.critic_view(real, task.real_images(real))
     judged = torch.cat([seen, torch.rand(seen.shape, generator=inputs) * 2 - 1])
-    real_labels = real[1] if task.n_classes else None
+    real_labels = task.real_labels(real)
     conditions = task.critic_conditions(None, None if real_labels is None else torch.cat([real_labels] * 2))
     out = {}
     with torch.no_grad():
