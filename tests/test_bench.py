@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from ganscale.bench import overhead
-from ganscale.bench.report import markdown_table
+from ganscale.bench.report import markdown_table, write_results
 from ganscale.cli import main
 from ganscale.models import build_networks
 from ganscale import config, preflight
@@ -41,6 +41,15 @@ def run_bench(tmp_path: Path, *args: str) -> dict:
 def test_markdown_table_has_one_cell_per_column():
     text = markdown_table(["a", "b"], [{"a": 1.23456789, "b": None}, {"a": "x", "b": 2}])
     assert text.splitlines() == ["| a | b |", "| --- | --- |", "| 1.235 |  |", "| x | 2 |"]
+
+
+def test_two_results_in_the_same_second_keep_both_files(tmp_path, monkeypatch):
+    monkeypatch.setattr("time.gmtime", lambda *args: (2026, 11, 25, 10, 0, 0, 2, 329, 0))  # one second for both
+    first = write_results("demo", "ganscale bench demo", ["x"], [{"x": 1}], [], out_dir=tmp_path)
+    second = write_results("demo", "ganscale bench demo", ["x"], [{"x": 2}], [], out_dir=tmp_path)
+    assert set(first).isdisjoint(second)
+    assert [json.loads(path.read_text())["rows"] for path in (first[1], second[1])] == [[{"x": 1}], [{"x": 2}]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (*first, *second))  # no temporaries
 
 
 def test_plain_loop_trains_the_recipes_networks():

@@ -117,7 +117,8 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
         result.update(score_images(cfg, generator, samples, seed, features or default_features(cfg),
                                    inception_weights, reference_limit,
                                    inception_preprocess or cfg.eval.inception_preprocess))
-    (Path(run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = json.dumps(result, indent=2) + "\n"
+    write_output(Path(run_dir) / "eval.json", lambda tmp: tmp.write_text(text), "RUN_DIR")  # whole or not at all
     return result
 
 

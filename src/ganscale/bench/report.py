@@ -6,6 +6,7 @@ names both. File names carry the command and the time: `bench-<command>-<YYYYMMD
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -68,15 +69,22 @@ def markdown_table(columns: list[str], rows: list[dict]) -> str:
 def write_results(command: str, command_line: str, columns: list[str], rows: list[dict], notes: list[str],
                   extra: dict | None = None, out_dir: Path = RESULTS_DIR) -> tuple[Path, Path]:
     """Write the table as Markdown and JSON; returns (markdown path, json path)."""
+    from ganscale.outputs import write_output  # it imports torch: not at `ganscale --help`
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     base = out_dir / f"bench-{command}-{stamp}"
+    for n in itertools.count(2):  # a second run in the same second gets its own files: no result is replaced
+        if not (base.with_suffix(".json").exists() or base.with_suffix(".md").exists()):
+            break
+        base = out_dir / f"bench-{command}-{stamp}-{n}"
     host = machine()
     record = {"command": command, "command_line": command_line, "date_utc": stamp, "machine": host,
               "columns": columns, "rows": rows, "notes": notes, **(extra or {})}
     json_path = base.with_suffix(".json")
-    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    json_text = json.dumps(record, indent=2) + "\n"
+    write_output(json_path, lambda tmp: tmp.write_text(json_text), "--out-dir")
     cuda = f", CUDA device: {host['cuda_device']}" if host["cuda_device"] else ", no CUDA device"
     text = [f"# ganscale bench {command} ({stamp} UTC)", "",
             f"Command: `{command_line}`", "",
@@ -87,5 +95,5 @@ def write_results(command: str, command_line: str, columns: list[str], rows: lis
     if notes:
         text += [*(f"- {note}" for note in notes), ""]
     md_path = base.with_suffix(".md")
-    md_path.write_text("\n".join(text))
+    write_output(md_path, lambda tmp: tmp.write_text("\n".join(text)), "--out-dir")
     return md_path, json_path

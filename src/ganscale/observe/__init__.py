@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ganscale.outputs import write_output
+
 # What a person reads on the console, in this order; every field goes to metrics.jsonl and TensorBoard.
 CONSOLE_FIELDS = ("loss_d", "loss_g", "penalty_d", "l1_g", "grad_norm_d", "grad_norm_g", "img_per_s")
 ONLY_WHEN_NONZERO = ("penalty_d", "l1_g", "skipped_steps")  # 0 where a run has no penalty, reconstruction or skip
@@ -99,7 +101,8 @@ class RunLog:
         if self.writer is not None:
             self.writer.close()
         self.metrics.close()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        text = json.dumps(summary, indent=2) + "\n"
+        write_output(self.run_dir / "summary.json", lambda tmp: tmp.write_text(text), "--run-dir")
 
 
 def _drop_records_after(path: Path, step: int) -> None:
