@@ -3,6 +3,7 @@
 #
 #   GANSCALE_VENV   the venv folder (default .venv), e.g. .venv-torch2.14 for a second environment
 #   GANSCALE_TORCH  the torch version to install when the venv's torch does not fit (default 2.13.0)
+#   GANSCALE_EXTRAS ganscale's extras to install (default test), e.g. test,tensorflow
 #
 # A torch already in the venv is kept when it is inside ganscale's supported range (src/ganscale/versions.py)
 # and, if GANSCALE_TORCH is set, of that version. Otherwise torch is installed as pip's index offers it
@@ -13,6 +14,7 @@ cd "$root"
 python="${PYTHON:-python3}"
 venv="${GANSCALE_VENV:-.venv}"
 wanted="${GANSCALE_TORCH:-}"
+extras="${GANSCALE_EXTRAS:-test}"
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
@@ -30,10 +32,11 @@ ok = in_range(torch.__version__) and (not wanted or parse(torch.__version__) == 
 sys.exit(0 if ok else 1)
 PY
 }
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! torch_fits; then
+# The stamp holds the extras installed: other extras install again.
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ] || ! torch_fits; then
   if ! torch_fits; then
     "$venv/bin/pip" install --quiet "torch==${wanted:-2.13.0}"
   fi
-  "$venv/bin/pip" install --quiet -e ".[test]"
-  touch "$stamp"
+  "$venv/bin/pip" install --quiet -e ".[$extras]"
+  echo "$extras" > "$stamp"
 fi
