@@ -7,6 +7,8 @@ a CPU the same way.
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from ganscale.config import ConfigError
@@ -36,10 +38,17 @@ def strategy(replicas: int | None, device: str) -> tf.distribute.MirroredStrateg
         if wanted > len(gpus):
             raise ConfigError("--nproc", f"{wanted} replicas, but TensorFlow sees {len(gpus)} GPU(s)",
                               f"pass --nproc {len(gpus)} or fewer")
-        return tf.distribute.MirroredStrategy([f"/gpu:{i}" for i in range(wanted)])
+        return _mirrored(tuple(f"/gpu:{i}" for i in range(wanted)))
     wanted = replicas or 1
     _split_cpu(wanted)
-    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(wanted)])
+    return _mirrored(tuple(f"/cpu:{i}" for i in range(wanted)))
+
+
+@functools.cache
+def _mirrored(devices: tuple[str, ...]) -> tf.distribute.MirroredStrategy:
+    """One strategy per device set and process: a second one over the same devices numbers its collectives from the
+    same keys, and TensorFlow takes them for the first's (a shape mismatch aborts both)."""
+    return tf.distribute.MirroredStrategy(list(devices))
 
 
 def on_gpus(strategy: tf.distribute.MirroredStrategy) -> bool:
