@@ -130,6 +130,29 @@ def test_clipping_uses_the_global_norm(tf, monkeypatch):
     assert outputs > 10 * OUTPUT_TOLERANCE, (steps, outputs)  # ~2e-3: Adam divides most of the scale out again
 
 
+# ----------------------------------------------------------------------------------------------- non-finite
+def test_a_non_finite_step_on_one_replica_is_skipped_by_every_replica(tf):
+    """NaN reals in replica 1's half of step 1's batch: D's step is skipped on both replicas (weights and Adam's step
+    count as before, still identical), G's step and the run go on."""
+    training, _ = _train(tf, 2, 1, "parallel.sync_bn=true")
+    feed = training.feed
+
+    def poisoned(batch: int):
+        reals = feed.samples[feed._order.index_tensor(batch, 0).numpy()].copy()
+        reals[feed.micro:] = np.nan  # replica 1's slice only
+        return feed.distribute(reals)
+
+    feed.reals = poisoned
+    d_before = [v.numpy() for v in training.D.trainable_variables]
+    d_steps_before, g_steps_before = int(training.opt_d.iterations.numpy()), int(training.opt_g.iterations.numpy())
+    training.iteration()
+    assert training.skipped_steps == 1 and training.consecutive_skips == 1
+    assert int(training.opt_d.iterations.numpy()) == d_steps_before and int(training.opt_g.iterations.numpy()) == g_steps_before + 1
+    for variable, before in zip(training.D.trainable_variables, d_before):
+        for replica in variable.value.values:
+            np.testing.assert_array_equal(replica.numpy(), before)
+
+
 # ----------------------------------------------------------------------------------------------- (4) resume
 def test_resumed_at_10_equals_uninterrupted_20(tf, tmp_path):
     """Stopped at step 10 (its checkpoint written, the training dropped) and resumed to 20: the same steps, and the
