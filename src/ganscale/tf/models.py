@@ -3,11 +3,15 @@
 Images are channels-last here (N, H, W, C); the feed and the samples convert at the boundary. BatchNorm keeps
 PyTorch's momentum (0.1, Keras' 0.9) and eps (1e-5); `synchronized=True` pools its statistics over every replica's
 micro-batch (parallel.sync_bn). DCGAN's initialisation is the paper's, as in dcgan.py.
+train.precision=bf16 is Keras' mixed_bfloat16 policy on every layer (fp32 weights, bf16 compute, as torch's autocast),
+but G's output and D's logits are fp32: the losses and the reals D sees stay fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import keras
 from keras import layers
@@ -66,18 +70,42 @@ def dcgan_discriminator(channels: int, resolution: int, width: int) -> keras.Mod
     return keras.Sequential(net, name="D")
 
 
+POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16"}
+
+
 def build_generator(cfg: Config, sync_bn: bool, name: str = "G") -> keras.Model:
     m, d = cfg.model, cfg.data
-    if m.kind == "mlp":
-        net = mlp_generator(m.z_dim, 2, m.g_width, m.g_layers, m.g_batchnorm, sync_bn)
-    else:
-        net = dcgan_generator(m.z_dim, d.channels, d.resolution, m.g_width, m.g_batchnorm, sync_bn)
+    with _policy(cfg.train.precision):
+        if m.kind == "mlp":
+            net = mlp_generator(m.z_dim, 2, m.g_width, m.g_layers, m.g_batchnorm, sync_bn)
+        else:
+            net = dcgan_generator(m.z_dim, d.channels, d.resolution, m.g_width, m.g_batchnorm, sync_bn)
     net.name = name
-    return net
+    return _fp32_output(net, name)
 
 
 def build_discriminator(cfg: Config) -> keras.Model:
     m, d = cfg.model, cfg.data
-    if m.kind == "mlp":
-        return mlp_discriminator(2, m.d_width, m.d_layers)
-    return dcgan_discriminator(d.channels, d.resolution, m.d_width)
+    with _policy(cfg.train.precision):
+        if m.kind == "mlp":
+            net = mlp_discriminator(2, m.d_width, m.d_layers)
+        else:
+            net = dcgan_discriminator(d.channels, d.resolution, m.d_width)
+    return _fp32_output(net, "D")
+
+
+@contextlib.contextmanager
+def _policy(precision: str) -> Iterator[None]:
+    """Layers built inside take train.precision's dtype policy (Keras reads the global one when a layer is made)."""
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(POLICIES[precision])
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(before)
+
+
+def _fp32_output(net: keras.Model, name: str) -> keras.Model:
+    if net.compute_dtype == "float32":
+        return net
+    return keras.Sequential([net, layers.Activation("linear", dtype="float32")], name=name)
