@@ -278,6 +278,15 @@ def test_a_checkpoint_of_the_other_engine_is_refused(tmp_path):
         rundir._left_to_train(config_mod.load("digits"), torch_checkpoint.with_suffix(".tf"))
 
 
+def test_torch_readers_refuse_a_tensorflow_checkpoint_by_name(tmp_path):
+    from ganscale import checkpoint
+
+    folder = tmp_path / "checkpoints" / "step-00000010.tf"
+    folder.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="a checkpoint of the tensorflow engine"):
+        checkpoint.load(folder)
+
+
 def test_the_cli_imports_neither_framework():
     """`ganscale --help`, slurm --dry-run and every refusal start without torch or TensorFlow (seconds each)."""
     code = "import sys, ganscale.cli; print(sorted({'torch', 'tensorflow', 'keras'} & set(sys.modules)))"

@@ -650,6 +650,9 @@ def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX, 
 
 
 def _check_intact(path: Path, fix: str, content: bool = True) -> None:
+    if engine_of(path) != "torch":  # what reads it here is torch's
+        raise ConfigError(str(path), "a checkpoint of the tensorflow engine, which only training on that engine "
+                          "reads yet (not export, eval or sample)", "use a checkpoint of a torch engine run")
     reason = problem(path, content)
     if reason is not None:
         raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})", fix)
