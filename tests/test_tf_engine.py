@@ -88,8 +88,14 @@ def _differences(one, other) -> tuple[float, float]:
 
 # ----------------------------------------------------------------------------------------------- (1) replicas
 def test_two_replicas_with_sync_bn_train_as_one(tf):
-    steps, outputs = _differences(_train(tf, 1, 5), _train(tf, 2, 5, "parallel.sync_bn=true"))
+    one, two = _train(tf, 1, 5), _train(tf, 2, 5, "parallel.sync_bn=true")
+    steps, outputs = _differences(one, two)
     assert steps <= STEP_TOLERANCE and outputs <= OUTPUT_TOLERANCE, (steps, outputs)
+    # Adam's moments too: its gradients are summed over the replicas once (Adam divides most of a scale error out of
+    # the weights, not out of its moments)
+    for name in ("opt_g", "opt_d"):
+        moments = zip(getattr(one[0], name).variables, getattr(two[0], name).variables)
+        assert max(_relative(a.numpy(), b.numpy()) for a, b in moments) <= OUTPUT_TOLERANCE, name
 
 
 def test_per_replica_batchnorm_trains_differently(tf):
