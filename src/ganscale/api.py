@@ -106,6 +106,10 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     recipe = own_config(recipe, run_dir, resume, worker, say)
     try:
         cfg = config_mod.load(recipe, overrides)
+        if cfg.train.engine == "tensorflow":  # its replicas run in this process: no workers, no process group
+            resolved_dir, summary = _train_tensorflow(cfg, nproc, run_dir, resume, max_restarts, worker)
+            say(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
+            return resolved_dir, summary
         world = environment_world_size() if worker else (nproc or 1)
         preflight.check(cfg, world, torch.cuda.is_available())
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
@@ -122,6 +126,30 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     if launch.rank_from_environment() == 0:
         say(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
     return resolved_dir, summary
+
+
+def _train_tensorflow(cfg: Config, nproc: int | None, run_dir: str | None, resume: str | None, max_restarts: int,
+                      worker: bool) -> tuple[Path, dict]:
+    """`ganscale train` on the tensorflow engine: its refusals, then `nproc` replicas in this process (ganscale.tf).
+    Raises ConfigError before anything is written."""
+    from ganscale import preflight, rundir
+    from ganscale.tf import capabilities
+
+    capabilities.check(cfg)
+    if worker:
+        raise ConfigError("train.engine", "the tensorflow engine runs its replicas in one process, not as torchrun "
+                          "workers", "run `ganscale train` itself; --nproc N gives N replicas")
+    if max_restarts:
+        raise ConfigError("--max-restarts", "the tensorflow engine runs in one process, which has no launcher to "
+                          "restart it", "drop --max-restarts and continue a stopped run with --resume auto")
+    capabilities.require_tensorflow()
+    from ganscale.tf import devices, loop
+
+    strategy = devices.strategy(nproc, cfg.train.device)
+    preflight.check(cfg, strategy.num_replicas_in_sync, devices.on_gpus(strategy))
+    path, source, held = rundir.claim_run(cfg, run_dir, resume)
+    with held or contextlib.nullcontext():
+        return path, loop.train(cfg, strategy, path, source)
 
 
 def own_config(recipe: str | None, run_dir: str | None, resume: str | None, worker: bool,

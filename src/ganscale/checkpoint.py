@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +39,10 @@ import torch.distributed as dist
 from ganscale.config import ConfigError
 from ganscale.fault import CheckpointWriteError, rank0_writes
 
-PATTERN = re.compile(r"^step-(\d{8,})\.(pt|dcp)$")  # zero-padded to 8 digits; step 10**8 and on take more
+PATTERN = re.compile(r"^step-(\d{8,})\.(pt|dcp|tf)$")  # zero-padded to 8 digits; step 10**8 and on take more
 TEMPORARY = re.compile(r"^\.step-\d{8,}\.(pt|json)\.tmp-(\d+)$")  # a file being written by process PID
-STAGING = re.compile(r"^\.step-\d{8,}\.dcp\.tmp$")  # a sharded checkpoint being written by every rank
+STAGING = re.compile(r"^\.step-\d{8,}\.(dcp|tf)\.tmp$")  # a sharded or TensorFlow checkpoint being written
+TENSORFLOW = ".tf"  # a tf.train.Checkpoint folder, written by the tensorflow engine (ganscale.tf.loop)
 META = "meta.pt"  # inside a sharded checkpoint: step, data position, RNG states, scaler, config
 
 NETWORKS = ("G", "D", "G_ema")
@@ -101,6 +103,11 @@ def is_sharded(path: Path) -> bool:
     return Path(path).suffix == ".dcp"
 
 
+def engine_of(path: Path) -> str:
+    """The training engine (train.engine) that wrote a checkpoint."""
+    return "tensorflow" if Path(path).suffix == TENSORFLOW else "torch"
+
+
 def _files(path: Path) -> dict[str, Path]:
     """The files a checkpoint consists of, by name relative to it."""
     if not path.is_dir():
@@ -159,6 +166,8 @@ def _unreadable(path: Path) -> str | None:
     """Why a checkpoint whose files match its marker still cannot be read, or None. Anyone who can write a file can
     write its marker: what a load unpickles is read here too (a full checkpoint mapped, not its tensor data; a
     sharded one's .metadata and meta.pt), so a resume passes over a crafted or foreign file as over a truncated one."""
+    if engine_of(path) == "tensorflow":  # tensors and a protobuf index, nothing unpickled: its marker checks it
+        return None
     try:
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one line below says it all
             warnings.simplefilter("ignore")
@@ -382,6 +391,25 @@ def _complete(path: Path, run_dir: Path, step: int, keep: int) -> Path:
         manifest_path(old).unlink(missing_ok=True)  # first: a half-removed checkpoint is then plainly incomplete
         shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
     return path
+
+
+def save_folder(write: Callable[[Path], None], run_dir: Path, step: int, keep: int, suffix: str = TENSORFLOW) -> Path:
+    """A checkpoint folder `step-N<suffix>`: `write` fills a staging folder, renamed into place, then marked complete
+    and pruned to the newest `keep` (`_complete`). Raises CheckpointWriteError; nothing of this write is left."""
+    folder = checkpoint_dir(run_dir)
+    path = folder / f"step-{step:08d}{suffix}"
+    staging = folder / f".{path.name}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        sweep(run_dir)  # an earlier staging folder of this step included
+        staging.mkdir()
+        write(staging)
+        remove_written(path)  # an unmarked one of this step, left by a crash: never used
+        os.replace(staging, path)
+    except BaseException as e:
+        remove_written(staging)
+        raise _write_failed(path, e) from e
+    return _complete(path, run_dir, step, keep)
 
 
 def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) -> Path | None:
@@ -622,6 +650,9 @@ def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX, 
 
 
 def _check_intact(path: Path, fix: str, content: bool = True) -> None:
+    if engine_of(path) != "torch":  # what reads it here is torch's
+        raise ConfigError(str(path), "a checkpoint of the tensorflow engine, which only training on that engine "
+                          "reads yet (not export, eval or sample)", "use a checkpoint of a torch engine run")
     reason = problem(path, content)
     if reason is not None:
         raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})", fix)

@@ -268,6 +268,10 @@ class TrainConfig(Section):
     ema_rampup: float = Field(0.05, ge=0)
     """EMA half-life ramp-up: at most this fraction of the images seen so far (0: off)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    engine: Literal["torch", "tensorflow"] = "torch"
+    """torch: PyTorch's distributed stack (every option). tensorflow: the same GANs as Keras models on
+    tf.distribute.MirroredStrategy, in one process (the ganscale[tensorflow] extra; what it refuses: README,
+    "TensorFlow engine")."""
     channels_last: bool = False
     """Image networks' weights (hence their activations) in NHWC layout: faster convolutions on GPUs."""
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"

@@ -137,6 +137,10 @@ def _refuse_two_histories(run_dir: Path, source: Path) -> None:
 
 def _left_to_train(cfg: Config, source: Path) -> Path:
     """`source`, if the run has steps left after it; AlreadyTrained at its last step; a ConfigError past it."""
+    written_by = checkpoint.engine_of(source)
+    if written_by != cfg.train.engine:
+        raise ConfigError("train.engine", f"{source} was written by the {written_by} engine, and this run trains on "
+                          f"the {cfg.train.engine} engine", f"resume it with --set train.engine={written_by}")
     step = checkpoint.step_of(source)
     if step is not None and step > cfg.train.steps:
         raise ConfigError("train.steps", f"{source} is at step {step}, past train.steps={cfg.train.steps}",

@@ -1,0 +1,64 @@
+"""Global batches and noise, built on the host and cut into each replica's micro-batches.
+
+What every sample is depends only on its global position: global batch i holds the same samples as on the torch
+engine (its seeded permutations, ganscale.data.stream), and each phase of each step draws its whole global batch
+of latents from one stateless seed derived from (seed, step, phase). Replica r's micro-step m then takes the
+contiguous slice at (m x replicas + r) x micro_batch, as rank r does on the torch engine (`Slicing`): 1 x 2b and
+2 x b train on the same samples with the same noise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from ganscale.config import Config
+from ganscale.data import Slicing, build_dataset
+from ganscale.data.stream import _RankSampler
+from ganscale.seeds import StepSeeds
+
+
+def dataset_array(cfg: Config) -> np.ndarray:
+    """The whole data set in memory, images channels-last (N, H, W, C), 2D points (N, 2)."""
+    samples = build_dataset(cfg).tensors[0].numpy()
+    return samples if samples.ndim == 2 else np.ascontiguousarray(samples.transpose(0, 2, 3, 1))
+
+
+def split_seed(seed: int) -> tf.Tensor:
+    """A 63-bit derived seed as the two int32 words a stateless TensorFlow RNG takes."""
+    return tf.constant([seed & 0x7FFFFFFF, seed >> 31], dtype=tf.int32)
+
+
+class Feed:
+    """The global batches and latents of every step, as per-replica values of shape (accumulation, micro, ...)."""
+
+    def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, samples: np.ndarray):
+        self.strategy, self.samples = strategy, samples
+        replicas = strategy.num_replicas_in_sync
+        self.z_dim, self.global_batch = cfg.model.z_dim, cfg.train.batch_size
+        self.micro, self.accumulation = cfg.micro_batch(replicas), cfg.accumulation_steps(replicas)
+        # The torch engine's order: its sampler over one "rank" taking the whole global batch at once.
+        self._order = _RankSampler(len(samples), Slicing(0, 1, self.global_batch, 1), cfg.train.seed, 0)
+        self._seed_of = StepSeeds(cfg.train.seed)
+
+    def reals(self, batch: int) -> tf.distribute.DistributedValues:
+        """Global batch `batch` of the data stream (D's `critic`-th batch of step s is s x n_critic + critic)."""
+        return self.distribute(self.samples[self._order.index_tensor(batch, 0).numpy()])
+
+    def global_latents(self, step: int, phase: int, n: int | None = None) -> np.ndarray:
+        seed = split_seed(self._seed_of(step, phase))
+        return tf.random.stateless_normal((n or self.global_batch, self.z_dim), seed).numpy()
+
+    def latents(self, step: int, phase: int) -> tf.distribute.DistributedValues:
+        return self.distribute(self.global_latents(step, phase))
+
+    def distribute(self, global_batch: np.ndarray) -> tf.distribute.DistributedValues:
+        """Replica r gets its micro-batches stacked: micro-step m is the slice at (m x replicas + r) x micro."""
+        replicas = self.strategy.num_replicas_in_sync
+
+        def replica_share(context: tf.distribute.ValueContext) -> tf.Tensor:
+            r = context.replica_id_in_sync_group
+            starts = [(m * replicas + r) * self.micro for m in range(self.accumulation)]
+            return tf.constant(np.stack([global_batch[s:s + self.micro] for s in starts]))
+
+        return self.strategy.experimental_distribute_values_from_function(replica_share)

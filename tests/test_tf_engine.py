@@ -1,0 +1,300 @@
+"""The tensorflow engine (ganscale.tf): MirroredStrategy over 2 logical CPU devices trains as 1 device, accumulation
+and clipping keep the global batch's semantics, a resumed run is the uninterrupted one, and what it cannot do is
+refused before anything starts.
+
+The training tests need TensorFlow and skip without it, unless GANSCALE_REQUIRE_TENSORFLOW=1 (CI), where a missing
+TensorFlow fails them. They run in this process: the CPU is split into 2 logical devices once, before TensorFlow's
+runtime starts; a 1-replica strategy uses the first of them.
+
+Criterion (as tests/test_distributed.py's): every step's losses and gradient norms within 1e-5, and what G_ema and D
+compute on fixed inputs within 1e-4, each relative to the largest value compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ganscale import config as config_mod
+from ganscale import rundir
+from ganscale.cli import main
+from ganscale.config import ConfigError
+
+STEP_TOLERANCE = 1e-5    # losses and gradient norms of every step, relative
+OUTPUT_TOLERANCE = 1e-4  # G_ema(z) and D(x) after the run, relative to the largest |value|
+TINY_DCGAN = ["train.engine=tensorflow", "model.z_dim=8", "model.g_width=8", "model.d_width=8", "train.batch_size=16",
+              "train.ema_half_life_images=50", "log.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def tf():
+    """TensorFlow with the CPU split into 2 logical devices; skips without it (fails under
+    GANSCALE_REQUIRE_TENSORFLOW=1)."""
+    try:
+        import tensorflow
+    except ImportError as e:
+        if os.environ.get("GANSCALE_REQUIRE_TENSORFLOW") == "1":
+            pytest.fail(f"GANSCALE_REQUIRE_TENSORFLOW=1 but TensorFlow does not import ({e})")
+        pytest.skip(f"TensorFlow is not installed ({e}): pip install 'ganscale[tensorflow]'")
+    from ganscale.tf import devices
+
+    devices.strategy(2, "cpu")  # splits the CPU now, before any test runs an op
+    return tensorflow
+
+
+def _config(*overrides: str) -> config_mod.Config:
+    return config_mod.load("digits", [*TINY_DCGAN, *overrides])
+
+
+def _train(tf, replicas: int, steps: int, *overrides: str, run_dir: Path | None = None, resume: Path | None = None):
+    """A Training on `replicas` logical CPUs after `steps` iterations, and each iteration's stats."""
+    from ganscale.tf import devices
+    from ganscale.tf.loop import Training
+
+    training = Training(_config(*overrides), devices.strategy(replicas, "cpu"), run_dir or Path("unused"), resume)
+    stats = []
+    for _ in range(steps):
+        training.iteration()
+        stats.append(dict(training.stats))
+    return training, stats
+
+
+def _outputs(training) -> dict[str, np.ndarray]:
+    """What G_ema and D compute on fixed inputs."""
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((32, training.cfg.model.z_dim)).astype(np.float32)
+    x = rng.uniform(-1, 1, (32, 8, 8, 1)).astype(np.float32)
+    return {"G_ema": training.G_ema(z, training=False).numpy(), "D": training.D(x, training=False).numpy()}
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12))
+
+
+def _differences(one, other) -> tuple[float, float]:
+    """(worst relative difference of the steps' losses and norms, of the networks' outputs)."""
+    (a, stats_a), (b, stats_b) = one, other
+    steps = max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for x, y in zip(stats_a, stats_b) for k in x)
+    outputs_a, outputs_b = _outputs(a), _outputs(b)
+    return steps, max(_relative(outputs_a[k], outputs_b[k]) for k in outputs_a)
+
+
+# ----------------------------------------------------------------------------------------------- (1) replicas
+def test_two_replicas_with_sync_bn_train_as_one(tf):
+    one, two = _train(tf, 1, 5), _train(tf, 2, 5, "parallel.sync_bn=true")
+    steps, outputs = _differences(one, two)
+    assert steps <= STEP_TOLERANCE and outputs <= OUTPUT_TOLERANCE, (steps, outputs)
+    # Adam's moments too: its gradients are summed over the replicas once (Adam divides most of a scale error out of
+    # the weights, not out of its moments)
+    for name in ("opt_g", "opt_d"):
+        moments = zip(getattr(one[0], name).variables, getattr(two[0], name).variables)
+        assert max(_relative(a.numpy(), b.numpy()) for a, b in moments) <= OUTPUT_TOLERANCE, name
+
+
+def test_per_replica_batchnorm_trains_differently(tf):
+    """With parallel.sync_bn=false each replica normalises its 8 samples, not the 16: the runs part (this test
+    shows the equality above is not trivial)."""
+    steps, outputs = _differences(_train(tf, 1, 5), _train(tf, 2, 5, "parallel.sync_bn=false"))
+    assert steps > 100 * STEP_TOLERANCE and outputs > 100 * OUTPUT_TOLERANCE, (steps, outputs)
+
+
+# ----------------------------------------------------------------------------------------------- (3) accumulation
+def test_two_micro_steps_equal_one_step_of_the_double_batch(tf):
+    """G without BatchNorm: a micro-step normalises its own micro-batch, so with BatchNorm they differ by design."""
+    whole = _train(tf, 1, 3, "model.g_batchnorm=false")
+    accumulated = _train(tf, 1, 3, "model.g_batchnorm=false", "train.micro_batch=8")
+    assert accumulated[0].feed.accumulation == 2
+    steps, outputs = _differences(whole, accumulated)
+    assert steps <= STEP_TOLERANCE and outputs <= OUTPUT_TOLERANCE, (steps, outputs)
+
+
+def test_clipping_uses_the_global_norm(tf, monkeypatch):
+    """Clipped hard (every step's norm is far above train.grad_clip), 2 replicas train as 1. Each replica clipping
+    its own share of the gradient by that share's norm scales the two shares differently: shown to part."""
+    from ganscale.tf import step
+
+    clip = ["train.grad_clip=0.005", "parallel.sync_bn=true"]
+    one = _train(tf, 1, 3, *clip)
+    assert all(min(s["grad_norm_d"], s["grad_norm_g"]) > 0.01 for s in one[1])  # clipped at every step, by half or more
+    steps, outputs = _differences(one, _train(tf, 2, 3, *clip))
+    assert steps <= STEP_TOLERANCE and outputs <= OUTPUT_TOLERANCE, (steps, outputs)
+
+    def clipped_per_replica(self, loss, grads):
+        grads, _ = step.clip_by_global_norm(grads, self.grad_clip)  # by this replica's own norm
+        loss, *grads = tf.distribute.get_replica_context().all_reduce(step.SUM, [loss, *grads])
+        return loss, tf.linalg.global_norm(grads), grads
+
+    monkeypatch.setattr(step.Steps, "_reduced", clipped_per_replica)
+    steps, outputs = _differences(one, _train(tf, 2, 3, *clip))
+    assert outputs > 10 * OUTPUT_TOLERANCE, (steps, outputs)  # ~2e-3: Adam divides most of the scale out again
+
+
+# ----------------------------------------------------------------------------------------------- bf16
+def test_bf16_computes_in_bfloat16_and_trains_near_fp32(tf):
+    """mixed_bfloat16: the convolutions compute in bf16 on fp32 weights, G's output and D's logits are fp32; 3 steps
+    land near the fp32 run (within bf16's ~3 significant digits), not on it."""
+    fp32, bf16 = _train(tf, 1, 3), _train(tf, 1, 3, "train.precision=bf16")
+    network = bf16[0].G
+    assert any(layer.compute_dtype == "bfloat16" for layer in network.layers[0].layers)
+    assert all(v.dtype == "float32" for v in network.trainable_variables)
+    assert network(np.zeros((2, 8), np.float32), training=False).dtype == tf.float32
+    assert bf16[0].D(np.zeros((2, 8, 8, 1), np.float32), training=False).dtype == tf.float32
+    steps, outputs = _differences(fp32, bf16)
+    assert 1e-4 < outputs < 5e-2 and steps < 5e-2, (steps, outputs)
+
+
+# ----------------------------------------------------------------------------------------------- non-finite
+def test_a_non_finite_step_on_one_replica_is_skipped_by_every_replica(tf):
+    """NaN reals in replica 1's half of step 1's batch: D's step is skipped on both replicas (weights and Adam's step
+    count as before, still identical), G's step and the run go on."""
+    training, _ = _train(tf, 2, 1, "parallel.sync_bn=true")
+    feed = training.feed
+
+    def poisoned(batch: int):
+        reals = feed.samples[feed._order.index_tensor(batch, 0).numpy()].copy()
+        reals[feed.micro:] = np.nan  # replica 1's slice only
+        return feed.distribute(reals)
+
+    feed.reals = poisoned
+    d_before = [v.numpy() for v in training.D.trainable_variables]
+    d_steps_before, g_steps_before = int(training.opt_d.iterations.numpy()), int(training.opt_g.iterations.numpy())
+    training.iteration()
+    assert training.skipped_steps == 1 and training.consecutive_skips == 1
+    assert int(training.opt_d.iterations.numpy()) == d_steps_before and int(training.opt_g.iterations.numpy()) == g_steps_before + 1
+    for variable, before in zip(training.D.trainable_variables, d_before):
+        for replica in variable.value.values:
+            np.testing.assert_array_equal(replica.numpy(), before)
+
+
+# ----------------------------------------------------------------------------------------------- (4) resume
+def test_resumed_at_10_equals_uninterrupted_20(tf, tmp_path):
+    """Stopped at step 10 (its checkpoint written, the training dropped) and resumed to 20: the same steps, and the
+    same networks, as 20 steps in one go; G_ema, Adam's moments and the data and noise positions included."""
+    uninterrupted = _train(tf, 2, 20, "parallel.sync_bn=true")
+    first, first_stats = _train(tf, 2, 10, "parallel.sync_bn=true", run_dir=tmp_path)
+    saved = first.save()
+    assert saved.name == "step-00000010.tf" and (saved.parent / "step-00000010.json").is_file()
+    resumed, resumed_stats = _train(tf, 2, 10, "parallel.sync_bn=true", run_dir=tmp_path, resume=saved)
+    assert resumed.step == 20
+    for a, b in zip(uninterrupted[1], first_stats + resumed_stats):
+        assert a == b
+    outputs_a, outputs_b = _outputs(uninterrupted[0]), _outputs(resumed)
+    for key in outputs_a:
+        np.testing.assert_array_equal(outputs_a[key], outputs_b[key])
+
+
+# ----------------------------------------------------------------------------------------------- the CLI
+def test_cli_trains_digits_on_two_replicas_and_resumes(tf, tmp_path):
+    """`ganscale train digits --set train.engine=tensorflow --nproc 2`: the torch engine's run directory; then
+    --resume auto trains on from its checkpoint."""
+    run = tmp_path / "run"
+    common = ["--set", "model.g_width=8", "--set", "model.d_width=8", "--set", "train.batch_size=16",
+              "--set", "log.every=2", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=1",
+              "--set", "log.sample_every=4", "--run-dir", str(run), "--nproc", "2"]
+    first = _cli("train", "digits", "--set", "train.engine=tensorflow", "--set", "train.steps=4", *common, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert {p.name for p in run.iterdir()} >= {"config.yaml", "metrics.jsonl", "summary.json", "samples",
+                                               "tensorboard", "checkpoints"}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004.json", "step-00000004.tf"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    assert {"loss_d", "loss_g", "grad_norm_d", "grad_norm_g", "skipped_steps", "img_per_s"} <= set(records[-1])
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    assert (run / "samples" / "step-00000004.png").is_file()
+
+    resumed = _cli("train", "--resume", "auto", "--set", "train.steps=6", *common, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "ganscale", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+# ----------------------------------------------------------------------------------------------- (6) refusals
+REFUSED = [
+    ("model.kind=stylegan2", "model.kind"),
+    ("data.kind=zip", "data.kind"),
+    ("data.labels=true", "data.labels"),
+    ("parallel.generator=fsdp", "parallel.generator"),
+    ("parallel.discriminator=zero2", "parallel.discriminator"),
+    ("parallel.generator=pipeline", "parallel.generator"),
+    ("loss.r1_gamma=1", "loss.r1_gamma"),
+    ("loss.kind=wgan-gp", "loss.kind"),
+    ("loss.gradient_penalty=true", "loss.gradient_penalty"),
+    ("train.compile=default", "train.compile"),
+    ("train.precision=fp16", "train.precision"),
+    ("augment.kind=diffaugment", "augment.kind"),
+    ("model.d_spectral_norm=true", "model.d_spectral_norm"),
+    ("checkpoint.format=sharded", "checkpoint.format"),
+    ("optim.fused=true", "optim.fused"),
+    ("eval.every=10", "eval.every"),
+]
+
+
+@pytest.mark.parametrize("option,key", REFUSED, ids=[option for option, _ in REFUSED])
+def test_refused_before_anything_starts(option, key, tmp_path):
+    run = tmp_path / "run"
+    result = CliRunner().invoke(main, ["train", "digits", "--set", "train.engine=tensorflow", "--set", option,
+                                       "--run-dir", str(run)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and f"config error at '{key}'" in lines[0] and "Fix:" in lines[0], result.output
+    assert "Traceback" not in result.output and not run.exists()
+
+
+def test_max_restarts_and_torchrun_workers_are_refused(tmp_path):
+    result = CliRunner().invoke(main, ["train", "digits", "--set", "train.engine=tensorflow", "--max-restarts", "1",
+                                       "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "'--max-restarts'" in result.output, result.output
+
+
+def test_missing_tensorflow_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # `import tensorflow` raises ImportError
+    result = CliRunner().invoke(main, ["train", "digits", "--set", "train.engine=tensorflow",
+                                       "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "TensorFlow is not installed" in result.output, result.output
+    assert "ganscale[tensorflow]" in result.output and not (tmp_path / "run").exists()
+
+
+def test_both_tensorflow_builds_installed_are_refused(monkeypatch):
+    from ganscale.tf import capabilities
+
+    monkeypatch.setattr(capabilities, "_installed", lambda name: True)
+    with pytest.raises(ConfigError, match="both tensorflow and tensorflow-cpu are installed"):
+        capabilities.require_tensorflow()
+
+
+def test_a_checkpoint_of_the_other_engine_is_refused(tmp_path):
+    torch_checkpoint = tmp_path / "checkpoints" / "step-00000010.pt"
+    with pytest.raises(ConfigError, match="written by the torch engine") as refused:
+        rundir._left_to_train(_config("train.steps=20"), torch_checkpoint)
+    assert refused.value.key == "train.engine" and "--set train.engine=torch" in refused.value.fix
+    with pytest.raises(ConfigError, match="written by the tensorflow engine"):
+        rundir._left_to_train(config_mod.load("digits"), torch_checkpoint.with_suffix(".tf"))
+
+
+def test_torch_readers_refuse_a_tensorflow_checkpoint_by_name(tmp_path):
+    from ganscale import checkpoint
+
+    folder = tmp_path / "checkpoints" / "step-00000010.tf"
+    folder.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="a checkpoint of the tensorflow engine"):
+        checkpoint.load(folder)
+
+
+def test_the_cli_imports_neither_framework():
+    """`ganscale --help`, slurm --dry-run and every refusal start without torch or TensorFlow (seconds each)."""
+    code = "import sys, ganscale.cli; print(sorted({'torch', 'tensorflow', 'keras'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
