@@ -85,7 +85,7 @@ def train(config: str | os.PathLike | dict | Config | None = None, *, overrides:
 
 
 def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir: str | None, resume: str | None,
-        max_restarts: int, say: Callable[[str], None]) -> tuple[Path, dict] | None:
+        max_restarts: int, say: Callable[[str], None], workers: int | None = None) -> tuple[Path, dict] | None:
     """`ganscale train`: (run directory, summary), or None where the run is already trained (said on rank 0).
     Raises ConfigError before anything is written, WorkersFailed when `nproc` workers fail, or a training's error."""
     import torch
@@ -106,10 +106,15 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     recipe = own_config(recipe, run_dir, resume, worker, say)
     try:
         cfg = config_mod.load(recipe, overrides)
-        if cfg.train.engine == "tensorflow":  # its replicas run in this process: no workers, no process group
-            resolved_dir, summary = _train_tensorflow(cfg, nproc, run_dir, resume, max_restarts, worker)
-            say(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
-            return resolved_dir, summary
+        if cfg.train.engine == "tensorflow":
+            trained = _train_tensorflow(cfg, recipe, overrides, nproc, workers, run_dir, resume, max_restarts, worker)
+            if trained is not None and launch.rank_from_environment() == 0 and not (workers and not worker):
+                say(f"done: {trained[1]['steps']} steps, {trained[1]['img_per_s']:.0f} img/s, "
+                    f"run directory {trained[0]}")
+            return trained
+        if workers:
+            raise ConfigError("--workers", "starts the tensorflow engine's worker processes",
+                              "use --nproc N for N processes on the torch engine")
         world = environment_world_size() if worker else (nproc or 1)
         preflight.check(cfg, world, torch.cuda.is_available())
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
@@ -128,23 +133,41 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     return resolved_dir, summary
 
 
-def _train_tensorflow(cfg: Config, nproc: int | None, run_dir: str | None, resume: str | None, max_restarts: int,
-                      worker: bool) -> tuple[Path, dict]:
-    """`ganscale train` on the tensorflow engine: its refusals, then `nproc` replicas in this process (ganscale.tf).
-    Raises ConfigError before anything is written."""
+def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str], nproc: int | None,
+                      workers: int | None, run_dir: str | None, resume: str | None, max_restarts: int,
+                      worker: bool) -> tuple[Path, dict] | None:
+    """`ganscale train` on the tensorflow engine: its refusals, then `nproc` replicas in this process, or `workers`
+    local worker processes (MultiWorkerMirroredStrategy, started as the torch engine's), or this process as one
+    such worker under a launcher (ganscale.tf). Raises ConfigError before anything is written."""
     from ganscale import preflight, rundir
     from ganscale.tf import capabilities
 
     capabilities.check(cfg)
-    if worker:
-        raise ConfigError("train.engine", "the tensorflow engine runs its replicas in one process, not as torchrun "
-                          "workers", "run `ganscale train` itself; --nproc N gives N replicas")
     if max_restarts:
-        raise ConfigError("--max-restarts", "the tensorflow engine runs in one process, which has no launcher to "
-                          "restart it", "drop --max-restarts and continue a stopped run with --resume auto")
+        raise ConfigError("--max-restarts", "the tensorflow engine does not restart its workers",
+                          "drop --max-restarts and continue a stopped run with --resume auto")
+    if worker or workers:
+        from ganscale.tf.workers import check_replicas
+
+        check_replicas(nproc)
     capabilities.require_tensorflow()
     from ganscale.tf import devices, loop
 
+    if workers and not worker:
+        gpus = devices.worker_gpus(cfg.train.device)
+        preflight.check(cfg, workers * max(gpus, 1), gpus > 0)  # refused here, before any worker starts
+        path, source, held = rundir.claim_run(cfg, run_dir, resume)
+        with held or contextlib.nullcontext():  # the workers run under this process's hold
+            return _launch_workers(cfg, recipe, overrides, workers, path, source, held, 0)
+    if worker:
+        from ganscale.tf import workers as tf_workers
+
+        strategy, path, source, held, chief = tf_workers.join(cfg, run_dir, resume)
+        try:
+            return path, loop.train(cfg, strategy, path, source, chief)
+        finally:
+            if held is not None:
+                held.release()
     strategy = devices.strategy(nproc, cfg.train.device)
     preflight.check(cfg, strategy.num_replicas_in_sync, devices.on_gpus(strategy))
     path, source, held = rundir.claim_run(cfg, run_dir, resume)

@@ -92,19 +92,22 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
 @SET
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Start N local worker processes through torch's elastic launcher.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="train.engine=tensorflow: start N local worker processes (MultiWorkerMirroredStrategy); "
+                   "there --nproc N means N replicas in one process.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (default: runs/<recipe>-<time>).")
 @click.option("--resume", default=None, metavar="auto|PATH",
               help="Continue from the newest checkpoint ('auto') or a given checkpoint/run directory.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0,
               help="Restart all workers up to N times after one dies; they resume from the newest intact checkpoint.")
-def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, run_dir: str | None,
-          resume: str | None, max_restarts: int) -> None:
+def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, workers: int | None,
+          run_dir: str | None, resume: str | None, max_restarts: int) -> None:
     """Train RECIPE (a shipped recipe name or a YAML file; default: digits)."""
     from ganscale import api, launch
 
     try:
-        api.run(recipe, overrides, nproc, run_dir, resume, max_restarts, click.echo)
+        api.run(recipe, overrides, nproc, run_dir, resume, max_restarts, click.echo, workers)
     except Exception as e:  # noqa: BLE001 - each kind ends as `leave` says
         leave(e)
     if launch.under_launcher():

@@ -53,3 +53,20 @@ def _mirrored(devices: tuple[str, ...]) -> tf.distribute.MirroredStrategy:
 
 def on_gpus(strategy: tf.distribute.MirroredStrategy) -> bool:
     return any("GPU" in device.upper() for device in strategy.extended.worker_devices)
+
+
+def worker_gpus(device: str) -> int:
+    """The GPUs this worker trains on; train.device=cpu hides them from TensorFlow (before its runtime starts)."""
+    if device == "cpu":
+        tf.config.set_visible_devices([], "GPU")
+        return 0
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    if device == "cuda" and not gpus:
+        raise ConfigError("train.device", "cuda, but TensorFlow sees no GPU", "set train.device=auto or cpu")
+    return gpus
+
+
+def multi_worker() -> tf.distribute.MultiWorkerMirroredStrategy:
+    """MultiWorkerMirroredStrategy over the cluster TF_CONFIG describes (`workers.join` sets it): every worker's
+    GPUs, or its CPU as one replica. It must exist before this process runs any TensorFlow op."""
+    return tf.distribute.MultiWorkerMirroredStrategy()

@@ -10,6 +10,7 @@ data and the noise are functions of the step (feed.py), so they resume exactly f
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,13 +37,14 @@ CHECKPOINT_PREFIX = "ckpt"  # inside step-N.tf: ckpt.index and ckpt.data-*
 class Training:
     """G, D, G_ema and their optimizers on the replicas of `strategy`, at `self.step`."""
 
-    def __init__(self, cfg: Config, strategy: tf.distribute.MirroredStrategy, run_dir: Path,
-                 resume: Path | None = None):
-        self.cfg, self.strategy, self.run_dir = cfg, strategy, Path(run_dir)
+    def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, run_dir: Path, resume: Path | None = None,
+                 chief: bool = True):
+        self.cfg, self.strategy, self.run_dir, self.chief = cfg, strategy, Path(run_dir), chief
         self.replicas = strategy.num_replicas_in_sync
+        self.multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         self.global_batch = cfg.train.batch_size
         sync_bn = cross_rank_batchnorm(cfg, self.replicas)
-        if self.replicas > 1 and not sync_bn and cfg.model.g_batchnorm:
+        if self.replicas > 1 and not sync_bn and cfg.model.g_batchnorm and chief:
             print(f"ganscale: warning: BatchNorm statistics in G are per replica (each normalises its own "
                   f"{cfg.micro_batch(self.replicas)} samples; parallel.sync_bn is off), so this "
                   f"{self.replicas}-replica run trains differently from one replica. Fix: --set parallel.sync_bn=true",
@@ -102,9 +104,26 @@ class Training:
         for ema, buffer in self._ema_buffers:
             ema.assign(buffer)
 
+    def stop_agreed(self) -> bool:
+        """Whether any worker was asked to stop: one all-reduce across the workers (one process decides alone)."""
+        asked = float(self.stop_signal is not None)
+        if not self.multi_worker:
+            return bool(asked)
+        return float(self._agree(tf.constant(asked))) > 0
+
+    @tf.function
+    def _agree(self, asked: tf.Tensor) -> tf.Tensor:
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(lambda: asked), axis=None)
+
     # ------------------------------------------------------------------------------------------- checkpoints
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """The chief's checkpoint folder. Every worker writes (TensorFlow requires it of MultiWorkerMirroredStrategy),
+        the others into a temporary folder they then remove: the run directory is the chief's alone."""
         self.counters.assign([self.step, self.skipped_steps, self.consecutive_skips])
+        if not self.chief:
+            with tempfile.TemporaryDirectory(prefix="ganscale-tf-worker-") as scratch:
+                self.state.write(str(Path(scratch) / CHECKPOINT_PREFIX))
+            return None
         return checkpoint.save_folder(lambda folder: self.state.write(str(folder / CHECKPOINT_PREFIX)),
                                       self.run_dir, self.step, self.cfg.checkpoint.keep)
 
@@ -124,10 +143,13 @@ class Training:
         return drawn if drawn.ndim == 2 else drawn.transpose(0, 3, 1, 2)
 
 
-def train(cfg: Config, strategy: tf.distribute.MirroredStrategy, run_dir: Path, resume: Path | None) -> dict:
-    """Train to train.steps in this process on the replicas of `strategy` (`devices.strategy`); the summary."""
-    training = Training(cfg, strategy, run_dir, resume)
-    _write_config(training)
+def train(cfg: Config, strategy: tf.distribute.Strategy, run_dir: Path, resume: Path | None,
+          chief: bool = True) -> dict:
+    """Train to train.steps on the replicas of `strategy`: this process's (`devices.strategy`), or every worker's
+    (`devices.multi_worker`, where only the chief writes the run directory); the summary."""
+    training = Training(cfg, strategy, run_dir, resume, chief)
+    if chief:
+        _write_config(training)
     outputs = Outputs(training)
     with StopSignals(lambda name: setattr(training, "stop_signal", name)):
         return _fit(training, outputs)
@@ -152,14 +174,14 @@ def _fit(training: Training, outputs: Outputs) -> dict:
             outputs.close("non-finite")
             raise NonFiniteTraining(f"{training.consecutive_skips} consecutive steps had non-finite losses or "
                                     f"gradients (last: {training.stats}); lower optim.*.lr or set train.grad_clip")
-        stopping = training.stop_signal is not None
-        if outputs.sample_due(final):
+        stopping = training.stop_agreed()
+        if outputs.sample_due(final) and training.chief:
             outputs.write_samples()
         if final or stopping or (cfg.checkpoint.every and training.step % cfg.checkpoint.every == 0):
             training.save()
         if stopping and not final:
             outputs.close("preempted")
-            raise Preempted(f"stopped at step {training.step} on request ({training.stop_signal}); checkpoint "
+            raise Preempted(f"stopped at step {training.step} on request ({training.stop_signal or 'on another worker'}); checkpoint "
                             "written; continue with --resume auto")
     return outputs.close()
 
@@ -169,7 +191,8 @@ class Outputs:
 
     def __init__(self, training: Training):
         self.training, self.cfg = training, training.cfg
-        self.run_log = RunLog(training.run_dir, self.cfg.train.steps, training.step, self.cfg.log.tensorboard, True)
+        self.run_log = RunLog(training.run_dir, self.cfg.train.steps, training.step, self.cfg.log.tensorboard,
+                              training.chief)
         self.record: dict[str, float] = {}
         self.quality: dict[str, float] = {}
 
@@ -217,6 +240,6 @@ class Outputs:
                    "stopped": stopped, "wall_s": wall,
                    "img_per_s": (training.step - self.start_step) * training.global_batch / max(wall, 1e-9),
                    "final": self.record, "quality": self.quality,
-                   "checkpoint": str(checkpoint.latest(training.run_dir))}
+                   "checkpoint": str(checkpoint.latest(training.run_dir)) if training.chief else None}
         self.run_log.close(summary)
         return summary
