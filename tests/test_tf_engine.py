@@ -105,6 +105,50 @@ def test_per_replica_batchnorm_trains_differently(tf):
     assert steps > 100 * STEP_TOLERANCE and outputs > 100 * OUTPUT_TOLERANCE, (steps, outputs)
 
 
+# ----------------------------------------------------------------------------------------------- (2) workers
+def test_two_worker_processes_train_as_one_replica_and_resume(tf, tmp_path):
+    """`train --workers 2` (MultiWorkerMirroredStrategy, TensorFlow's collectives between 2 local processes),
+    stopped at step 3 and resumed to 5 with --resume auto: every step's losses and norms (metrics.jsonl) and the
+    networks of its last checkpoint are the 1-replica run's, within the criterion. The chief alone wrote the run
+    directory: its files are exactly the torch engine's, and no other worker's checkpoint copy is left in it."""
+    run = tmp_path / "run"
+    settings = [*TINY_DCGAN, "parallel.sync_bn=true", "log.every=1", "checkpoint.keep=1", "log.sample_every=0"]
+    first = _cli("train", "digits", *_sets(*settings, "train.steps=3"), "--workers", "2", "--run-dir", str(run),
+                 cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    resumed = _cli("train", "--resume", "auto", *_sets("train.steps=5"), "--workers", "2", "--run-dir", str(run),
+                   cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.resumed-00000003.yaml", "config.yaml",
+                                                     "metrics.jsonl", "samples", "summary.json"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000005.json", "step-00000005.tf"]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+
+    reference, stats = _train(tf, 1, 5, "parallel.sync_bn=true")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    keys = ("loss_d", "loss_g", "grad_norm_d", "grad_norm_g")
+    worst = max(abs(r[k] - s[k]) / max(abs(s[k]), 1e-12) for r, s in zip(records, stats) for k in keys)
+    assert worst <= STEP_TOLERANCE, worst
+    trained, _ = _train(tf, 1, 0, "parallel.sync_bn=true", resume=run / "checkpoints" / "step-00000005.tf")
+    assert trained.step == 5
+    ours, theirs = _outputs(reference), _outputs(trained)
+    assert max(_relative(ours[k], theirs[k]) for k in ours) <= OUTPUT_TOLERANCE
+
+
+def _sets(*settings: str) -> list[str]:
+    return [argument for setting in settings for argument in ("--set", setting)]
+
+
+def test_workers_refuse_nproc_and_the_torch_engine(tmp_path):
+    both = CliRunner().invoke(main, ["train", "digits", "--set", "train.engine=tensorflow", "--workers", "2",
+                                     "--nproc", "2", "--run-dir", str(tmp_path / "run")])
+    assert both.exit_code == 2 and "config error at '--nproc'" in both.output, both.output
+    torch_engine = CliRunner().invoke(main, ["train", "digits", "--workers", "2", "--run-dir", str(tmp_path / "run")])
+    assert torch_engine.exit_code == 2 and "config error at '--workers'" in torch_engine.output, torch_engine.output
+    assert not (tmp_path / "run").exists()
+
+
 # ----------------------------------------------------------------------------------------------- (3) accumulation
 def test_two_micro_steps_equal_one_step_of_the_double_batch(tf):
     """G without BatchNorm: a micro-step normalises its own micro-batch, so with BatchNorm they differ by design."""
@@ -253,7 +297,7 @@ def test_refused_before_anything_starts(option, key, tmp_path):
     assert "Traceback" not in result.output and not run.exists()
 
 
-def test_max_restarts_and_torchrun_workers_are_refused(tmp_path):
+def test_max_restarts_is_refused(tmp_path):
     result = CliRunner().invoke(main, ["train", "digits", "--set", "train.engine=tensorflow", "--max-restarts", "1",
                                        "--run-dir", str(tmp_path / "run")])
     assert result.exit_code == 2 and "'--max-restarts'" in result.output, result.output

@@ -103,6 +103,11 @@ def is_sharded(path: Path) -> bool:
     return Path(path).suffix == ".dcp"
 
 
+def is_folder(path: Path) -> bool:
+    """A checkpoint that is a folder (DCP's step-N.dcp, TensorFlow's step-N.tf), not a run directory."""
+    return Path(path).suffix in (".dcp", TENSORFLOW)
+
+
 def engine_of(path: Path) -> str:
     """The training engine (train.engine) that wrote a checkpoint."""
     return "tensorflow" if Path(path).suffix == TENSORFLOW else "torch"

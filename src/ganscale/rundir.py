@@ -37,7 +37,7 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
                               "pass the checkpoint beside it (the .pt file or .dcp folder of the same name)")
         if source.is_dir() and source.name == "checkpoints" and checkpoint.checkpoint_dir(source.parent) == source:
             source = source.parent  # a run's checkpoints/ folder: that run
-        is_run = source.is_dir() and not checkpoint.is_sharded(source)  # a step-N.dcp folder is one checkpoint
+        is_run = source.is_dir() and not checkpoint.is_folder(source)  # a step-N.dcp or .tf folder is one checkpoint
         found = _resumable(source) if is_run else source
         if not is_run and checkpoint.problem(source):
             raise ConfigError("--resume", f"{source}: {checkpoint.problem(source)}", "pass an intact checkpoint")
@@ -79,7 +79,7 @@ def own_config(run_dir: str | None, resume: str | None) -> Path | None:
     try:
         if resume not in (None, "auto"):
             source = Path(resume)
-            run = source if source.is_dir() and not checkpoint.is_sharded(source) else source.parent.parent
+            run = source if source.is_dir() and not checkpoint.is_folder(source) else source.parent.parent
             if run.name == "checkpoints":  # a run's checkpoints/ folder: that run
                 run, source = run.parent, run.parent
             step = checkpoint.step_of(source) if source != run else _newest_step(run)

@@ -18,8 +18,13 @@ from keras import layers
 
 from ganscale.config import Config
 
-DCGAN_INIT = keras.initializers.RandomNormal(0.0, 0.02)
-DCGAN_GAMMA = keras.initializers.RandomNormal(1.0, 0.02)
+
+
+def dcgan_init(mean: float = 0.0) -> keras.initializers.Initializer:
+    """A new N(mean, 0.02) initializer per layer: Keras seeds one when it is made, from the Python RNG that
+    keras.utils.set_random_seed seeds (one made at import would draw another seed in each process, and every layer
+    sharing it the same values)."""
+    return keras.initializers.RandomNormal(mean, 0.02)
 
 
 def _batchnorm(synchronized: bool, gamma: keras.initializers.Initializer | str = "ones") -> layers.Layer:
@@ -49,13 +54,13 @@ def dcgan_generator(z_dim: int, channels: int, resolution: int, width: int, batc
 
     def block(filters: int, strides: int, padding: str) -> list[layers.Layer]:
         return [layers.Conv2DTranspose(filters, 4, strides, padding, use_bias=not batchnorm,
-                                       kernel_initializer=DCGAN_INIT),
-                _batchnorm(sync, DCGAN_GAMMA) if batchnorm else layers.Identity(), layers.ReLU()]
+                                       kernel_initializer=dcgan_init()),
+                _batchnorm(sync, dcgan_init(1.0)) if batchnorm else layers.Identity(), layers.ReLU()]
 
     net = [keras.Input((z_dim,)), layers.Reshape((1, 1, z_dim)), *block(widths[0], 1, "valid")]
     for filters in widths[1:]:
         net += block(filters, 2, "same")
-    net += [layers.Conv2DTranspose(channels, 4, 2, "same", kernel_initializer=DCGAN_INIT),
+    net += [layers.Conv2DTranspose(channels, 4, 2, "same", kernel_initializer=dcgan_init()),
             layers.Activation("tanh")]
     return keras.Sequential(net, name="G")
 
@@ -65,8 +70,8 @@ def dcgan_discriminator(channels: int, resolution: int, width: int) -> keras.Mod
     halvings = int(math.log2(resolution)) - 2
     net: list = [keras.Input((resolution, resolution, channels))]
     for i in range(halvings):
-        net += [layers.Conv2D(width * 2 ** i, 4, 2, "same", kernel_initializer=DCGAN_INIT), layers.LeakyReLU(0.2)]
-    net += [layers.Conv2D(1, 4, 1, "valid", kernel_initializer=DCGAN_INIT), layers.Flatten()]
+        net += [layers.Conv2D(width * 2 ** i, 4, 2, "same", kernel_initializer=dcgan_init()), layers.LeakyReLU(0.2)]
+    net += [layers.Conv2D(1, 4, 1, "valid", kernel_initializer=dcgan_init()), layers.Flatten()]
     return keras.Sequential(net, name="D")
 
 
