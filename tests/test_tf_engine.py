@@ -259,6 +259,35 @@ def test_cli_trains_digits_on_two_replicas_and_resumes(tf, tmp_path):
     assert [r["step"] for r in records] == [2, 4, 6]
 
 
+def test_export_and_eval_read_a_tensorflow_run(tf, tmp_path):
+    """`ganscale export` of a tensorflow run writes the torch engine's tensor names and layout: the torch DCGAN
+    loaded from it draws what Keras' G_ema draws (BatchNorm's moving statistics included, 2 steps in); `ganscale
+    eval` scores the run itself (FD-digits) from its checkpoint folder."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ganscale.evaluate import evaluate
+    from ganscale.export import export_generator
+    from ganscale.models import build_networks
+    from ganscale.tf import loop
+
+    training, _ = _train(tf, 1, 2, "train.steps=2", run_dir=tmp_path)
+    loop._write_config(training)
+    training.save()
+    tensors = load_file(export_generator(tmp_path, tmp_path / "g.safetensors"))
+    generator = build_networks(training.cfg)[0]
+    assert set(tensors) == {f"{net}.{key}" for net in ("G", "G_ema") for key in generator.state_dict()}
+    generator.load_state_dict({k.removeprefix("G_ema."): v for k, v in tensors.items() if k.startswith("G_ema.")})
+    z = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    with torch.no_grad():
+        drawn = generator.eval()(torch.from_numpy(z)).numpy()
+    assert _relative(training.G_ema(z, training=False).numpy().transpose(0, 3, 1, 2), drawn) <= OUTPUT_TOLERANCE
+
+    result = evaluate(tmp_path, samples=64, features="digits")
+    assert result["step"] == 2 and result["features"] == "digits" and np.isfinite(result["fd"]), result
+    assert json.loads((tmp_path / "eval.json").read_text()) == result
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "ganscale", *args], cwd=cwd, env=env, capture_output=True, text=True,

@@ -46,6 +46,7 @@ TENSORFLOW = ".tf"  # a tf.train.Checkpoint folder, written by the tensorflow en
 META = "meta.pt"  # inside a sharded checkpoint: step, data position, RNG states, scaler, config
 
 NETWORKS = ("G", "D", "G_ema")
+GENERATOR_KEYS = ("G", "G_ema", "step", "config")  # what export, eval and sample read (of any engine's checkpoint)
 CORE_KEYS = (*NETWORKS, "step", "config")  # in every ganscale checkpoint (sharded: meta.pt and the shards)
 META_KEYS = ("step", "data_position", "skipped_steps", "scaler", "rng", "config")  # what a resume reads of meta.pt
 RESUME_KEYS = (*NETWORKS, "opt_g", "opt_d", *META_KEYS)  # what a resume reads of a full checkpoint
@@ -641,6 +642,8 @@ def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX, 
     the SHA-256 of its content (files and sizes are still checked): for ranks whose rank 0 verifies it, so a
     resume reads a checkpoint once per rank, not twice."""
     path = Path(path)
+    if engine_of(path) == "tensorflow":
+        return _tensorflow_generators(path, require, fix, verify)
     _check_intact(path, fix, verify)
     try:
         if is_sharded(path):  # everything but the optimizers, which only a training run's DCP load restores
@@ -652,6 +655,21 @@ def load(path: Path, require: tuple[str, ...] = CORE_KEYS, fix: str = LOAD_FIX, 
     _check_contents(path, state, require, fix)
     _gamma_as_vector(state)
     return state
+
+
+def _tensorflow_generators(path: Path, require: tuple[str, ...], fix: str, verify: bool) -> dict:
+    """A tensorflow engine checkpoint's G and G_ema in the torch engine's layout (ganscale.tf.convert), for readers
+    that need no more (`require`): export, eval, sample."""
+    beyond = [key for key in require if key not in GENERATOR_KEYS]
+    if beyond:
+        raise ConfigError(str(path), f"a checkpoint of the tensorflow engine: only its generators are read outside "
+                          f"training on that engine, not {', '.join(beyond)}", "use a checkpoint of a torch engine run")
+    reason = problem(path, verify)
+    if reason is not None:
+        raise ConfigError(str(path), f"this checkpoint cannot be used ({reason})", fix)
+    from ganscale.tf.convert import torch_state
+
+    return torch_state(path, fix)
 
 
 def _check_intact(path: Path, fix: str, content: bool = True) -> None:

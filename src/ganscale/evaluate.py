@@ -36,7 +36,7 @@ def load_generator(run_dir: Path, source: Path | None = None) -> tuple[Config, n
     """(config, G_ema in eval mode, step) from the newest intact checkpoint of a run (or `source`)."""
     source = source or checkpoint.newest_intact(run_dir, "RUN_DIR", "train that run to its first checkpoint, or "
                                                 "give a run directory that has one")
-    state = checkpoint.load(source)
+    state = checkpoint.load(source, require=checkpoint.GENERATOR_KEYS)
     refuse_non_finite_checkpoint(state, ("G_ema",), source, "nothing was drawn; continue training from an earlier "
                                  "checkpoint of the run (train --resume PATH)")
     cfg, generator = fitted_generator(run_dir, source, state)

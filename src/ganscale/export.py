@@ -11,7 +11,7 @@ from ganscale.evaluate import fitted_generator, run_config
 from ganscale.finite import refuse_non_finite_checkpoint
 from ganscale.outputs import write_output
 
-EXPORTED = ("G", "G_ema", "step", "config")  # what an export reads of a checkpoint
+EXPORTED = checkpoint.GENERATOR_KEYS  # what an export reads of a checkpoint
 
 
 def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Path:
