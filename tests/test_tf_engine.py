@@ -288,6 +288,24 @@ def test_export_and_eval_read_a_tensorflow_run(tf, tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text()) == result
 
 
+def test_bench_throughput_measures_both_engines_in_one_invocation(tf, tmp_path):
+    """`ganscale bench throughput --engine tensorflow`: each DCGAN row on torch, then on the tensorflow engine's
+    step with the same model and batch; other models are refused (exit 2)."""
+    out = tmp_path / "results"
+    result = CliRunner().invoke(main, ["bench", "throughput", "--engine", "tensorflow", "--device", "cpu", "--batch",
+                                       "4", "--resolution", "8", "--dcgan-width", "8", "--iters", "1", "--warmup", "1",
+                                       "--out-dir", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (record,) = [json.loads(p.read_text()) for p in out.glob("bench-throughput-*.json")]
+    rows = record["rows"]
+    assert [(r["engine"], r["model"], r["batch"]) for r in rows] == [("torch", "dcgan", 4), ("tensorflow", "dcgan", 4)]
+    assert rows[1]["img_per_s"] > 0 and rows[0]["params_G"] == rows[1]["params_G"]
+    assert rows[0]["params_D"] == rows[1]["params_D"]  # the same model on both engines
+    refused = CliRunner().invoke(main, ["bench", "throughput", "--engine", "tensorflow", "--model", "biggan",
+                                        "--out-dir", str(out)])
+    assert refused.exit_code == 2 and "--engine tensorflow" in refused.output, refused.output
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "ganscale", *args], cwd=cwd, env=env, capture_output=True, text=True,

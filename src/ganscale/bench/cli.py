@@ -109,12 +109,14 @@ def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, batch: i
 @click.option("--warmup", type=click.IntRange(min=1), default=2, show_default=True, help="Untimed iterations.")
 @click.option("--peak-tflops", type=float, default=None,
               help="Peak for MFU (default on CUDA: H100 SXM dense, 989 bf16 / 67 fp32).")
+@click.option("--engine", type=click.Choice(["torch", "tensorflow"]), default="torch", show_default=True,
+              help="tensorflow: each DCGAN row also on the tensorflow engine's step, next to torch's (dcgan only).")
 @THREADS
 @OUT_DIR
 @click.pass_context
 def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...], models: tuple[str, ...],
                resolution: int | None, dcgan_width: int, stylegan2_base: int | None, biggan_ch: int | None,
-               precision: str | None, iters: int, warmup: int, peak_tflops: float | None, threads: int,
+               precision: str | None, iters: int, warmup: int, peak_tflops: float | None, engine: str, threads: int,
                out_dir: str) -> None:
     """Images/s, model FLOPs per iteration and MFU of DCGAN, BigGAN- and StyleGAN2-style training iterations."""
     import torch
@@ -124,9 +126,14 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    if engine == "tensorflow" and set(models) - {"dcgan"}:
+        raise click.UsageError("--engine tensorflow: the tensorflow engine has only the dcgan of these models; "
+                               "pass --model dcgan, or --engine torch")
+    tensorflow_rows = _tensorflow_throughput(threads) if engine == "tensorflow" else None
     on_cuda = device == "cuda"
     torch.set_num_threads(threads)
-    ctx.params.update(device=device, batches=batches or (64, 256), models=models or ("dcgan", "biggan"),
+    models = models or (("dcgan",) if tensorflow_rows else ("dcgan", "biggan"))
+    ctx.params.update(device=device, batches=batches or (64, 256), models=models,
                       resolution=resolution or (64 if on_cuda else 32), biggan_ch=biggan_ch or (64 if on_cuda else 16),
                       stylegan2_base=stylegan2_base or (16384 if on_cuda else 1024),
                       precision=precision or ("bf16" if on_cuda else "fp32"))
@@ -137,13 +144,47 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
             for model in p["models"] for batch in p["batches"]]
     columns = ["model", "resolution", "width", "batch", "precision", "img_per_s", "iter_median_s", "gflop_per_iter",
                "achieved_tflops", "mfu"]
+    if tensorflow_rows:  # each torch row, then the same model and batch on the tensorflow engine
+        rows = [pair for row in rows
+                for pair in ({"engine": "torch", **row}, tensorflow_rows(row, device, iters, warmup))]
+        columns.insert(0, "engine")
     notes = ["one iteration = D step (G no-grad forward, D on [real, fake], Adam) + G step (G and frozen D, Adam); "
              "DCGAN nonsaturating loss, BigGAN hinge loss with 10 classes, StyleGAN2 nonsaturating loss (main phases: "
              "no R1 or path length; style mixing and noise on; width = channel_base)",
              "FLOPs from torch.utils.flop_counter.FlopCounterMode over one iteration (forward + backward)",
              f"MFU against {rows[0]['peak_tflops']} TFLOP/s" if rows[0]["peak_tflops"] else "MFU: no peak given on CPU",
              f"{threads} thread(s)" if not on_cuda else "CUDA: cudnn.allow_tf32 is torch's default (True)"]
+    if tensorflow_rows:
+        notes.append("tensorflow rows: the engine's own D and G steps (ganscale.tf.step, one replica, tf.function "
+                     "graphs, the host's finite check) on the same DCGAN, batch and random reals; FLOPs as counted on "
+                     "the torch row")
     publish(ctx, "throughput", columns, rows, notes)
+
+
+def _tensorflow_throughput(threads: int):
+    """A function (torch row, device, iters, warmup) -> the tensorflow engine's row of the same model and batch; exit 2
+    without TensorFlow."""
+    from ganscale.config import ConfigError
+    from ganscale.tf.capabilities import require_tensorflow
+
+    try:
+        require_tensorflow()
+    except ConfigError as e:
+        click.echo(f"ganscale: {ConfigError('--engine', e.problem, e.fix)}", err=True)
+        sys.exit(2)
+    from ganscale.tf import bench as tf_bench
+
+    tf_bench.use_threads(threads)
+
+    def row(torch_row: dict, device: str, iters: int, warmup: int) -> dict:
+        measured = tf_bench.measure(torch_row["batch"], torch_row["resolution"], torch_row["width"], device,
+                                    torch_row["precision"], iters, warmup)
+        flops = torch_row["gflop_per_iter"] * 1e9 / measured["iter_median_s"] / 1e12
+        peak = torch_row["peak_tflops"]
+        return {**measured, "gflop_per_iter": torch_row["gflop_per_iter"], "achieved_tflops": flops,
+                "peak_tflops": peak, "mfu": flops / peak if peak else None}
+
+    return row
 
 
 @bench.command()
