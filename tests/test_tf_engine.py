@@ -112,7 +112,8 @@ def test_two_worker_processes_train_as_one_replica_and_resume(tf, tmp_path):
     networks of its last checkpoint are the 1-replica run's, within the criterion. The chief alone wrote the run
     directory: its files are exactly the torch engine's, and no other worker's checkpoint copy is left in it."""
     run = tmp_path / "run"
-    settings = [*TINY_DCGAN, "parallel.sync_bn=true", "log.every=1", "checkpoint.keep=1", "log.sample_every=0"]
+    settings = [*TINY_DCGAN, "parallel.sync_bn=true", "log.every=1", "checkpoint.keep=1", "log.sample_every=0",
+                "parallel.tf_open_servers=true"]
     first = _cli("train", "digits", *_sets(*settings, "train.steps=3"), "--workers", "2", "--run-dir", str(run),
                  cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -140,10 +141,14 @@ def _sets(*settings: str) -> list[str]:
     return [argument for setting in settings for argument in ("--set", setting)]
 
 
-def test_workers_refuse_nproc_and_the_torch_engine(tmp_path):
-    both = CliRunner().invoke(main, ["train", "digits", "--set", "train.engine=tensorflow", "--workers", "2",
-                                     "--nproc", "2", "--run-dir", str(tmp_path / "run")])
+def test_workers_refuse_nproc_the_torch_engine_and_open_servers_not_agreed_to(tmp_path):
+    tensorflow = ["train", "digits", "--set", "train.engine=tensorflow", "--workers", "2"]
+    both = CliRunner().invoke(main, [*tensorflow, "--set", "parallel.tf_open_servers=true", "--nproc", "2",
+                                     "--run-dir", str(tmp_path / "run")])
     assert both.exit_code == 2 and "config error at '--nproc'" in both.output, both.output
+    unagreed = CliRunner().invoke(main, [*tensorflow, "--run-dir", str(tmp_path / "run")])
+    assert unagreed.exit_code == 2 and "config error at 'parallel.tf_open_servers'" in unagreed.output
+    assert "every interface" in unagreed.output and "--nproc" in unagreed.output, unagreed.output
     torch_engine = CliRunner().invoke(main, ["train", "digits", "--workers", "2", "--run-dir", str(tmp_path / "run")])
     assert torch_engine.exit_code == 2 and "config error at '--workers'" in torch_engine.output, torch_engine.output
     assert not (tmp_path / "run").exists()

@@ -147,9 +147,9 @@ def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str],
         raise ConfigError("--max-restarts", "the tensorflow engine does not restart its workers",
                           "drop --max-restarts and continue a stopped run with --resume auto")
     if worker or workers:
-        from ganscale.tf.workers import check_replicas
+        from ganscale.tf.workers import check_workers
 
-        check_replicas(nproc)
+        check_workers(cfg, nproc)
     capabilities.require_tensorflow()
     from ganscale.tf import devices, loop
 

@@ -313,6 +313,10 @@ class ParallelConfig(Section):
     what one process does and nothing forbids it (see preflight.cross_rank_batchnorm); true or false: as set."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
+    tf_open_servers: bool = False
+    """train.engine=tensorflow with worker processes (--workers, torchrun): TensorFlow's gRPC worker servers listen
+    on every interface of their host, without authentication (TensorFlow takes no bind address). true says you
+    accept that (a host whose firewall admits only the other workers); false refuses worker processes."""
     timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
     """Process-group timeout for a collective (at most a week)."""
     pipeline_stages: int = Field(2, ge=2)
