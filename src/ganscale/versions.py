@@ -36,6 +36,9 @@ FEATURES = {
                                  "the hang watchdog's extra patience while torch compiles"),
     "flight-recorder": Feature((2, 11), "torch._C._distributed_c10d._dump_fr_trace_json (gloo and NCCL)",
                                "rankN-flight-recorder.json in a hang's diagnostics"),
+    "launcher-grace": Feature((2, 12), "torch.distributed.launcher.api.LaunchConfig(shutdown_timeout=)",
+                              "train --nproc with a fault.exit_timeout_s that needs more than the agent's fixed "
+                              "30 s between SIGTERM and SIGKILL"),
 }
 # Not a feature but a spelling: DDP's `forward_sync_buffers` replaced `broadcast_buffers` in 2.13 (`ddp_no_buffer_sync`).
 
