@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ganscale import objectives, usercode
+from ganscale import augment, objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset
 from ganscale.data.mnist import mnist_file
@@ -296,6 +296,11 @@ def _check_torch_features(cfg: Config) -> None:
         require("fsdp", "parallel.cpu_offload")
     if cfg.checkpoint.format == "sharded":
         require("sharded-checkpoint", "checkpoint.format")
+    if cfg.loss.penalises_input_gradient and augment.resamples(cfg.augment):  # the penalty differentiates it twice
+        colour = [op for op in cfg.augment.ada_ops if op not in augment.GEOMETRIC]
+        require("grid-sample-double-backward", "augment.ada_ops",
+                f"keep only colour operations in augment.ada_ops ({', '.join(colour) or 'brightness, contrast, ...'})"
+                ", or turn the penalty off")
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:

@@ -36,6 +36,10 @@ FEATURES = {
                                  "the hang watchdog's extra patience while torch compiles"),
     "flight-recorder": Feature((2, 11), "torch._C._distributed_c10d._dump_fr_trace_json (gloo and NCCL)",
                                "rankN-flight-recorder.json in a hang's diagnostics"),
+    "grid-sample-double-backward": Feature((2, 12), "the double backward of torch.nn.functional.grid_sample "
+                                           "(aten::grid_sampler_2d_backward's derivative)",
+                                           "R1 or the gradient penalty with ADA's geometric operations "
+                                           "(augment.ada_ops)"),
     "launcher-grace": Feature((2, 12), "torch.distributed.launcher.api.LaunchConfig(shutdown_timeout=)",
                               "train --nproc with a fault.exit_timeout_s that needs more than the agent's fixed "
                               "30 s between SIGTERM and SIGKILL"),
@@ -73,16 +77,17 @@ def running() -> str:
     return torch.__version__
 
 
-def require(name: str, option: str) -> None:
-    """Refuse `option` (a ConfigError: one line, exit 2) when the running torch lacks feature `name`."""
+def require(name: str, option: str, instead: str | None = None) -> None:
+    """Refuse `option` (a ConfigError: one line, exit 2) when the running torch lacks feature `name`; `instead`:
+    what else the user can do (default: choose another value for `option`)."""
     if name in lacking(running()):
         from ganscale.config import ConfigError
 
         feature = FEATURES[name]
         first = ".".join(map(str, feature.first))
         raise ConfigError(option, f"needs torch >= {first} ({feature.api}); this torch is {running()}",
-                          f"install torch>={first} (ganscale supports {describe_range()}), or choose another "
-                          f"value for {option}")
+                          f"install torch>={first} (ganscale supports {describe_range()}), or "
+                          f"{instead or f'choose another value for {option}'}")
 
 
 def describe_range() -> str:
