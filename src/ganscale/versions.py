@@ -4,8 +4,9 @@ One table, read by `ganscale doctor`, by the code paths that need a feature (`re
 scripts/bootstrap.sh (loaded by path, before ganscale is installed: this module imports nothing of ganscale).
 
 SUPPORTED is the range whose source was read for every torch API ganscale touches (2.11.0, 2.12.1, 2.13.0,
-2.14.1, 2.15.0) and whose suite runs in CI (2.13.0, 2.14.1). A torch older than a feature's first version does not
-have it: that feature is refused by name (exit 2), the rest of ganscale still runs.
+2.14.1, 2.15.0) and whose suite runs in CI (2.13.0, 2.14.1); the oldest, 2.11.0, ran its suite once by hand
+(benchmarks/results/torch-2.11-20261125.md). A torch older than a feature's first version does not have it: that
+feature is refused by name (exit 2), the rest of ganscale still runs (2.11 lacks two, both refused narrowly).
 """
 
 from __future__ import annotations
