@@ -192,6 +192,10 @@ def _check_augment(cfg: Config) -> None:
         raise ConfigError("augment.ada_ops", f"the colour operations ({', '.join(colour)}) transform grey or RGB "
                           f"images, not data.channels={cfg.data.channels}",
                           "remove them from augment.ada_ops, or use 1 or 3 channels")
+    if cfg.loss.penalises_input_gradient and augment.resamples(a):  # the penalty differentiates grid_sample twice
+        kept = ", ".join(colour) or "brightness, contrast, ..."
+        require("grid-sample-double-backward", "augment.ada_ops",
+                f"keep only colour operations in augment.ada_ops ({kept}), or turn the penalty off")
 
 
 def _check_stylegan2(cfg: Config, micro: int) -> None:
@@ -296,11 +300,6 @@ def _check_torch_features(cfg: Config) -> None:
         require("fsdp", "parallel.cpu_offload")
     if cfg.checkpoint.format == "sharded":
         require("sharded-checkpoint", "checkpoint.format")
-    if cfg.loss.penalises_input_gradient and augment.resamples(cfg.augment):  # the penalty differentiates it twice
-        colour = [op for op in cfg.augment.ada_ops if op not in augment.GEOMETRIC]
-        require("grid-sample-double-backward", "augment.ada_ops",
-                f"keep only colour operations in augment.ada_ops ({', '.join(colour) or 'brightness, contrast, ...'})"
-                ", or turn the penalty off")
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:
