@@ -458,6 +458,7 @@ def _carry_probe(rank, world):
 
     from ganscale.parallel import Wrapped, data_parallel
     from ganscale.runtime import Runtime
+    from ganscale.versions import ddp_no_buffer_sync
 
     runtime = Runtime(rank=rank, world=world, local_rank=rank, device=torch.device("cpu"), owns_group=False)
     torch.manual_seed(0)  # the same weights on every rank
@@ -467,8 +468,8 @@ def _carry_probe(rank, world):
     plain, ours = (torch.nn.Sequential(*(torch.nn.Linear(6, 5), torch.nn.Linear(5, 1))) for _ in range(2))
     for net in (plain, ours):
         net.load_state_dict(torch.nn.Sequential(*layers).state_dict())
-    reference = DistributedDataParallel(plain, forward_sync_buffers=False)  # DDP's own hook (kept alive: its
-    reference(x).square().mean().backward()                                 # reducer holds the autograd hooks)
+    reference = DistributedDataParallel(plain, **ddp_no_buffer_sync())  # DDP's own hook (kept alive: its
+    reference(x).square().mean().backward()                              # reducer holds the autograd hooks)
     wrapped = Wrapped(ours, data_parallel(ours, runtime))
     before = wrapped.carried()  # nothing carried yet
     wrapped.carry_with_gradients(torch.tensor([rank + 1.0, 0.5]))

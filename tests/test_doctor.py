@@ -341,6 +341,13 @@ def test_torch_inside_the_checked_range_passes():
     assert check.status == PASS and "2.14.1" in check.detail and "2.11 through 2.15" in check.detail
 
 
+def test_torch_inside_the_range_names_a_feature_it_lacks():
+    check = doctor.torch_check("2.11.0+cu130")
+    assert check.status == PASS and "2.11.0" in check.detail
+    assert "lacks grid-sample-double-backward (R1" in check.detail and "; launcher-grace (train --nproc" in check.detail
+    assert "all features" in doctor.torch_check("2.12.1").detail
+
+
 def test_torch_older_than_the_range_warns_and_names_what_it_lacks():
     check = doctor.torch_check("2.5.1")
     assert check.status == WARN and "older than the supported range" in check.detail

@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from ganscale import versions
+from ganscale.config import ConfigError
 from test_faults import endless_ring8, start_training, worker_pids
 
 pytestmark = [pytest.mark.slow,
@@ -90,6 +93,8 @@ def test_train_nproc_listens_on_the_loopback_only(tmp_path):
     assert launcher.returncode == 3, stderr[-3000:]
 
 
+@pytest.mark.skipif("launcher-grace" in versions.lacking(torch.__version__),
+                    reason="this torch's agent has a fixed grace (test_a_torch_with_a_fixed_agent_grace_...)")
 def test_the_local_launcher_waits_for_its_workers_longest_exit_before_sigkill(monkeypatch):
     """torch's agent SIGKILLs the workers its grace after passing a stop on: a longer fault.exit_timeout_s
     lengthens it, so a rank still finishing its step or writing its diagnostics is not killed meanwhile."""
@@ -101,3 +106,53 @@ def test_the_local_launcher_waits_for_its_workers_longest_exit_before_sigkill(mo
     slow = stop_grace_s(60)
     assert local_agent(2, slow).shutdown_timeout > slow
     assert local_agent(2, stop_grace_s(20)).shutdown_timeout >= 30  # torch's own grace is never shortened
+
+
+def test_a_torch_with_a_fixed_agent_grace_gets_no_grace_keyword(monkeypatch):
+    """torch 2.11's LaunchConfig has no `shutdown_timeout` (its agent always waits 30 s): the launcher's settings
+    leave the keyword out there instead of failing every `train --nproc` and `doctor`."""
+    from torch.distributed.launcher import api
+
+    from ganscale.fault import stop_grace_s
+    from ganscale.launch import local_agent
+
+    taken = {}
+
+    def launch_config_2_11(**settings):  # torch 2.11's LaunchConfig: the same settings, less shutdown_timeout
+        if "shutdown_timeout" in settings:
+            raise TypeError("LaunchConfig.__init__() got an unexpected keyword argument 'shutdown_timeout'")
+        taken.update(settings)
+    monkeypatch.setattr(os, "environ", {**os.environ})  # local_agent sets the workers' variables here
+    monkeypatch.setattr(api, "LaunchConfig", launch_config_2_11)
+    monkeypatch.setattr(versions, "running", lambda: "2.11.0+cu130")
+    local_agent(2, stop_grace_s(20))
+    assert taken["nproc_per_node"] == 2 and "shutdown_timeout" not in taken
+
+
+@pytest.mark.parametrize("exit_timeout_s, torch_version, refused", [
+    (24.0, "2.11.0", False), (24.5, "2.11.0", True), (60.0, "2.11.0", True), (60.0, "2.12.1", False)])
+def test_an_exit_timeout_longer_than_a_fixed_agent_grace_is_refused_by_name(monkeypatch, exit_timeout_s,
+                                                                          torch_version, refused):
+    """Where the agent cannot wait longer than 30 s (torch 2.11), workers that may need longer to stop would be
+    SIGKILLed before their checkpoint or diagnostics: refused before they start, naming the largest value."""
+    from ganscale import config, launch
+
+    monkeypatch.setattr(versions, "running", lambda: torch_version)
+    cfg = config.load(None, [f"fault.exit_timeout_s={exit_timeout_s}"])
+    if not refused:
+        launch.check_stop_grace(cfg)
+        return
+    with pytest.raises(ConfigError) as info:
+        launch.check_stop_grace(cfg)
+    assert info.value.key == "fault.exit_timeout_s" and "2.11.0" in info.value.problem
+    assert "at most 24," in info.value.fix and "torch>=2.12" in info.value.fix
+
+
+def test_train_nproc_refuses_the_longer_exit_timeout_before_claiming_the_run_directory(monkeypatch, tmp_path):
+    from ganscale import api
+
+    monkeypatch.setattr(versions, "running", lambda: "2.11.0")
+    with pytest.raises(ConfigError) as info:
+        api.run(None, ["fault.exit_timeout_s=40"], 2, str(tmp_path / "run"), None, 0, print)
+    assert info.value.key == "fault.exit_timeout_s"
+    assert not (tmp_path / "run").exists()

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from dist_helpers import assert_same_functions, record_steps, run_ranks, train_and_collect
-from ganscale import checkpoint, config, objectives, phases, preflight
+from ganscale import checkpoint, config, objectives, phases, preflight, versions
 from ganscale.config import ConfigError
 from ganscale.models.stylegan2 import StyleGAN2Generator
 
@@ -129,6 +129,8 @@ def test_two_ranks_equal_one_process_with_r1_and_path_length(tmp_path, micro_bat
         overrides["train.micro_batch"] = micro_batch
         overrides.update({"augment.kind": "ada", "augment.p": 0.5})  # D reg augments its reals as D main does
         overrides.update({"model.conditional": "true", "data.labels": "true"})  # D reg judges reals with theirs
+        if "grid-sample-double-backward" in versions.lacking(torch.__version__):  # torch 2.11: R1 refuses these
+            overrides["augment.ada_ops"] = "[brightness,contrast,lumaflip,hue,saturation]"
     one = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "one"), _steps, None, RECIPE)[0]
     two = run_ranks(train_and_collect, 2, overrides, str(tmp_path / "two"), _steps, None, RECIPE)
     _assert_same_training(one, two, overrides)

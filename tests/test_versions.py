@@ -34,8 +34,10 @@ def test_the_range_takes_2_11_through_2_15_and_later_releases_but_not_older_ones
 
 
 def test_lacking_names_each_feature_older_than_its_first_version():
-    assert versions.lacking("2.11.0") == [] and versions.lacking(torch.__version__) == []
-    assert versions.lacking("2.5.1") == ["fsdp", "sharded-checkpoint", "compile-callbacks", "flight-recorder"]
+    assert versions.lacking("2.11.0") == ["grid-sample-double-backward", "launcher-grace"]
+    assert versions.lacking("2.12.1") == []
+    assert versions.lacking("2.5.1") == ["fsdp", "sharded-checkpoint", "compile-callbacks", "flight-recorder",
+                                         "grid-sample-double-backward", "launcher-grace"]
     assert "pipeline" in versions.lacking("2.3.1") and "pipeline" not in versions.lacking("2.4.0")
 
 
@@ -70,6 +72,43 @@ def test_an_option_whose_feature_an_older_torch_lacks_is_refused_by_name(monkeyp
     assert info.value.key == key
     assert "needs torch >= 2.6" in info.value.problem and "2.5.1" in info.value.problem
     assert "torch>=2.6" in info.value.fix
+
+
+def test_the_grid_sample_feature_says_whether_this_torch_differentiates_ada_twice():
+    """R1 differentiates D's input gradient through ADA's geometric resampling: torch 2.11 has no derivative
+    for grid_sample's backward, 2.12 on have one. The table's entry must say what this torch does."""
+    from ganscale import augment
+
+    images = torch.rand(2, 3, 8, 8, requires_grad=True)
+    augmented = augment.ada(images, 1.0, ["rotate", "xfrac"], 3)
+    (gradient,) = torch.autograd.grad(augmented.square().sum(), images, create_graph=True)
+    if "grid-sample-double-backward" in versions.lacking(torch.__version__):
+        with pytest.raises(RuntimeError, match="grid_sampler_2d_backward"):
+            gradient.square().sum().backward()
+    else:
+        gradient.square().sum().backward()
+        assert images.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("overrides, torch_version, refused", [
+    (["augment.kind=ada", "loss.r1_gamma=1"], "2.11.0", True),
+    (["augment.kind=ada", "loss.r1_gamma=1", "augment.ada_ops=[xflip]"], "2.11.0", True),
+    (["augment.kind=ada", "loss.r1_gamma=1", "augment.ada_ops=[brightness,contrast]"], "2.11.0", False),
+    (["augment.kind=ada", "loss.r1_gamma=0"], "2.11.0", False),
+    (["augment.kind=diffaugment", "loss.r1_gamma=1"], "2.11.0", False),
+    (["augment.kind=ada", "loss.r1_gamma=1"], "2.12.1", False),
+])
+def test_r1_through_ada_resampling_is_refused_on_a_torch_without_its_double_backward(monkeypatch, overrides,
+                                                                                    torch_version, refused):
+    cfg = config.load("digits", overrides)
+    monkeypatch.setattr(versions, "running", lambda: torch_version)
+    if not refused:
+        preflight.check(cfg, 1, False)
+        return
+    with pytest.raises(ConfigError) as info:
+        preflight.check(cfg, 1, False)
+    assert info.value.key == "augment.ada_ops" and "needs torch >= 2.12" in info.value.problem
+    assert "torch>=2.12" in info.value.fix and "keep only colour operations" in info.value.fix
 
 
 def test_pipeline_is_refused_on_a_torch_without_pipelining(monkeypatch):

@@ -119,6 +119,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
         preflight.check(cfg, world, torch.cuda.is_available())
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
+            launch.check_stop_grace(cfg)
             memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run
             run_dir, resume, held = rundir.claim_run(cfg, run_dir, resume)
             with held or contextlib.nullcontext():  # the run directory is this run's through every restart

@@ -62,6 +62,11 @@ class _Draws:
 
 
 # ----------------------------------------------------------------------------------------------------- ADA
+def resamples(a: AugmentConfig) -> bool:
+    """Whether augmentation `a` moves pixels through grid_sample (ADA's geometric operations)."""
+    return a.kind == "ada" and any(op in GEOMETRIC for op in a.ada_ops)
+
+
 def ada(images: Tensor, p: float, ops: tuple[str, ...] | list[str], channels: int,
         seeds: Tensor | None = None) -> Tensor:
     """ADA's pipeline on `images` (N, k x channels, H, W), each of `ops` applied to each sample with probability

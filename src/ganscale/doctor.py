@@ -408,9 +408,8 @@ def _driver_version() -> str | None:
 def torch_check(version: str) -> Check:
     """The torch version against ganscale's supported range (ganscale.versions), naming the features it lacks."""
     supported = versions.describe_range()
-    missing = versions.lacking(version)
+    lost = "; ".join(f"{name} ({versions.FEATURES[name].used_by})" for name in versions.lacking(version))
     if not versions.in_range(version):
-        lost = "; ".join(f"{name} ({versions.FEATURES[name].used_by})" for name in missing)
         return Check(WARN, "torch", f"{version}: older than the supported range ({supported})",
                      "ganscale was not checked on it" + (f"; it lacks: {lost}" if lost else ""),
                      f"install torch>={'.'.join(map(str, versions.OLDEST))} (the CUDA build on GPU machines)")
@@ -419,7 +418,7 @@ def torch_check(version: str) -> Check:
                      "the private torch APIs ganscale overrides were not read in this version",
                      "run `scripts/test.sh` once in this environment; if it fails, install torch "
                      f"{'.'.join(map(str, versions.NEWEST))}")
-    return Check(PASS, "torch", f"{version} (supported: {supported}; all features)")
+    return Check(PASS, "torch", f"{version} (supported: {supported}; {f'lacks {lost}' if lost else 'all features'})")
 
 
 def version_checks(backend: str, on_cuda: bool, cuda_available: bool, cuda_warning: str) -> list[Check]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ganscale import checkpoint, runlock
+from ganscale import checkpoint, fault, runlock, versions
 from ganscale.config import Config, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED,
                            EXIT_PREEMPTED, EXIT_REPLICAS_DIFFER, RESTARTS_ENV)
@@ -92,11 +92,42 @@ def local_agent(nproc: int, stop_grace_s: float = 0.0, **options):
     os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{run_id}"
     if sys.platform.startswith("linux"):  # gloo listens on the address this host's name resolves to, else
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    granted = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))  # torch's agent's grace, as it reads it
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
                         rdzv_backend=loopback.RENDEZVOUS, rdzv_endpoint=f"{loopback.ADDRESS}:0",
                         local_addr=loopback.ADDRESS, max_restarts=0, monitor_interval=0.5,
-                        shutdown_timeout=max(granted, math.ceil(stop_grace_s) + 1), **options)
+                        **agent_grace(stop_grace_s), **options)
+
+
+AGENT_GRACE_S = 30  # torch's agent's wait between passing a stop signal on and SIGKILL, by default
+
+
+def agent_grace(stop_grace_s: float) -> dict[str, int]:
+    """LaunchConfig's keyword for the agent's grace: `stop_grace_s` + 1 s, or torch's own if longer. A torch
+    without the keyword (versions' launcher-grace) waits its fixed AGENT_GRACE_S (check_stop_grace)."""
+    if "launcher-grace" in versions.lacking(versions.running()):
+        return {}
+    granted = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(AGENT_GRACE_S)))  # as torch reads it
+    return {"shutdown_timeout": max(granted, _grace_needed(stop_grace_s))}
+
+
+def _grace_needed(stop_grace_s: float) -> int:
+    return math.ceil(stop_grace_s) + 1  # a second of margin over the workers' longest exit
+
+
+def check_stop_grace(cfg: Config) -> None:
+    """`--nproc` workers that may take longer to exit after a stop signal than a torch's fixed agent grace
+    allows (it would SIGKILL them before their checkpoint or diagnostics): refused before they start."""
+    exit_timeout_s = cfg.fault.exit_timeout_s
+    needed = _grace_needed(fault.stop_grace_s(exit_timeout_s))
+    if needed <= AGENT_GRACE_S or "launcher-grace" not in versions.lacking(versions.running()):
+        return
+    feature = versions.FEATURES["launcher-grace"]
+    first = ".".join(map(str, feature.first))
+    most = exit_timeout_s - (fault.stop_grace_s(exit_timeout_s) + 1 - AGENT_GRACE_S)  # grace needed == granted
+    raise ConfigError("fault.exit_timeout_s", f"{exit_timeout_s:g} s: --nproc workers may then take {needed} s to "
+                      f"exit after a stop signal, and torch {versions.running()}'s agent kills them after "
+                      f"{AGENT_GRACE_S} s (a longer grace needs torch >= {first}, {feature.api})",
+                      f"set fault.exit_timeout_s to at most {most:g}, or install torch>={first}")
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ganscale import objectives, usercode
+from ganscale import augment, objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset
 from ganscale.data.mnist import mnist_file
@@ -192,6 +192,10 @@ def _check_augment(cfg: Config) -> None:
         raise ConfigError("augment.ada_ops", f"the colour operations ({', '.join(colour)}) transform grey or RGB "
                           f"images, not data.channels={cfg.data.channels}",
                           "remove them from augment.ada_ops, or use 1 or 3 channels")
+    if cfg.loss.penalises_input_gradient and augment.resamples(a):  # the penalty differentiates grid_sample twice
+        kept = ", ".join(colour) or "brightness, contrast, ..."
+        require("grid-sample-double-backward", "augment.ada_ops",
+                f"keep only colour operations in augment.ada_ops ({kept}), or turn the penalty off")
 
 
 def _check_stylegan2(cfg: Config, micro: int) -> None:

@@ -4,8 +4,9 @@ One table, read by `ganscale doctor`, by the code paths that need a feature (`re
 scripts/bootstrap.sh (loaded by path, before ganscale is installed: this module imports nothing of ganscale).
 
 SUPPORTED is the range whose source was read for every torch API ganscale touches (2.11.0, 2.12.1, 2.13.0,
-2.14.1, 2.15.0) and whose suite runs in CI (2.13.0, 2.14.1). A torch older than a feature's first version does not
-have it: that feature is refused by name (exit 2), the rest of ganscale still runs.
+2.14.1, 2.15.0) and whose suite runs in CI (2.13.0, 2.14.1); the oldest, 2.11.0, ran its suite once by hand
+(benchmarks/results/torch-2.11-20261125.md). A torch older than a feature's first version does not have it: that
+feature is refused by name (exit 2), the rest of ganscale still runs (2.11 lacks two, both refused narrowly).
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ FEATURES = {
                                  "the hang watchdog's extra patience while torch compiles"),
     "flight-recorder": Feature((2, 11), "torch._C._distributed_c10d._dump_fr_trace_json (gloo and NCCL)",
                                "rankN-flight-recorder.json in a hang's diagnostics"),
+    "grid-sample-double-backward": Feature((2, 12), "the double backward of torch.nn.functional.grid_sample "
+                                           "(aten::grid_sampler_2d_backward's derivative)",
+                                           "R1 or the gradient penalty with ADA's geometric operations "
+                                           "(augment.ada_ops)"),
+    "launcher-grace": Feature((2, 12), "torch.distributed.launcher.api.LaunchConfig(shutdown_timeout=)",
+                              "train --nproc with a fault.exit_timeout_s that needs more than the agent's fixed "
+                              "30 s between SIGTERM and SIGKILL"),
 }
 # Not a feature but a spelling: DDP's `forward_sync_buffers` replaced `broadcast_buffers` in 2.13 (`ddp_no_buffer_sync`).
 
@@ -70,16 +78,17 @@ def running() -> str:
     return torch.__version__
 
 
-def require(name: str, option: str) -> None:
-    """Refuse `option` (a ConfigError: one line, exit 2) when the running torch lacks feature `name`."""
+def require(name: str, option: str, instead: str | None = None) -> None:
+    """Refuse `option` (a ConfigError: one line, exit 2) when the running torch lacks feature `name`; `instead`:
+    what else the user can do (default: choose another value for `option`)."""
     if name in lacking(running()):
         from ganscale.config import ConfigError
 
         feature = FEATURES[name]
         first = ".".join(map(str, feature.first))
         raise ConfigError(option, f"needs torch >= {first} ({feature.api}); this torch is {running()}",
-                          f"install torch>={first} (ganscale supports {describe_range()}), or choose another "
-                          f"value for {option}")
+                          f"install torch>={first} (ganscale supports {describe_range()}), or "
+                          f"{instead or f'choose another value for {option}'}")
 
 
 def describe_range() -> str:
