@@ -393,9 +393,9 @@ class EvalConfig(Section):
     (each rank generates its share). Image runs only; 2D mixtures are scored at every sample grid."""
     samples: int = Field(2500, ge=6)
     """Generated images per evaluation (the reference is up to 10,000 training images)."""
-    features: Literal["auto", "digits", "inception"] = "auto"
-    """Feature extractor: auto is digits (the shipped classifier, FD-digits) for data.kind=digits and
-    inception otherwise."""
+    features: Literal["auto", "digits", "mnist", "inception"] = "auto"
+    """Feature extractor: auto is digits (the shipped digits classifier, FD-digits) for data.kind=digits,
+    mnist (the shipped MNIST classifier, FD-MNIST) for data.kind=mnist, and inception otherwise."""
     inception_weights: str | None = None
     """A local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded."""
     inception_preprocess: Literal["pytorch-fid", "torch-fidelity"] = "pytorch-fid"
@@ -403,7 +403,15 @@ class EvalConfig(Section):
     TensorFlow FID's (TF 1.x bilinear, (u - 128) / 128). FIDs compare only under the same preprocessing."""
 
     def extractor(self, data_kind: str) -> str:
-        return ("digits" if data_kind == "digits" else "inception") if self.features == "auto" else self.features
+        return auto_features(data_kind) if self.features == "auto" else self.features
+
+
+DIGIT_DATASETS = ("digits", "mnist")  # data kinds with a shipped classifier (ganscale.metrics.digits_classifier)
+
+
+def auto_features(data_kind: str) -> str:
+    """A digit data set is scored on its own shipped classifier's features, everything else on Inception's."""
+    return data_kind if data_kind in DIGIT_DATASETS else "inception"
 
 
 class FaultConfig(Section):

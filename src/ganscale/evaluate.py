@@ -16,7 +16,7 @@ import yaml
 from torch import nn
 
 from ganscale import checkpoint
-from ganscale.config import Config, ConfigError, build
+from ganscale.config import Config, ConfigError, auto_features, build
 from ganscale.data import build_dataset
 from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.finite import refuse_non_finite_checkpoint
@@ -102,7 +102,7 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall and
     density/coverage of `samples` generated images against (at most `reference_limit`, a seeded random
-    subset of) the run's training images, on `features` (default: digits for digits runs, else inception).
+    subset of) the run's training images, on `features` (default: digits or mnist for those runs, else inception).
     """
     cfg, generator, step = load_generator(run_dir)
     result: dict = {"step": step, "data": cfg.data.kind, "seed": seed}
@@ -114,15 +114,11 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
     elif cfg.data.kind == "paired":
         result.update(score_pairs(cfg, generator, pairs))
     else:
-        result.update(score_images(cfg, generator, samples, seed, features or default_features(cfg),
+        result.update(score_images(cfg, generator, samples, seed, features or auto_features(cfg.data.kind),
                                    inception_weights, reference_limit,
                                    inception_preprocess or cfg.eval.inception_preprocess))
     (Path(run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-def default_features(cfg: Config) -> str:
-    return "digits" if cfg.data.kind == "digits" else "inception"
 
 
 def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, features: str,
