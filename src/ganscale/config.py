@@ -161,6 +161,10 @@ class DataConfig(Section):
     """Image channels (1 grey, 3 RGB). Ignored for 2D mixtures."""
     size: int = Field(100_000, gt=0)
     """ring8/grid25: number of training points drawn once from the mixture."""
+    max_images: int | None = Field(None, ge=1)
+    """Train on a fixed subset of this many items of the data source (StyleGAN's --max-size, for small-data
+    experiments): chosen by a generator seeded 0, so the same on every rank, every resume and every train.seed.
+    Unset: all. `ganscale eval` and eval.every still score against the whole source (ADA's protocol)."""
     workers: int = Field(0, ge=0, le=64)
     """DataLoader worker processes per rank (0: load in the training process). At most 64: each worker holds
     several file descriptors (queues, pipes, shared memory) in its rank, so hundreds push them past select()'s

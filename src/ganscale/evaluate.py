@@ -124,12 +124,13 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
 def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, features: str,
                  inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT,
                  inception_preprocess: str = "pytorch-fid") -> dict:
-    """Image metrics of an eval-mode generator against the features of its config's training data."""
+    """Image metrics of an eval-mode generator against the features of its config's training data (all of the
+    source when data.max_images trains on a subset: ADA's protocol)."""
     if samples < 6:
         raise ConfigError("--samples", f"{samples} samples are too few for density/coverage (k = 5)",
                           "use at least 6 (thousands for stable numbers)")
     extractor = build_extractor(features, "cpu", inception_weights, inception_preprocess=inception_preprocess)
-    reference = reference_features(build_dataset(cfg), extractor, reference_limit, seed)
+    reference = reference_features(build_dataset(cfg, whole=True), extractor, reference_limit, seed)
     task = build_task(cfg)
     return image_metrics(lambda z: task.from_noise(generator, z).float(), cfg.model.z_dim, samples, seed, extractor,
                          reference)
