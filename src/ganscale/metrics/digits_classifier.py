@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -26,30 +27,6 @@ from ganscale.config import ConfigError
 
 FORMAT = "ganscale-digits-classifier-v1"
 CLASSES = 10
-
-
-@dataclass(frozen=True)
-class DigitSet:
-    """A labelled digit data set a classifier is fitted on: its image side and where its weights ship."""
-
-    side: int
-    shipped: str  # inside the ganscale package
-    refit: str  # the command that writes the weights
-
-    def images(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return labelled_digits() if self.side == 8 else labelled_mnist()
-
-
-DATASETS = {
-    "digits": DigitSet(8, "assets/digits_classifier.safetensors", "ganscale fit-digits-features --out"),
-    "mnist": DigitSet(32, "assets/mnist_classifier.safetensors", "ganscale fit-features --dataset mnist --out"),
-}
-
-
-def digit_set(dataset: str) -> DigitSet:
-    if dataset not in DATASETS:
-        raise ConfigError("--dataset", f"no digit classifier for {dataset!r}", f"use one of {', '.join(DATASETS)}")
-    return DATASETS[dataset]
 
 
 class DigitsClassifier(nn.Module):
@@ -91,6 +68,30 @@ def labelled_mnist() -> tuple[torch.Tensor, torch.Tensor]:
 
     images, labels = mnist(PADDED, labels=True).tensors
     return images, labels
+
+
+@dataclass(frozen=True)
+class DigitSet:
+    """A labelled digit data set a classifier is fitted on: its images, their side, where its weights ship."""
+
+    images: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    side: int
+    shipped: str  # inside the ganscale package
+    refit: str  # the command that writes the weights
+
+
+DATASETS = {
+    "digits": DigitSet(labelled_digits, 8, "assets/digits_classifier.safetensors",
+                       "ganscale fit-digits-features --out"),
+    "mnist": DigitSet(labelled_mnist, 32, "assets/mnist_classifier.safetensors",
+                      "ganscale fit-features --dataset mnist --out"),
+}
+
+
+def digit_set(dataset: str) -> DigitSet:
+    if dataset not in DATASETS:
+        raise ConfigError("--dataset", f"no digit classifier for {dataset!r}", f"use one of {', '.join(DATASETS)}")
+    return DATASETS[dataset]
 
 
 def held_out_split(n: int, seed: int, test_fraction: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,9 +136,10 @@ def _fit(seed: int, epochs: int, batch_size: int, lr: float, dataset: str) -> tu
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    record = {"format": FORMAT, "dataset": dataset, "side": digits.side, "seed": seed, "epochs": epochs, "batch_size": batch_size, "lr": lr,
-              "width": model.width, "feature_dim": model.feature_dim, "train_images": len(train_idx),
-              "test_images": len(test_idx), "train_accuracy": accuracy(model, images[train_idx], labels[train_idx]),
+    record = {"format": FORMAT, "dataset": dataset, "side": digits.side, "seed": seed, "epochs": epochs,
+              "batch_size": batch_size, "lr": lr, "width": model.width, "feature_dim": model.feature_dim,
+              "train_images": len(train_idx), "test_images": len(test_idx),
+              "train_accuracy": accuracy(model, images[train_idx], labels[train_idx]),
               "test_accuracy": accuracy(model, images[test_idx], labels[test_idx]),
               "fit_seconds": round(time.perf_counter() - started, 2)}
     return model.eval(), record

@@ -2,8 +2,8 @@
 
 Pluggable: anything with a `name`, a `device` and `__call__(images) -> (N, D)` works with
 `ganscale.metrics.images`. Shipped: `digits` and `mnist` (the package's own digit classifiers, any
-resolution and channel count, resized to 8x8 or 32x32 grey) and `inception` (Inception-v3 pool features from a weights file
-the user supplies; nothing is ever downloaded).
+resolution and channel count, resized to 8x8 or 32x32 grey) and `inception` (Inception-v3 pool features
+from a weights file the user supplies; nothing is ever downloaded).
 """
 
 from __future__ import annotations
