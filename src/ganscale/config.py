@@ -161,6 +161,10 @@ class DataConfig(Section):
     """Image channels (1 grey, 3 RGB). Ignored for 2D mixtures."""
     size: int = Field(100_000, gt=0)
     """ring8/grid25: number of training points drawn once from the mixture."""
+    max_images: int | None = Field(None, ge=1)
+    """Train on a fixed subset of this many items of the data source (StyleGAN's --max-size, for small-data
+    experiments): chosen by a generator seeded 0, so the same on every rank, every resume and every train.seed.
+    Unset: all. `ganscale eval` and eval.every still score against the whole source (ADA's protocol)."""
     workers: int = Field(0, ge=0, le=64)
     """DataLoader worker processes per rank (0: load in the training process). At most 64: each worker holds
     several file descriptors (queues, pipes, shared memory) in its rank, so hundreds push them past select()'s
@@ -401,9 +405,9 @@ class EvalConfig(Section):
     (each rank generates its share). Image runs only; 2D mixtures are scored at every sample grid."""
     samples: int = Field(2500, ge=6)
     """Generated images per evaluation (the reference is up to 10,000 training images)."""
-    features: Literal["auto", "digits", "inception"] = "auto"
-    """Feature extractor: auto is digits (the shipped classifier, FD-digits) for data.kind=digits and
-    inception otherwise."""
+    features: Literal["auto", "digits", "mnist", "inception"] = "auto"
+    """Feature extractor: auto is digits (the shipped digits classifier, FD-digits) for data.kind=digits,
+    mnist (the shipped MNIST classifier, FD-MNIST) for data.kind=mnist, and inception otherwise."""
     inception_weights: str | None = None
     """A local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded."""
     inception_preprocess: Literal["pytorch-fid", "torch-fidelity"] = "pytorch-fid"
@@ -411,7 +415,15 @@ class EvalConfig(Section):
     TensorFlow FID's (TF 1.x bilinear, (u - 128) / 128). FIDs compare only under the same preprocessing."""
 
     def extractor(self, data_kind: str) -> str:
-        return ("digits" if data_kind == "digits" else "inception") if self.features == "auto" else self.features
+        return auto_features(data_kind) if self.features == "auto" else self.features
+
+
+DIGIT_DATASETS = ("digits", "mnist")  # data kinds with a shipped classifier (ganscale.metrics.digits_classifier)
+
+
+def auto_features(data_kind: str) -> str:
+    """A digit data set is scored on its own shipped classifier's features, everything else on Inception's."""
+    return data_kind if data_kind in DIGIT_DATASETS else "inception"
 
 
 class FaultConfig(Section):

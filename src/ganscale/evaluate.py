@@ -16,7 +16,7 @@ import yaml
 from torch import nn
 
 from ganscale import checkpoint
-from ganscale.config import Config, ConfigError, build
+from ganscale.config import Config, ConfigError, auto_features, build
 from ganscale.data import build_dataset
 from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.finite import refuse_non_finite_checkpoint
@@ -102,7 +102,7 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall and
     density/coverage of `samples` generated images against (at most `reference_limit`, a seeded random
-    subset of) the run's training images, on `features` (default: digits for digits runs, else inception).
+    subset of) the run's training images, on `features` (default: digits or mnist for those runs, else inception).
     """
     cfg, generator, step = load_generator(run_dir)
     result: dict = {"step": step, "data": cfg.data.kind, "seed": seed}
@@ -114,7 +114,7 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
     elif cfg.data.kind == "paired":
         result.update(score_pairs(cfg, generator, pairs))
     else:
-        result.update(score_images(cfg, generator, samples, seed, features or default_features(cfg),
+        result.update(score_images(cfg, generator, samples, seed, features or auto_features(cfg.data.kind),
                                    inception_weights, reference_limit,
                                    inception_preprocess or cfg.eval.inception_preprocess))
     text = json.dumps(result, indent=2) + "\n"
@@ -122,19 +122,16 @@ def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, feat
     return result
 
 
-def default_features(cfg: Config) -> str:
-    return "digits" if cfg.data.kind == "digits" else "inception"
-
-
 def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, features: str,
                  inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT,
                  inception_preprocess: str = "pytorch-fid") -> dict:
-    """Image metrics of an eval-mode generator against the features of its config's training data."""
+    """Image metrics of an eval-mode generator against the features of its config's training data (all of the
+    source when data.max_images trains on a subset: ADA's protocol)."""
     if samples < 6:
         raise ConfigError("--samples", f"{samples} samples are too few for density/coverage (k = 5)",
                           "use at least 6 (thousands for stable numbers)")
     extractor = build_extractor(features, "cpu", inception_weights, inception_preprocess=inception_preprocess)
-    reference = reference_features(build_dataset(cfg), extractor, reference_limit, seed)
+    reference = reference_features(build_dataset(cfg, whole=True), extractor, reference_limit, seed)
     task = build_task(cfg)
     return image_metrics(lambda z: task.from_noise(generator, z).float(), cfg.model.z_dim, samples, seed, extractor,
                          reference)

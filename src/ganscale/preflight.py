@@ -93,8 +93,8 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
         raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
                           "use 8, 16, 32, 64, ...")
-    if cfg.data.kind == "zip":  # after the model's own resolution rules: the zip must then hold that resolution
-        build_dataset(cfg)  # reads every image's header and dataset.json
+    if cfg.data.kind == "zip" or cfg.data.max_images:  # after the model's own resolution rules
+        build_dataset(cfg)  # a zip: every image's header and dataset.json; data.max_images against the source
 
 
 def _check_data_source(cfg: Config) -> None:

@@ -8,9 +8,10 @@ of batches whatever the data set size (the stream runs on across epochs instead 
 
 from __future__ import annotations
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, Subset, TensorDataset
 
-from ganscale.config import Config
+from ganscale.config import Config, ConfigError
 from ganscale.data.archive import ImageZip
 from ganscale.data.custom import user_dataset
 from ganscale.data.folder import ImageFolder
@@ -21,7 +22,27 @@ from ganscale.data.paired import PairedImages
 from ganscale.data.stream import GlobalBatches, Slicing
 
 
-def build_dataset(cfg: Config) -> Dataset:
+SUBSET_SEED = 0  # StyleGAN's dataset seed: data.max_images picks the same items whatever train.seed is
+
+
+def build_dataset(cfg: Config, whole: bool = False) -> Dataset:
+    """The training data: data.max_images of the source's items (all with `whole`, or when unset)."""
+    source = _source(cfg)
+    return source if whole or cfg.data.max_images is None else subset(source, cfg.data.max_images, cfg.data.kind)
+
+
+def subset(dataset: Dataset, n: int, kind: str) -> Dataset:
+    """A seeded, fixed choice of n items, in their order in the source; in-memory data stays in memory."""
+    if n > len(dataset):
+        raise ConfigError("data.max_images", f"{n} is more than the {len(dataset)} items of data.kind={kind}",
+                          f"set data.max_images to at most {len(dataset)}, or leave it unset for all")
+    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SUBSET_SEED))[:n].sort().values
+    if isinstance(dataset, TensorDataset):
+        return TensorDataset(*(t[chosen] for t in dataset.tensors))
+    return Subset(dataset, chosen.tolist())
+
+
+def _source(cfg: Config) -> Dataset:
     d = cfg.data
     if d.kind == "digits":
         return digits(d.resolution, d.channels, d.labels)

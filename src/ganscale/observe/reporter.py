@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ganscale import checkpoint, slurm
+from ganscale.data import build_dataset
 from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.fault import restart_count
 from ganscale.metrics.images import ImageScorer
@@ -31,7 +32,8 @@ class Reporter:
     def __init__(self, training: Trainer):
         self.training, self.cfg = training, training.cfg
         self.sample_z = training.sample_latents(self.cfg.log.samples)
-        self.image_scorer = ImageScorer(self.cfg, training.dataset, training.runtime.device,
+        # the whole data source, also when data.max_images trains on a subset (ADA's protocol)
+        self.image_scorer = ImageScorer(self.cfg, build_dataset(self.cfg, whole=True), training.runtime.device,
                                         progress=lambda: training.watchdog.mark(
                                             f"step {training.step}: image metrics (local batches and distances)")
                                         ) if self.cfg.eval.every else None  # collective
