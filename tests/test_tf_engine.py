@@ -394,3 +394,18 @@ def test_the_cli_imports_neither_framework():
     code = "import sys, ganscale.cli; print(sorted({'torch', 'tensorflow', 'keras'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_the_torch_engines_tensorboard_log_does_not_import_tensorflow(tf, tmp_path):
+    """With TensorFlow installed, TensorBoard would import it (seconds in every run's rank 0) to write event files
+    its own writer writes as well: the run log's scalars are there, TensorFlow is not loaded."""
+    code = ("import sys; from pathlib import Path; from ganscale.observe import RunLog\n"
+            "log = RunLog(Path(sys.argv[1]), 2, 0, True, True); log.log(1, {'loss_d': 0.5}, 8); log.writer.close()\n"
+            "print(sorted({'tensorflow', 'keras'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout + result.stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [event.value for event in events.Scalars("loss_d")] == [0.5]

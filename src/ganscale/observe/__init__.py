@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
 from tqdm import tqdm
@@ -30,6 +31,17 @@ def console_line(record: dict[str, float], seconds_left: float | None = None) ->
     return " ".join(shown)
 
 
+def _summary_writer(folder: Path):
+    """torch's TensorBoard writer, on TensorBoard's own file writer: where TensorFlow is installed, TensorBoard
+    would import it (seconds, in every run's rank 0) only to write the same event files."""
+    if "tensorboard.compat.notf" not in sys.modules:
+        # TensorBoard's switch for its TensorFlow-free build: this module's presence selects its stub.
+        sys.modules["tensorboard.compat.notf"] = types.ModuleType("tensorboard.compat.notf")
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(folder))
+
+
 class RunLog:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, enabled: bool):
         self.enabled, self.run_dir, self.total_steps = enabled, Path(run_dir), total_steps
@@ -41,8 +53,7 @@ class RunLog:
             _drop_records_after(metrics_file, start_step)
         self.metrics = open(metrics_file, "a", buffering=1)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.writer = _summary_writer(self.run_dir / "tensorboard")
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
         self._last_step, self._last_time = start_step, time.perf_counter()
