@@ -151,8 +151,9 @@ def test_pix2pix_fast_path_on_cuda_trains_like_eager(tmp_path):
     assert max_relative_difference(eager, fast) <= 1e-3
 
 
-def _polling_thread_priorities(rank, world, overrides, run_dir):
-    """Nice values of this rank's gloo TCP event-loop threads: before and after the Trainer is built."""
+def _polling_thread_priorities(rank, world, overrides, run_dir, unnamed):
+    """gloo's TCP event-loop threads of this rank (thread ids, found by their name) and their nice values after
+    the Trainer is built. `unnamed`: the threads first renamed as torch 2.11 leaves them (the main thread's name)."""
     import os
     from pathlib import Path
 
@@ -160,22 +161,32 @@ def _polling_thread_priorities(rank, world, overrides, run_dir):
     from ganscale.runtime import GLOO_POLLING_THREAD, start
     from ganscale.trainer import Trainer
 
-    def nice_values():
-        tasks = [t for t in Path("/proc/self/task").iterdir()
-                 if (t / "comm").read_text().strip() == GLOO_POLLING_THREAD]
-        return [os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks]
-
-    before = nice_values()  # the group made by run_ranks
+    tasks = Path("/proc/self/task")
+    loops = [int(t.name) for t in tasks.iterdir() if (t / "comm").read_text().strip() == GLOO_POLLING_THREAD]
+    if not loops:
+        return None  # this torch leaves the loop unnamed (2.11): nothing here to find it by but the code under test
+    if unnamed:
+        for tid in loops:
+            (tasks / str(tid) / "comm").write_text((tasks / str(os.getpid()) / "comm").read_text().strip())
     Trainer(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), start("cpu"), Path(run_dir))
-    return before, nice_values()
+    niced = sorted(int(t.name) for t in tasks.iterdir() if os.getpriority(os.PRIO_PROCESS, int(t.name)) == 19)
+    return sorted(loops), niced
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread priorities are read from Linux /proc")
-def test_gloo_polling_threads_run_at_the_lowest_priority(tmp_path):
+@pytest.mark.parametrize("unnamed", [False, True], ids=["named", "unnamed-as-on-torch-2.11"])
+def test_gloo_polling_threads_run_at_the_lowest_priority(tmp_path, unnamed):
     """gloo's TCP loop spins on epoll (pytorch/gloo#246); at normal priority it takes cycles from the ranks'
-    compute when there are as many ranks as cores. The trainer lowers it to nice 19 on every rank."""
-    for before, after in run_ranks(_polling_thread_priorities, 2, SMALL_DCGAN, str(tmp_path / "run")):
-        assert before and after and set(after) == {19}  # before: the priority the test runs at (0 unless niced)
+    compute when there are as many ranks as cores. The trainer lowers it, and only it, to nice 19 on every rank,
+    also where torch leaves the thread unnamed."""
+    if os.getpriority(os.PRIO_PROCESS, 0) == 19:
+        pytest.skip("the test runs at nice 19 already: every thread would pass")
+    ranks = run_ranks(_polling_thread_priorities, 2, SMALL_DCGAN, str(tmp_path / "run"), unnamed)
+    if None in ranks:
+        pytest.skip(f"torch {torch.__version__} leaves gloo's loop thread unnamed; the test renames it on a torch "
+                    "that names it")
+    for loops, niced in ranks:
+        assert loops and niced == loops
 
 
 def test_gradient_norm_of_a_network_without_gradients_is_zero():

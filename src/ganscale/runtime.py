@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +94,36 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
 
 
 GLOO_POLLING_THREAD = "gloo_tcp_loop"
+_EPOLL_WAITS = ("do_epoll_wait", "ep_poll")  # the kernel's wait channel of a thread blocked in epoll_wait
+
+
+def gloo_polling_threads(looks: int = 5) -> list[int]:
+    """Thread ids of gloo's TCP event-loop threads in this process (Linux; elsewhere none).
+
+    torch 2.13 names them `gloo_tcp_loop`. torch 2.11 leaves them unnamed, so each carries the name of the thread
+    that made the process group (the main thread's, or a gloo worker's): there they are the threads of such a name
+    seen waiting in epoll, which gloo's workers (a futex) and the main thread never do. A loop is busy at times,
+    so it is looked for `looks` times, 1 ms apart.
+    """
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return []
+    found: set[int] = set()
+    for look in range(looks):
+        threads = {}
+        for task in tasks.iterdir():
+            try:
+                threads[int(task.name)] = ((task / "comm").read_text().strip(), (task / "wchan").read_text().strip())
+            except (OSError, ValueError):  # the thread ended meanwhile
+                continue
+        named = [tid for tid, (name, _) in threads.items() if name == GLOO_POLLING_THREAD]
+        if named:
+            return named
+        inherited = {threads.get(os.getpid(), ("", ""))[0], "pt_gloo_runloop"}
+        found |= {tid for tid, (name, wait) in threads.items()
+                  if tid != os.getpid() and name in inherited and wait in _EPOLL_WAITS}
+        time.sleep(0.001 if look + 1 < looks else 0)
+    return sorted(found)
 
 
 def calm_gloo_polling() -> int:
@@ -106,19 +137,13 @@ def calm_gloo_polling() -> int:
     At nice 19 it still runs whenever a core is free, which is when ranks wait in a collective. Call it after
     the process groups exist (a new group brings a new thread). Linux only; elsewhere, and without gloo, a no-op.
     """
-    tasks = Path("/proc/self/task")
     lowered = 0
-    if not tasks.is_dir():
-        return lowered
-    for task in tasks.iterdir():
+    for tid in gloo_polling_threads():
         try:
-            if (task / "comm").read_text().strip() != GLOO_POLLING_THREAD:
-                continue
-            tid = int(task.name)
             if os.getpriority(os.PRIO_PROCESS, tid) < 19:
                 os.setpriority(os.PRIO_PROCESS, tid, 19)  # per thread on Linux: a TID is a PRIO_PROCESS id
                 lowered += 1
-        except (OSError, ValueError):  # the thread ended meanwhile, or the system refuses: leave it
+        except OSError:  # the thread ended meanwhile, or the system refuses: leave it
             continue
     return lowered
 
