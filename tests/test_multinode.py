@@ -15,6 +15,7 @@ import pytest
 
 from test_cli import clean_env
 from test_custom import write_user_gan
+from test_tf_engine import STEP_TOLERANCE, TINY_DCGAN, _sets, _train, tf  # noqa: F401 (tf: a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -111,3 +112,20 @@ def test_a_run_directory_the_nodes_do_not_share_is_refused_on_every_node(tmp_pat
     for err in errors:  # torchrun's report of its worker on each node: a config error
         assert "exitcode  : 2" in err, err[-3000:]
     assert not (cwds[0] / "run").exists() and not (cwds[1] / "run").exists()
+
+
+def test_tensorflow_workers_on_two_nodes_train_as_one_replica(tf, tmp_path, two_nodes):
+    """The tensorflow engine across nodes: one MultiWorkerMirroredStrategy worker per node under torchrun, each
+    finding the other's TensorFlow server through the launcher's store (ganscale.tf.workers). Every step's losses
+    and gradient norms are the 1-replica run's, within the tensorflow engine's criterion."""
+    run = tmp_path / "run"
+    settings = [*TINY_DCGAN, "parallel.sync_bn=true", "log.every=1", "log.sample_every=0", "train.steps=3",
+                "parallel.tf_open_servers=true"]
+    _train_on_two_nodes(two_nodes, ["digits", *_sets(*settings), "--run-dir", str(run)], [tmp_path, tmp_path], "tf")
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    _, stats = _train(tf, 1, 3, "parallel.sync_bn=true")
+    keys = ("loss_d", "loss_g", "grad_norm_d", "grad_norm_g")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    worst = max(abs(r[k] - s[k]) / max(abs(s[k]), 1e-12) for r, s in zip(records, stats) for k in keys)
+    assert worst <= STEP_TOLERANCE, worst
