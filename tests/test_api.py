@@ -142,3 +142,15 @@ def test_an_example_trains_through_the_cli_with_two_workers(tmp_path, example):
     assert result.returncode == 0, explain(result)
     assert [record["step"] for record in metrics(run) if "loss_d" in record] == [1, 2, 3]
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+
+
+def test_workers_reach_the_tensorflow_engine_s_checks(tmp_path):
+    """`workers=` is `--workers`: refused on the torch engine, and on the tensorflow engine checked as the CLI
+    checks it (TensorFlow's open servers need consent) before anything is written or TensorFlow is imported."""
+    with pytest.raises(ConfigError) as torch_engine:
+        api.train("digits", workers=2, run_dir=tmp_path / "a")
+    assert torch_engine.value.key == "--workers"
+    with pytest.raises(ConfigError) as tensorflow:
+        api.train("digits", overrides=["train.engine=tensorflow"], workers=2, run_dir=tmp_path / "b")
+    assert tensorflow.value.key == "parallel.tf_open_servers"
+    assert not any(tmp_path.iterdir())

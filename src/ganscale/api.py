@@ -48,7 +48,7 @@ class WorkersFailed(Exception):
 def train(config: str | os.PathLike | dict | Config | None = None, *, overrides: Sequence[str] = (),
           generator: Any = None, discriminator: Any = None, dataset: Any = None, loss: Any = None,
           nproc: int | None = None, run_dir: str | os.PathLike | None = None, resume: str | None = None,
-          max_restarts: int = 0) -> dict | None:
+          max_restarts: int = 0, workers: int | None = None) -> dict | None:
     """Train as `ganscale train` does, and return the summary (summary.json's content, with `run_dir` added).
 
     config: a shipped recipe's name, a YAML file, a dict holding what such a file holds, or a Config; None is the
@@ -60,7 +60,8 @@ def train(config: str | os.PathLike | dict | Config | None = None, *, overrides:
     resumes import it by its "module:qualname", which the saved config.yaml records (its folder in code_path).
 
     Runs in this process (one process), as one rank when started by torchrun or the elastic launcher (read from
-    the environment, as the CLI does), or with `nproc` local worker processes. The same checks as the CLI, before
+    the environment, as the CLI does), or with `nproc` local worker processes (on the tensorflow engine: `nproc`
+    replicas in this process, `workers` worker processes, as `--workers`). The same checks as the CLI, before
     anything is written: a bad config raises ConfigError naming the option and the fix; an error in training
     raises as it happened (`WorkersFailed` with the exit code under `nproc`). As a torchrun worker it ends an
     error as `ganscale train` does: one line and the exit code. None when the run is already trained to
@@ -74,7 +75,7 @@ def train(config: str | os.PathLike | dict | Config | None = None, *, overrides:
         source = own_config(source_name(config), run_dir, resume, worker, print)
         source, sets = command(config, overrides, {"generator": generator, "discriminator": discriminator,
                                                    "dataset": dataset, "loss": loss}, source)
-        trained = run(source, sets, nproc, run_dir, resume, max_restarts, print)
+        trained = run(source, sets, nproc, run_dir, resume, max_restarts, print, workers)
     except Exception as e:
         if worker:
             from ganscale.cli import leave
