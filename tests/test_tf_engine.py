@@ -175,8 +175,8 @@ def test_clipping_uses_the_global_norm(tf, monkeypatch):
     steps, outputs = _differences(one, _train(tf, 2, 3, *clip))
     assert steps <= STEP_TOLERANCE and outputs <= OUTPUT_TOLERANCE, (steps, outputs)
 
-    def clipped_per_replica(self, loss, grads):
-        grads, _ = step.clip_by_global_norm(grads, self.grad_clip)  # by this replica's own norm
+    def clipped_per_replica(self, loss, grads, scale=1.0):
+        grads, _ = step.clip_by_global_norm([g / scale for g in grads], self.grad_clip)  # by this replica's own norm
         loss, *grads = tf.distribute.get_replica_context().all_reduce(step.SUM, [loss, *grads])
         return loss, tf.linalg.global_norm(grads), grads
 
