@@ -267,8 +267,9 @@ def _write_images(root: Path, n: int, zipped: bool = False) -> Path:
 
 
 def test_an_image_folder_trains_on_two_replicas_as_one(tf, tmp_path):
-    """data.kind=folder (the torch engine's ImageFolder, decoded a global batch at a time): 2 replicas with sync_bn
-    train as 1, within the criterion; 40 images and a batch of 16, so step 3 runs across an epoch's end."""
+    """data.kind=folder (the torch engine's ImageFolder, each replica's share of a global batch decoded when it is
+    drawn): 2 replicas with sync_bn train as 1, within the criterion; 40 images and a batch of 16, so step 3 runs
+    across an epoch's end."""
     from ganscale.tf import capabilities
 
     folder = ["data.kind=folder", f"data.path={_write_images(tmp_path, 40)}"]
@@ -276,6 +277,14 @@ def test_an_image_folder_trains_on_two_replicas_as_one(tf, tmp_path):
     one, two = _train(tf, 1, 3, *folder), _train(tf, 2, 3, *folder, "parallel.sync_bn=true")
     steps, outputs = _differences(one, two)
     assert steps <= STEP_TOLERANCE and outputs <= OUTPUT_TOLERANCE, (steps, outputs)
+
+    # Each replica reads its own share of a global batch (a worker of several decodes only its replicas' images).
+    feed, read = two[0].feed, []
+    files = feed.samples
+    feed.samples = type("Recorded", (), {"__getitem__": lambda _, share: read.append(share) or files[share]})()
+    feed.reals(3)
+    assert sorted(len(share) for share in read) == [8, 8]
+    np.testing.assert_array_equal(np.sort(np.concatenate(read)), np.sort(feed._order.index_tensor(3, 0).numpy()))
 
 
 def test_a_stylegan_zip_feeds_the_pixels_of_the_same_images_in_a_folder(tf, tmp_path):

@@ -13,6 +13,8 @@ for it: the same pixels as on the torch engine, in the same order, from any numb
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import tensorflow as tf
 
@@ -67,7 +69,8 @@ class Feed:
 
     def reals(self, batch: int) -> tf.distribute.DistributedValues:
         """Global batch `batch` of the data stream (D's `critic`-th batch of step s is s x n_critic + critic)."""
-        return self.distribute(self.samples[self._order.index_tensor(batch, 0).numpy()])
+        # The indices are cut, and each replica's share read: a worker decodes only its own replicas' images.
+        return self.distribute(self._order.index_tensor(batch, 0).numpy(), lambda share: self.samples[share])
 
     def global_latents(self, step: int, phase: int, n: int | None = None) -> np.ndarray:
         seed = split_seed(self._seed_of(step, phase))
@@ -76,13 +79,15 @@ class Feed:
     def latents(self, step: int, phase: int) -> tf.distribute.DistributedValues:
         return self.distribute(self.global_latents(step, phase))
 
-    def distribute(self, global_batch: np.ndarray) -> tf.distribute.DistributedValues:
-        """Replica r gets its micro-batches stacked: micro-step m is the slice at (m x replicas + r) x micro."""
+    def distribute(self, global_batch: np.ndarray,
+                   take: Callable[[np.ndarray], np.ndarray] = lambda share: share) -> tf.distribute.DistributedValues:
+        """Replica r gets its micro-batches stacked: micro-step m is `take` of the slice at (m x replicas + r) x
+        micro. Only this process's replicas are asked for."""
         replicas = self.strategy.num_replicas_in_sync
 
         def replica_share(context: tf.distribute.ValueContext) -> tf.Tensor:
             r = context.replica_id_in_sync_group
             starts = [(m * replicas + r) * self.micro for m in range(self.accumulation)]
-            return tf.constant(np.stack([global_batch[s:s + self.micro] for s in starts]))
+            return tf.constant(np.stack([take(global_batch[s:s + self.micro]) for s in starts]))
 
         return self.strategy.experimental_distribute_values_from_function(replica_share)
