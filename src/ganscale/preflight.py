@@ -46,7 +46,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if t.device == "cuda" and not cuda_available:
         raise ConfigError("train.device", "cuda requested but no CUDA device is visible",
                           "set train.device=cpu or auto")
-    if t.precision == "fp16" and not on_cuda:
+    if t.precision == "fp16" and not on_cuda and t.engine == "torch":  # Keras' loss scaling runs on a CPU too
         raise ConfigError("train.precision", "fp16 with a GradScaler needs a CUDA device; this run is on the CPU",
                           "use train.precision=bf16 (or fp32) on the CPU")
     if cfg.parallel.backend == "nccl" and not on_cuda:

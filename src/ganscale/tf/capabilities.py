@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError
 
 MODELS = ("mlp", "dcgan")
-DATA = ("digits", "mnist", "ring8", "grid25")  # held in memory whole; the others stream from files
+DATA = ("digits", "mnist", "ring8", "grid25", "folder", "zip")  # the torch engine's readers (tf/feed.py)
 LOSSES = tuple(kind for kind in SHIPPED_LOSSES if kind != "wgan-gp")
 TORCH = "--set train.engine=torch"
 TENSORFLOW_BUILDS = ("tensorflow", "tensorflow-cpu")  # one package each, installing the same `tensorflow` module
@@ -35,8 +35,9 @@ REFUSALS = (
             f"the tensorflow engine reads only {', '.join(DATA)}", f"use one of them, or {TORCH}"),
     Refusal("data.labels", lambda c: c.data.labels, "the tensorflow engine trains unconditional models only",
             f"set data.labels=false, or {TORCH}"),
-    Refusal("data.workers", lambda c: c.data.workers > 0, "the tensorflow engine holds its data in memory",
-            "set data.workers=0"),
+    Refusal("data.workers", lambda c: c.data.workers > 0,
+            "the tensorflow engine has no loader processes: it reads each global batch in the training process",
+            f"set data.workers=0, or {TORCH} to decode large image sets in parallel"),
     Refusal("parallel.generator", lambda c: c.parallel.generator != "ddp",
             "the tensorflow engine replicates G on every device (MirroredStrategy); sharded and pipelined "
             "strategies exist on the torch engine only", f"set parallel.generator=ddp, or {TORCH}"),
@@ -63,9 +64,6 @@ REFUSALS = (
     Refusal("train.compile", lambda c: c.train.compile != "off",
             "torch.compile modes are a torch feature (the tensorflow engine always runs tf.function graphs)",
             "set train.compile=off"),
-    Refusal("train.precision", lambda c: c.train.precision == "fp16",
-            "the tensorflow engine has fp32 and bf16 (mixed_bfloat16); fp16 with loss scaling is not wired yet",
-            f"set train.precision=bf16 or fp32, or {TORCH}"),
     Refusal("train.channels_last", lambda c: c.train.channels_last,
             "channels_last is a torch memory format (Keras images are channels-last already)",
             "set train.channels_last=false"),

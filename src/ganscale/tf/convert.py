@@ -50,15 +50,19 @@ def torch_state(path: Path, fix: str) -> dict:
         raise ConfigError(str(path), f"its generators do not fit {configured} ({str(e).splitlines()[0][:200]})",
                           fix) from None
     template = build_networks(cfg)[0]
-    return {**{name: _as_torch(net, template) for name, net in nets.items()}, "step": step, "config": text}
+    return {**{name: _as_torch(net, template, path, configured, fix) for name, net in nets.items()}, "step": step,
+            "config": text}
 
 
-def _as_torch(net, template: nn.Module) -> dict[str, torch.Tensor]:
-    """The Keras generator `net`'s weights under the names of `template`'s state dict (the same model kind)."""
+def _as_torch(net, template: nn.Module, path: Path, configured: Path, fix: str) -> dict[str, torch.Tensor]:
+    """The Keras generator `net`'s weights under the names of `template`'s state dict (the same model kind); a
+    ConfigError naming the checkpoint `path` where the two do not pair up layer for layer."""
     keras_layers = [layer for layer in _flat(net) if layer.weights]
     torch_layers = [(name, module) for name, module in template.named_modules() if isinstance(module, TORCH_LAYERS)]
     if len(keras_layers) != len(torch_layers):
-        raise ValueError(f"{len(keras_layers)} Keras layers with weights, {len(torch_layers)} torch layers")
+        raise ConfigError(str(path), f"its generator {net.name} has {len(keras_layers)} layers with weights, the torch "
+                          f"model {configured} describes has {len(torch_layers)}: they are not the same model",
+                          f"restore the model section of {configured} the run was trained with; {fix}")
     state = {}
     for layer, (prefix, module) in zip(keras_layers, torch_layers):
         for key, value in _tensors(layer, module).items():

@@ -5,12 +5,20 @@ engine (its seeded permutations, ganscale.data.stream), and each phase of each s
 of latents from one stateless seed derived from (seed, step, phase). Replica r's micro-step m then takes the
 contiguous slice at (m x replicas + r) x micro_batch, as rank r does on the torch engine (`Slicing`): 1 x 2b and
 2 x b train on the same samples with the same noise.
+
+The data sets held in memory (digits, mnist, the 2D mixtures) are indexed as one array. Image files (data.kind
+folder or zip) are decoded by the torch engine's readers, a global batch at a time on the host when the step asks
+for it: the same pixels as on the torch engine, in the same order, from any number of replicas.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import tensorflow as tf
+
+from torch.utils.data import Dataset, TensorDataset
 
 from ganscale.config import Config
 from ganscale.data import Slicing, build_dataset
@@ -18,10 +26,28 @@ from ganscale.data.stream import _RankSampler
 from ganscale.seeds import StepSeeds
 
 
-def dataset_array(cfg: Config) -> np.ndarray:
-    """The whole data set in memory, images channels-last (N, H, W, C), 2D points (N, 2)."""
-    samples = build_dataset(cfg).tensors[0].numpy()
+def training_data(cfg: Config) -> np.ndarray | ImageFiles:
+    """The data set, indexed by an array of sample indices: images channels-last (N, H, W, C), 2D points (N, 2).
+    In memory whole where the torch engine holds it so; image files are read when a batch is drawn."""
+    dataset = build_dataset(cfg)
+    if not isinstance(dataset, TensorDataset):
+        return ImageFiles(dataset)
+    samples = dataset.tensors[0].numpy()
     return samples if samples.ndim == 2 else np.ascontiguousarray(samples.transpose(0, 2, 3, 1))
+
+
+class ImageFiles:
+    """A data set of image files (ganscale.data.folder.ImageFolder, ganscale.data.archive.ImageZip, or a
+    data.max_images subset of one) whose samples are decoded when they are indexed."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: np.ndarray) -> np.ndarray:
+        return np.stack([self.dataset[int(i)][0].numpy().transpose(1, 2, 0) for i in indices])
 
 
 def split_seed(seed: int) -> tf.Tensor:
@@ -32,7 +58,7 @@ def split_seed(seed: int) -> tf.Tensor:
 class Feed:
     """The global batches and latents of every step, as per-replica values of shape (accumulation, micro, ...)."""
 
-    def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, samples: np.ndarray):
+    def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, samples: np.ndarray | ImageFiles):
         self.strategy, self.samples = strategy, samples
         replicas = strategy.num_replicas_in_sync
         self.z_dim, self.global_batch = cfg.model.z_dim, cfg.train.batch_size
@@ -43,7 +69,8 @@ class Feed:
 
     def reals(self, batch: int) -> tf.distribute.DistributedValues:
         """Global batch `batch` of the data stream (D's `critic`-th batch of step s is s x n_critic + critic)."""
-        return self.distribute(self.samples[self._order.index_tensor(batch, 0).numpy()])
+        # The indices are cut, and each replica's share read: a worker decodes only its own replicas' images.
+        return self.distribute(self._order.index_tensor(batch, 0).numpy(), lambda share: self.samples[share])
 
     def global_latents(self, step: int, phase: int, n: int | None = None) -> np.ndarray:
         seed = split_seed(self._seed_of(step, phase))
@@ -52,13 +79,15 @@ class Feed:
     def latents(self, step: int, phase: int) -> tf.distribute.DistributedValues:
         return self.distribute(self.global_latents(step, phase))
 
-    def distribute(self, global_batch: np.ndarray) -> tf.distribute.DistributedValues:
-        """Replica r gets its micro-batches stacked: micro-step m is the slice at (m x replicas + r) x micro."""
+    def distribute(self, global_batch: np.ndarray,
+                   take: Callable[[np.ndarray], np.ndarray] = lambda share: share) -> tf.distribute.DistributedValues:
+        """Replica r gets its micro-batches stacked: micro-step m is `take` of the slice at (m x replicas + r) x
+        micro. Only this process's replicas are asked for."""
         replicas = self.strategy.num_replicas_in_sync
 
         def replica_share(context: tf.distribute.ValueContext) -> tf.Tensor:
             r = context.replica_id_in_sync_group
             starts = [(m * replicas + r) * self.micro for m in range(self.accumulation)]
-            return tf.constant(np.stack([global_batch[s:s + self.micro] for s in starts]))
+            return tf.constant(np.stack([take(global_batch[s:s + self.micro]) for s in starts]))
 
         return self.strategy.experimental_distribute_values_from_function(replica_share)

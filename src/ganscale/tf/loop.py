@@ -26,7 +26,7 @@ from ganscale.observe import RunLog
 from ganscale.outputs import write_output
 from ganscale.preflight import cross_rank_batchnorm
 from ganscale.rundir import config_to_write
-from ganscale.tf.feed import Feed, dataset_array
+from ganscale.tf.feed import Feed, training_data
 from ganscale.tf.models import build_discriminator, build_generator
 from ganscale.tf.step import Steps, adam
 from ganscale.trainer import PHASE_D, PHASE_G, PHASE_SAMPLES, lr_factor
@@ -54,8 +54,9 @@ class Training:
             self.G, self.D = build_generator(cfg, sync_bn), build_discriminator(cfg)
             self.G_ema = build_generator(cfg, False, name="G_ema")
             self.G_ema.set_weights(self.G.get_weights())
-            self.opt_g = adam(cfg.optim.g.lr, tuple(cfg.optim.g.betas))
-            self.opt_d = adam(cfg.optim.d.lr, tuple(cfg.optim.d.betas))
+            scaled = cfg.train.precision == "fp16"
+            self.opt_g = adam(cfg.optim.g.lr, tuple(cfg.optim.g.betas), loss_scaling=scaled)
+            self.opt_d = adam(cfg.optim.d.lr, tuple(cfg.optim.d.betas), loss_scaling=scaled)
             self.opt_g.build(self.G.trainable_variables)
             self.opt_d.build(self.D.trainable_variables)
             self.counters = tf.Variable([0, 0, 0], dtype=tf.int64)  # step, skipped steps, consecutive skips
@@ -69,7 +70,7 @@ class Training:
         if resume is not None:
             self.restore(resume)
         self.step, self.skipped_steps, self.consecutive_skips = (int(v) for v in self.counters.numpy())
-        self.feed = Feed(cfg, strategy, dataset_array(cfg))
+        self.feed = Feed(cfg, strategy, training_data(cfg))
         self.stats: dict[str, float] = {}
         self.stop_signal: str | None = None
 

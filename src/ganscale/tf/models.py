@@ -4,7 +4,8 @@ Images are channels-last here (N, H, W, C); the feed and the samples convert at 
 PyTorch's momentum (0.1, Keras' 0.9) and eps (1e-5); `synchronized=True` pools its statistics over every replica's
 micro-batch (parallel.sync_bn). DCGAN's initialisation is the paper's, as in dcgan.py.
 train.precision=bf16 is Keras' mixed_bfloat16 policy on every layer (fp32 weights, bf16 compute, as torch's autocast),
-but G's output and D's logits are fp32: the losses and the reals D sees stay fp32.
+fp16 its mixed_float16 (with loss scaling: step.py); G's output and D's logits are fp32 either way: the losses and
+the reals D sees stay fp32.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def dcgan_discriminator(channels: int, resolution: int, width: int) -> keras.Mod
     return keras.Sequential(net, name="D")
 
 
-POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16"}
+POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 
 def build_generator(cfg: Config, sync_bn: bool, name: str = "G") -> keras.Model:
