@@ -5,9 +5,10 @@ benchmarks/results/gpu-check-<date>-<machine>/results.json; summary.md is rewrit
 parts run in separate device calls append to the same folder.
 
 Parts are sized for one device call of at most 10 minutes each on an H100, from CPU timings and the benches'
-own numbers: part 1 (the CUDA tests, mostly torch.compile warm-up) ~3 min; part 2 (5 recipes x up to 3
-precisions, 30 steps each, ~25 s of process start and model build per run) ~7 min; part 3 (pix2pix table,
-all rows on 400 pairs, about 40 s per row with compile, plus throughput) ~8 min.
+own numbers: part 1 (the CUDA tests, mostly torch.compile warm-up, ~3 min; the tensorflow engine's digits in 3
+precisions where TensorFlow is installed, ~1.5 min) ~5 min; part 2 (6 recipes x up to 3 precisions, 30 steps
+each, ~25 s of process start and model build per run) ~8 min; part 3 (pix2pix table, all rows on 400 pairs,
+about 40 s per row with compile, plus throughput) ~8 min.
 
 Only the standard library is imported here: this script runs before ganscale's dependencies are checked.
 """
@@ -44,7 +45,10 @@ RECIPE_PRECISIONS = {
     "digits": ["fp32", "bf16", "fp16"],
     "digits-biggan": ["fp32", "bf16", "fp16"],
     "pix2pix": ["fp32", "bf16", "fp16"],
+    "digits-stylegan2": ["fp32", "bf16"],
 }
+# The tensorflow engine (MirroredStrategy over every visible GPU), where TensorFlow is installed.
+TENSORFLOW_PRECISIONS = ["fp32", "bf16", "fp16"]
 RECIPE_STEPS = 30
 DEVICE = "cuda"
 # Test hook: a comma-separated list of item names that fail on purpose (tests/test_gpu_check.py).
@@ -173,6 +177,39 @@ def recipe_run(recipe: str, precision: str, out: Path) -> tuple[str, str]:
     return ("fail", "; ".join(problems)) if problems else ("pass", detail)
 
 
+def tensorflow_run(precision: str, out: Path) -> tuple[str, str]:
+    """The digits recipe on the tensorflow engine: finite losses, all its steps, and an export of its G and G_ema
+    (converted to the torch layout) whose tensors are finite."""
+    if subprocess.run([sys.executable, "-c", "import tensorflow"], env=ganscale_env(),
+                      capture_output=True).returncode != 0:
+        return "not run", "TensorFlow does not import: bring its GPU wheel with --wheels (README, TensorFlow engine)"
+    run_dir = out / "runs" / f"tensorflow-digits-{precision}"
+    export = run_dir.with_suffix(".safetensors")
+    log = out / f"tensorflow-digits-{precision}.log"
+    rc = run_logged([sys.executable, "-m", "ganscale", "train", "digits", "--run-dir", str(run_dir),
+                     "--set", "train.engine=tensorflow", "--set", f"train.steps={RECIPE_STEPS}",
+                     "--set", f"train.precision={precision}"], log, timeout=300)
+    if rc != 0:
+        return "fail", f"train exit {rc} ({log.name})"
+    rc = run_logged([sys.executable, "-m", "ganscale", "export", str(run_dir), "--out", str(export)],
+                    out / f"tensorflow-digits-{precision}-export.log", timeout=120)
+    if rc != 0:
+        return "fail", f"export exit {rc} (tensorflow-digits-{precision}-export.log)"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    losses = {k: v for k, v in summary["final"].items() if k.startswith("loss_")}
+    problems = [f"{k}={v}" for k, v in losses.items() if not math.isfinite(v)]
+    if summary["steps"] != RECIPE_STEPS:
+        problems.append(f"{summary['steps']} steps of {RECIPE_STEPS}")
+    code = ("import sys, torch; from safetensors.torch import load_file\n"
+            "ts = load_file(sys.argv[1]).values()\n"
+            "sys.exit(0 if ts and all(bool(torch.isfinite(t).all()) for t in ts) else 1)")
+    if subprocess.run([sys.executable, "-c", code, str(export)], env=ganscale_env(), capture_output=True).returncode:
+        problems.append("non-finite tensors in the export of G and G_ema")
+    detail = ", ".join(f"{k} {v:.4g}" for k, v in losses.items()) + f", {summary['img_per_s']:.0f} img/s, " \
+        f"{summary['world_size']} replica(s)"
+    return ("fail", "; ".join(problems)) if problems else ("pass", detail)
+
+
 def bench(name: str, args: list[str], out: Path) -> tuple[str, str]:
     bench_dir = out / "bench"
     bench_dir.mkdir(exist_ok=True)
@@ -188,6 +225,8 @@ def bench(name: str, args: list[str], out: Path) -> tuple[str, str]:
 def items() -> list[tuple[int, str, object]]:
     """(part, item name, function of the result folder)."""
     listed = [(1, "cuda-tests", cuda_tests)]
+    for precision in TENSORFLOW_PRECISIONS:
+        listed.append((1, f"tensorflow engine digits {precision}", lambda out, p=precision: tensorflow_run(p, out)))
     for recipe, precisions in RECIPE_PRECISIONS.items():
         for precision in precisions:
             listed.append((2, f"recipe {recipe} {precision}",

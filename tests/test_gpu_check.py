@@ -22,7 +22,7 @@ def test_all_parts_without_a_gpu_list_every_item_as_not_run_and_the_machine(tmp_
     done = gpu_check(tmp_path, "--part", "all")
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
-    assert len(record["items"]) == 16  # cuda tests, 13 recipe runs, 2 benches
+    assert len(record["items"]) == 21  # cuda tests, 3 tensorflow engine runs, 15 recipe runs, 2 benches
     assert {row["status"] for row in record["items"].values()} == {"not run"}
     summary = (tmp_path / "summary.md").read_text()
     assert "## Machine" in summary and f"torch: {torch.__version__}" in summary
@@ -79,3 +79,17 @@ def test_a_missing_wheel_folder_is_one_line_and_exit_2(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"error: --wheels {tmp_path / 'absent'}: no such folder; build it with scripts/gpu-wheels.sh"]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_tensorflow_engine_item_runs_where_tensorflow_is_installed(tmp_path):
+    """The item's own steps (train on the tensorflow engine, export, the checks), on the CPU here, so that it does
+    not rot between GPU machines; without TensorFlow it is not run, saying why."""
+    gpu_check = import_gpu_check()
+    status, detail = gpu_check.tensorflow_run("fp32", tmp_path)
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError:
+        assert status == "not run" and "TensorFlow does not import" in detail
+        return
+    assert status == "pass", detail
+    assert "loss_d" in detail and "1 replica(s)" in detail
