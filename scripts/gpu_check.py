@@ -8,7 +8,7 @@ Parts are sized for one device call of at most 10 minutes each on an H100, from 
 own numbers: part 1 (the CUDA tests, mostly torch.compile warm-up, ~3 min; the tensorflow engine's digits in 3
 precisions where TensorFlow is installed, ~1.5 min) ~5 min; part 2 (6 recipes x up to 3 precisions, 30 steps
 each, ~25 s of process start and model build per run) ~8 min; part 3 (pix2pix table, all rows on 400 pairs,
-about 40 s per row with compile, plus throughput) ~8 min.
+about 40 s per row with compile, plus throughput of DCGAN, BigGAN and StyleGAN2) ~9 min.
 
 Only the standard library is imported here: this script runs before ganscale's dependencies are checked.
 """
@@ -235,6 +235,8 @@ def items() -> list[tuple[int, str, object]]:
                    lambda out: bench("pix2pix-table", ["--device", "cuda", "--images", "400"], out)))
     listed.append((3, "bench throughput (MFU against the bench's default peak, H100 SXM dense)",
                    lambda out: bench("throughput", ["--device", "cuda"], out)))
+    listed.append((3, "bench throughput stylegan2 (its 256 px config's widths, 64 px, batch 32; MFU as above)",
+                   lambda out: bench("throughput", ["--device", "cuda", "--model", "stylegan2", "--batch", "32"], out)))
     return listed
 
 

@@ -22,7 +22,7 @@ def test_all_parts_without_a_gpu_list_every_item_as_not_run_and_the_machine(tmp_
     done = gpu_check(tmp_path, "--part", "all")
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
-    assert len(record["items"]) == 21  # cuda tests, 3 tensorflow engine runs, 15 recipe runs, 2 benches
+    assert len(record["items"]) == 22  # cuda tests, 3 tensorflow engine runs, 15 recipe runs, 3 benches
     assert {row["status"] for row in record["items"].values()} == {"not run"}
     summary = (tmp_path / "summary.md").read_text()
     assert "## Machine" in summary and f"torch: {torch.__version__}" in summary
