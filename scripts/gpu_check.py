@@ -158,6 +158,16 @@ def recipe_data(recipe: str, out: Path) -> list[str]:
     return ["--set", f"data.path={facades}"]
 
 
+def short_run_problems(run_dir: Path) -> tuple[dict, dict, list[str]]:
+    """A short run's summary, its final losses, and what is wrong with them: a non-finite loss, missing steps."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    losses = {k: v for k, v in summary["final"].items() if k.startswith("loss_")}
+    problems = [f"{k}={v}" for k, v in losses.items() if not math.isfinite(v)]
+    if summary["steps"] != RECIPE_STEPS:
+        problems.append(f"{summary['steps']} steps of {RECIPE_STEPS}")
+    return summary, losses, problems
+
+
 def recipe_run(recipe: str, precision: str, out: Path) -> tuple[str, str]:
     run_dir = out / "runs" / f"{recipe}-{precision}"
     rc = run_logged([sys.executable, "-m", "ganscale", "train", recipe, "--run-dir", str(run_dir),
@@ -166,11 +176,7 @@ def recipe_run(recipe: str, precision: str, out: Path) -> tuple[str, str]:
                     out / f"recipe-{recipe}-{precision}.log", timeout=300)
     if rc != 0:
         return "fail", f"train exit {rc} (recipe-{recipe}-{precision}.log)"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    losses = {k: v for k, v in summary["final"].items() if k.startswith("loss_")}
-    problems = [f"{k}={v}" for k, v in losses.items() if not math.isfinite(v)]
-    if summary["steps"] != RECIPE_STEPS:
-        problems.append(f"{summary['steps']} steps of {RECIPE_STEPS}")
+    summary, losses, problems = short_run_problems(run_dir)
     if not checkpoint_is_finite(summary["checkpoint"]):
         problems.append("non-finite weights, G_ema or optimizer state in the checkpoint")
     detail = ", ".join(f"{k} {v:.4g}" for k, v in losses.items()) + f", {summary['img_per_s']:.0f} img/s"
@@ -195,11 +201,7 @@ def tensorflow_run(precision: str, out: Path) -> tuple[str, str]:
                     out / f"tensorflow-digits-{precision}-export.log", timeout=120)
     if rc != 0:
         return "fail", f"export exit {rc} (tensorflow-digits-{precision}-export.log)"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    losses = {k: v for k, v in summary["final"].items() if k.startswith("loss_")}
-    problems = [f"{k}={v}" for k, v in losses.items() if not math.isfinite(v)]
-    if summary["steps"] != RECIPE_STEPS:
-        problems.append(f"{summary['steps']} steps of {RECIPE_STEPS}")
+    summary, losses, problems = short_run_problems(run_dir)
     code = ("import sys, torch; from safetensors.torch import load_file\n"
             "ts = load_file(sys.argv[1]).values()\n"
             "sys.exit(0 if ts and all(bool(torch.isfinite(t).all()) for t in ts) else 1)")
