@@ -110,6 +110,8 @@ def gloo_polling_threads(looks: int = 5) -> list[int]:
         return []
     found: set[int] = set()
     for look in range(looks):
+        if look:
+            time.sleep(0.001)
         threads = {}
         for task in tasks.iterdir():
             try:
@@ -122,7 +124,6 @@ def gloo_polling_threads(looks: int = 5) -> list[int]:
         inherited = {threads.get(os.getpid(), ("", ""))[0], "pt_gloo_runloop"}
         found |= {tid for tid, (name, wait) in threads.items()
                   if tid != os.getpid() and name in inherited and wait in _EPOLL_WAITS}
-        time.sleep(0.001 if look + 1 < looks else 0)
     return sorted(found)
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
-
 from torch.utils.data import Dataset, TensorDataset
 
 from ganscale.config import Config
