@@ -132,6 +132,18 @@ def test_style_mixing_with_probability_0_equals_no_mixing():
     assert not torch.allclose(mixed, unmixed)
 
 
+def test_tanh_output_squashes_the_linear_output_everywhere_g_draws():
+    z = torch.randn(8, Z_DIM)
+    linear, squashed = generator().eval(), generator(output="tanh").eval()
+    assert torch.allclose(squashed(z), torch.tanh(linear(z)))
+    ws = linear.mapping(z)[:, None].expand(-1, linear.num_ws, -1)  # sampling's style-mixing grid draws this way
+    seeds = randomness.sample_seeds(z)
+    assert torch.allclose(squashed.synthesize(ws, seeds), torch.tanh(linear.synthesize(ws, seeds)))
+    cfg = config.build({"model": {"kind": "stylegan2", "g_output": "tanh", "channel_base": 128, "channel_max": 16},
+                        "data": {"resolution": 8}})
+    assert build_networks(cfg)[0].output == "tanh"
+
+
 @pytest.mark.parametrize("style_mixing", [0.0, 0.5])
 def test_noise_and_mixing_depend_on_the_sample_not_the_batch_split(style_mixing):
     G = with_noise(generator(style_mixing=style_mixing)).train()

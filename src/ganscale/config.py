@@ -121,6 +121,10 @@ class ModelConfig(Section):
     mbstd_group: int = Field(4, ge=1)
     """stylegan2 only: samples per minibatch standard deviation group (consecutive in the global batch); must
     divide each rank's micro-batch."""
+    g_output: Literal["linear", "tanh"] = "linear"
+    """stylegan2 only: G's output. linear: StyleGAN2's. tanh: squashed into [-1, 1], so a blank background (MNIST's
+    -1 on most pixels) is a saturated output rather than an exact value that a small G can only hold by drawing
+    every sample alike (mnist-stylegan2 collapsed to one or two digits without it)."""
     norm: Literal["batch", "instance", "none"] = "batch"
     """pix2pix only: normalisation in the U-Net and the PatchGAN (the reference uses batch at batch 1;
     with larger micro-batches use instance, or batch with parallel.sync_bn)."""

@@ -27,7 +27,7 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
     elif m.kind == "stylegan2":
         n_classes = m.n_classes if m.conditional else 0
         G = StyleGAN2Generator(d.resolution, m.z_dim, d.channels, n_classes, m.mapping_layers, m.channel_base,
-                               m.channel_max, m.style_mixing)
+                               m.channel_max, m.style_mixing, m.g_output)
         D = StyleGAN2Discriminator(d.resolution, d.channels, n_classes, m.channel_base, m.channel_max, m.mbstd_group,
                                    m.mapping_layers)
     elif m.kind == "custom":

@@ -193,14 +193,15 @@ class SynthesisBlock(nn.Module):
 
 
 class StyleGAN2Generator(nn.Module):
-    """G(z, labels=None, psi=1.0) -> images in about [-1, 1]; labels only when `n_classes` > 0."""
+    """G(z, labels=None, psi=1.0) -> images in about [-1, 1] (in [-1, 1] with `output="tanh"`); labels only when
+    `n_classes` > 0."""
 
     def __init__(self, resolution: int, z_dim: int, image_channels: int = 3, n_classes: int = 0,
                  mapping_layers: int = 8, channel_base: int = 32768, channel_max: int = 512,
-                 style_mixing: float = 0.9):
+                 style_mixing: float = 0.9, output: str = "linear"):
         super().__init__()
         check_resolution(resolution)
-        self.z_dim, self.n_classes, self.style_mixing = z_dim, n_classes, style_mixing
+        self.z_dim, self.n_classes, self.style_mixing, self.output = z_dim, n_classes, style_mixing, output
         self.mapping = MappingNetwork(z_dim, n_classes, z_dim, mapping_layers)
         self.register_buffer("w_avg", torch.zeros(z_dim))
         blocks, first_w, in_channels = [], 0, 0
@@ -233,7 +234,7 @@ class StyleGAN2Generator(nn.Module):
         x = image = None
         for block in self.blocks:
             x, image = block(x, image, ws, seeds)
-        return image
+        return torch.tanh(image) if self.output == "tanh" else image
 
     @torch.no_grad()
     def track_w_avg(self) -> None:
