@@ -7,10 +7,10 @@ MNIST classifier's predictions on 1,000 samples) and G's pixel diversity (mean p
 
 Results: benchmarks/results/mnist-stylegan2-collapse-20261126.md."""
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
+from diversity import classes_and_diversity  # benchmarks/probes/diversity.py, beside this script
 
 from ganscale.data.mnist import mnist
 from ganscale.metrics import digits_classifier
@@ -44,17 +44,7 @@ opt_g = torch.optim.Adam(G.parameters(), **(stylegan2_adam if args.g == "stylega
 opt_d = torch.optim.Adam(D.parameters(), **(stylegan2_adam if args.d == "stylegan2" else dcgan_adam))
 
 
-def classes_and_diversity(images: torch.Tensor) -> tuple[float, float]:
-    images = images.clamp(-1, 1)  # as a picture shows them: a linear G's stray values do not count as diversity
-    with torch.no_grad():
-        predicted = classifier(images).argmax(1)
-    share = torch.bincount(predicted, minlength=10).float() / len(predicted)
-    share = share[share > 0]
-    flat = images.flatten(1)
-    return math.exp(-(share * share.log()).sum().item()), torch.cdist(flat[:500], flat[500:]).mean().item()
-
-
-_, real_diversity = classes_and_diversity(reals[torch.randperm(len(reals))[:1000]])
+_, real_diversity = classes_and_diversity(reals[torch.randperm(len(reals))[:1000]], classifier)
 for step in range(1, args.steps + 1):
     real = reals[torch.randint(0, len(reals), (BATCH,))]
     with torch.no_grad():
@@ -78,7 +68,8 @@ for step in range(1, args.steps + 1):
     if step % 200 == 0:
         G.eval()
         with torch.no_grad():
-            classes, diversity = classes_and_diversity(G(torch.randn(1000, Z, generator=torch.Generator().manual_seed(1))))
+            classes, diversity = classes_and_diversity(G(torch.randn(1000, Z, generator=torch.Generator().manual_seed(1))),
+                                                       classifier)
         G.train()
         print(f"G {args.g}{' (tanh)' if args.tanh else ''} D {args.d} step {step}: loss_d {loss_d.item():.3f} loss_g {loss_g.item():.3f} "
               f"classes {classes:.1f} diversity {diversity / real_diversity:.2f}", flush=True)
