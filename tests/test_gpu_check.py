@@ -1,8 +1,10 @@
 """scripts/gpu-check.sh on a machine without a CUDA GPU: it runs to the end, every GPU item not run."""
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
+CUDA_TEST = "cuda test test_cuda_graphs_batch_one_step_trains_like_eager"
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without a CUDA GPU")
 
 
@@ -22,28 +25,29 @@ def test_all_parts_without_a_gpu_list_every_item_as_not_run_and_the_machine(tmp_
     done = gpu_check(tmp_path, "--part", "all")
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
-    assert len(record["items"]) == 22  # cuda tests, 3 tensorflow engine runs, 15 recipe runs, 3 benches
+    # 4 CUDA tests, 3 tensorflow engine runs, 15 recipe runs, the pix2pix targets, 2 throughput benches, 9 table rows
+    assert len(record["items"]) == 34
     assert {row["status"] for row in record["items"].values()} == {"not run"}
     summary = (tmp_path / "summary.md").read_text()
     assert "## Machine" in summary and f"torch: {torch.__version__}" in summary
     for name in record["items"]:
-        assert f"| {name} | not run | no CUDA GPU |" in summary
+        assert f"| {name} | not run | 0 | no CUDA GPU |" in summary
 
 
 def test_parts_append_to_one_folder(tmp_path):
     assert gpu_check(tmp_path, "--part", "1").returncode == 0
     summary = (tmp_path / "summary.md").read_text()
-    assert "| cuda-tests | not run | no CUDA GPU |" in summary and "part 3 not run yet" in summary
+    assert f"| {CUDA_TEST} | not run | 0 | no CUDA GPU |" in summary and "part 3 not run yet" in summary
     assert gpu_check(tmp_path, "--part", "3").returncode == 0
     record = json.loads((tmp_path / "results.json").read_text())
-    assert "cuda-tests" in record["items"] and any(name.startswith("bench pix2pix") for name in record["items"])
+    assert CUDA_TEST in record["items"] and any(name.startswith("pix2pix targets") for name in record["items"])
     assert "part 2 not run yet" in (tmp_path / "summary.md").read_text()
 
 
 def test_a_failing_item_is_recorded_as_fail_and_exits_non_zero(tmp_path):
-    done = gpu_check(tmp_path, "--part", "1", GANSCALE_GPU_CHECK_FAIL="cuda-tests")
+    done = gpu_check(tmp_path, "--part", "1", GANSCALE_GPU_CHECK_FAIL=CUDA_TEST)
     assert done.returncode == 1
-    assert "| cuda-tests | fail | failed on purpose" in (tmp_path / "summary.md").read_text()
+    assert f"| {CUDA_TEST} | fail | 0 | failed on purpose" in (tmp_path / "summary.md").read_text()
 
 
 def import_gpu_check():
@@ -59,7 +63,7 @@ def test_a_missing_dependency_without_wheels_marks_the_items_not_run_and_names_i
     gpu_check = import_gpu_check()
     monkeypatch.setattr(gpu_check, "DEPENDENCIES", {**gpu_check.DEPENDENCIES, "no_such_dependency": "x"})
     assert gpu_check.main(["--part", "1", "--out", str(tmp_path)]) == 0
-    assert ("| cuda-tests | not run | dependencies missing: no_such_dependency; pass --wheels |"
+    assert (f"| {CUDA_TEST} | not run | 0 | dependencies missing: no_such_dependency; pass --wheels |"
             in (tmp_path / "summary.md").read_text())
 
 
@@ -70,6 +74,7 @@ def test_an_item_that_raises_is_a_fail_and_the_check_goes_on(tmp_path):
         raise RuntimeError("CUDA error: out of memory")
 
     row = gpu_check.run_item("broken", broken, tmp_path, blocker=None)
+    assert row.pop("seconds") >= 0
     assert row == {"item": "broken", "status": "fail", "detail": "RuntimeError: CUDA error: out of memory"}
 
 
@@ -81,10 +86,11 @@ def test_a_missing_wheel_folder_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_tensorflow_engine_item_runs_where_tensorflow_is_installed(tmp_path):
+def test_the_tensorflow_engine_item_runs_where_tensorflow_is_installed(tmp_path, monkeypatch):
     """The item's own steps (train on the tensorflow engine, export, the checks), on the CPU here, so that it does
     not rot between GPU machines; without TensorFlow it is not run, saying why."""
     gpu_check = import_gpu_check()
+    monkeypatch.setattr(gpu_check, "SCRATCH", tmp_path / "scratch")
     status, detail = gpu_check.tensorflow_run("fp32", tmp_path)
     try:
         import tensorflow  # noqa: F401
@@ -93,3 +99,95 @@ def test_the_tensorflow_engine_item_runs_where_tensorflow_is_installed(tmp_path)
         return
     assert status == "pass", detail
     assert "loss_d" in detail and "1 replica(s)" in detail
+
+
+@pytest.fixture
+def check_on_a_gpu_machine(monkeypatch, tmp_path):
+    """gpu_check as on a GPU machine with every dependency, its items replaced by the test's."""
+    gpu_check = import_gpu_check()
+    monkeypatch.setattr(gpu_check, "ensure_dependencies", lambda wheels: [])
+    monkeypatch.setattr(gpu_check, "describe_machine", lambda: {
+        "gpu": "Test GPU", "driver": "1", "torch": torch.__version__, "cuda": "12.8", "cuda_available": True,
+        "python": "3", "cpus": 16})
+    monkeypatch.setattr(gpu_check, "deadline", gpu_check.math.inf)
+    monkeypatch.setattr(gpu_check, "SCRATCH", tmp_path / "scratch")
+    return gpu_check
+
+
+def test_correctness_items_run_side_by_side_and_the_benches_alone_after_them(tmp_path, monkeypatch,
+                                                                             check_on_a_gpu_machine):
+    gpu_check = check_on_a_gpu_machine
+    side_by_side = threading.Barrier(2, timeout=30)  # breaks (a fail) unless both items wait at once
+    running, seen_by_bench = [], []
+
+    def correctness(out):
+        running.append(1)
+        side_by_side.wait()
+        running.pop()
+        return "pass", "ok"
+
+    def bench(out):
+        seen_by_bench.append(len(running))
+        return "pass", "timed"
+
+    monkeypatch.setattr(gpu_check, "items", lambda: [
+        gpu_check.Item(1, "a", correctness), gpu_check.Item(3, "bench", bench, True),
+        gpu_check.Item(2, "b", correctness)])
+    assert gpu_check.main(["--out", str(tmp_path), "--jobs", "2"]) == 0
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert [record["items"][name]["status"] for name in ("a", "b", "bench")] == ["pass"] * 3
+    assert seen_by_bench == [0]
+
+
+def test_the_budget_cuts_a_running_item_off_and_starts_no_other(tmp_path, monkeypatch, check_on_a_gpu_machine):
+    gpu_check = check_on_a_gpu_machine
+
+    def hangs(out):
+        rc = gpu_check.run_logged([sys.executable, "-c", "import time; time.sleep(60)"], out / "hangs.log", 300)
+        return ("pass", "") if rc == 0 else ("fail", f"exit {rc}")
+
+    monkeypatch.setattr(gpu_check, "items", lambda: [
+        gpu_check.Item(3, "hangs", hangs, True), gpu_check.Item(3, "after", lambda out: ("pass", ""), True)])
+    assert gpu_check.main(["--out", str(tmp_path), "--budget", "2"]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["items"]
+    assert rows["hangs"]["status"] == "not run" and rows["hangs"]["detail"] == "cut off by --budget (exit 124)"
+    assert rows["hangs"]["seconds"] < 60 and re.search(r"timed out after \d s", (tmp_path / "hangs.log").read_text())
+    assert rows["after"] == {"item": "after", "status": "not run", "seconds": 0,
+                             "detail": "the --budget was spent before it started"}
+    assert "| 3 | after | not run | 0 | the --budget was spent before it started |" in (
+        tmp_path / "summary.md").read_text()
+
+
+def test_pending_runs_only_the_items_without_a_pass_or_fail(tmp_path, monkeypatch, check_on_a_gpu_machine):
+    gpu_check = check_on_a_gpu_machine
+    ran = []
+    monkeypatch.setattr(gpu_check, "items", lambda: [
+        gpu_check.Item(1, name, lambda out, n=name: ran.append(n) or ("pass", ""))
+        for name in ("passed", "failed", "cut off", "new")])
+    (tmp_path / "results.json").write_text(json.dumps({"items": {
+        "passed": {"status": "pass", "detail": ""}, "failed": {"status": "fail", "detail": ""},
+        "cut off": {"status": "not run", "detail": "cut off by --budget"}}}))
+    assert gpu_check.main(["--out", str(tmp_path), "--pending", "--jobs", "1"]) == 1  # the recorded fail stays
+    assert ran == ["cut off", "new"]
+    rows = json.loads((tmp_path / "results.json").read_text())["items"]
+    statuses = [rows[name]["status"] for name in ("passed", "failed", "cut off", "new")]
+    assert statuses == ["pass", "fail", "pass", "pass"]
+
+
+@pytest.mark.parametrize("fast, wait, status", [(3.5, 1.0, "pass"), (4.5, 1.0, "fail"), (3.5, 6.0, "fail")])
+def test_the_pix2pix_targets_are_read_from_the_bench_s_record(tmp_path, monkeypatch, fast, wait, status):
+    gpu_check = import_gpu_check()
+    record = {"rows": [{"row": "baseline", "epoch median s": 12.0, "data wait %": 0.5, "status": "ok"},
+                       {"row": "fast", "epoch median s": fast, "data wait %": wait, "status": "ok"}]}
+    monkeypatch.setattr(gpu_check, "pix2pix_rows", lambda rows, out: ("pass", "", record))
+    got, detail = gpu_check.pix2pix_targets(tmp_path)
+    assert got == status and detail.endswith(": missed") == (status == "fail")
+    assert f"fast path {fast:.2f} s/epoch" in detail and f"{12 / fast:.2f}x" in detail
+
+
+@pytest.mark.parametrize("option", ["--budget", "--jobs"])
+def test_a_budget_or_jobs_not_above_zero_is_one_line_and_exit_2(tmp_path, option):
+    done = gpu_check(tmp_path / "out", option, "0")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"error: {option} 0: give a number above 0"]
+    assert not (tmp_path / "out").exists()
