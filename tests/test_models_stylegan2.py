@@ -144,6 +144,54 @@ def test_tanh_output_squashes_the_linear_output_everywhere_g_draws():
     assert build_networks(cfg)[0].output == "tanh"
 
 
+class DrawingImages(torch.utils.data.Dataset):
+    """Images `blank` of whose pixels are exactly -1, each item drawing from torch's, numpy's and python's RNG."""
+
+    def __init__(self, blank: float):
+        self.image = torch.where(torch.arange(64).reshape(1, 8, 8) < blank * 64, -1.0, 0.5)
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+        torch.rand(1), np.random.rand(), random.random()
+        return (self.image,)
+
+
+@pytest.mark.parametrize("blank, output, warned", [(0.875, "linear", True), (0.875, "tanh", False),
+                                                    (0.3, "linear", False)])
+def test_a_linear_output_on_mostly_blank_images_is_warned_leaving_every_rng_as_it_was(blank, output, warned):
+    import random
+
+    import numpy as np
+
+    from ganscale.models import output_warning
+
+    cfg = config.build({"model": {"kind": "stylegan2", "g_output": output}})
+    before = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    warning = output_warning(cfg, DrawingImages(blank))
+    assert (warning is not None) == warned
+    if warned:
+        assert warning.startswith("88% of the data's pixels are exactly -1") and "model.g_output=tanh" in warning
+    assert torch.equal(torch.get_rng_state(), before[0]) and (np.random.get_state()[1] == before[1]).all()
+    assert random.getstate() == before[2]
+
+
+def test_training_a_linear_output_stylegan2_on_mnist_warns_once(tmp_path):
+    from ganscale.cli import main
+
+    args = ["train", "digits-stylegan2", "--run-dir", str(tmp_path / "run"), "--set", "data.kind=mnist",
+            "--set", "data.max_images=64", "--set", "train.steps=1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("ganscale: warning: ") == 1 and "Fix: set model.g_output=tanh" in result.output
+    tanh = CliRunner().invoke(main, [*args, "--set", "model.g_output=tanh", "--run-dir", str(tmp_path / "tanh")])
+    assert tanh.exit_code == 0 and "warning" not in tanh.output
+
+
 @pytest.mark.parametrize("style_mixing", [0.0, 0.5])
 def test_noise_and_mixing_depend_on_the_sample_not_the_batch_split(style_mixing):
     G = with_noise(generator(style_mixing=style_mixing)).train()

@@ -31,7 +31,7 @@ from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
 from ganscale.finite import BufferSnapshot, refuse_non_finite
 from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault, rank0_writes
-from ganscale.models import build_networks
+from ganscale.models import build_networks, output_warning
 from ganscale.observe.fingerprints import fingerprints_for
 from ganscale.observe.reporter import Reporter
 from ganscale.observe.timing import StepTimes
@@ -204,6 +204,9 @@ class Trainer:
         seed_rank_streams(cfg.train.seed, runtime)
         saved_streams = self.checkpointer.load(resume) if resume is not None else None
         self.dataset = build_dataset(cfg)
+        warning = output_warning(cfg, self.dataset) if runtime.is_main else None
+        if warning:
+            print(f"ganscale: warning: {warning}", file=sys.stderr, flush=True)
         self.task = build_task(cfg)  # what G is given and D judges (unconditional, classes, pairs)
         # G's output (and its classes) from the D step, kept with its graph for the G step: one G forward per
         # iteration.

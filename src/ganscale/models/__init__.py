@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -40,6 +43,35 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
         G = DCGANGenerator(m.z_dim, d.channels, d.resolution, m.g_width, m.g_batchnorm)
         D = DCGANDiscriminator(d.channels, d.resolution, m.d_width, m.d_spectral_norm)
     return G, D
+
+
+# Share of pixels at exactly -1 from which a linear-output StyleGAN2 G is warned: MNIST at 32 px (85%) collapsed a
+# small one (benchmarks/results/mnist-stylegan2-collapse-20261126.md); the digits at 16 px (29%) train.
+BLANK_SHARE_WARNED = 0.5
+BLANK_SAMPLES = 64
+
+
+def output_warning(cfg: Config, dataset) -> str | None:
+    """Why G's output layer may not suit the data: a linear-output StyleGAN2 G on images mostly at exactly -1
+    (a blank background), which it can hold only by ceasing to vary with its latent; None otherwise."""
+    if cfg.model.kind != "stylegan2" or cfg.model.g_output != "linear" or len(dataset) == 0:
+        return None
+    picked = torch.linspace(0, len(dataset) - 1, min(BLANK_SAMPLES, len(dataset))).long().tolist()
+    # Read on rank 0 alone: a user's data set that draws random numbers must leave every rank's RNG as it was.
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            images = torch.stack([dataset[i][0] for i in picked])
+    except Exception:  # noqa: BLE001 - only advice: a bad item fails where training reads it, on every rank
+        return None
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+    blank = float((images == -1).float().mean())
+    if blank <= BLANK_SHARE_WARNED:
+        return None
+    return (f"{blank:.0%} of the data's pixels are exactly -1 (a blank background): a small StyleGAN2 G with a linear "
+            "output collapsed to a few modes on such data (MNIST). Fix: set model.g_output=tanh")
 
 
 def user_network(spec: str, args: dict, key: str, code_path: list[str]) -> nn.Module:
