@@ -382,3 +382,33 @@ def test_cpu_offload_keeps_shards_and_optimizer_state_in_host_memory(tmp_path):
         assert summary["max_memory_allocated"] > 0
     finally:
         runtime.close()
+
+
+def _r1_backward_under_ddp(rank: int, world: int) -> dict:
+    """StyleGAN2 D's R1 backward (double backward plus a plain zero term, as the trainer's) under ganscale's DDP:
+    the warnings it raises, and the output weight's gradient and strides."""
+    import warnings
+
+    from ganscale.models.stylegan2 import StyleGAN2Discriminator
+    from ganscale.parallel import data_parallel
+    from ganscale.runtime import Runtime
+
+    torch.manual_seed(0)
+    D = StyleGAN2Discriminator(8, 1, channel_base=64, channel_max=8)
+    ddp = data_parallel(D, Runtime(rank, world, rank, torch.device("cpu"), owns_group=False))
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+    logits = ddp(x)
+    (grad,) = torch.autograd.grad(logits.sum(), x, create_graph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (grad.square().sum() + 0 * logits.sum()).backward()
+    return {"warnings": [str(w.message) for w in caught], "grad": D.out.weight.grad.clone(),
+            "strides": D.out.weight.grad.stride()}
+
+
+def test_ddp_takes_a_penalty_s_gradient_of_a_size_1_dim_weight_without_the_strides_warning():
+    ranks = run_ranks(_r1_backward_under_ddp, 2)
+    for rank in ranks:
+        assert not [w for w in rank["warnings"] if "strides" in w], rank["warnings"]
+        assert rank["strides"] == (8, 1)
+    assert torch.equal(ranks[0]["grad"], ranks[1]["grad"])  # averaged over the ranks as before

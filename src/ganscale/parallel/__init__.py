@@ -23,6 +23,7 @@ so a checkpoint written under one strategy or world size loads under another.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -361,12 +362,24 @@ def data_parallel(module: nn.Module, runtime: Runtime) -> DistributedDataParalle
     with low-precision parameters keeps DDP's own hook, and the trainer its separate all-reduce.
     """
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    for param in module.parameters():
+        if param.requires_grad and param.dim() > 1 and 1 in param.shape:
+            param.register_hook(functools.partial(_in_strides_of, param))
     ddp = DistributedDataParallel(module, device_ids=device_ids, **ddp_no_buffer_sync())
     exact = all(p.dtype in (torch.float32, torch.float64) for p in module.parameters() if p.requires_grad)
     ddp.carrier = GradientCarrier(runtime.world) if exact else None  # decided alike on every rank (same dtypes)
     if ddp.carrier is not None:
         ddp.register_comm_hook(ddp.carrier, GradientCarrier.hook)
     return ddp
+
+
+def _in_strides_of(param: Tensor, grad: Tensor) -> Tensor:
+    """The gradient laid out as its parameter. A parameter with a size-1 dim (StyleGAN2 D's [1, C] output weight)
+    gets from a penalty's double backward plus a plain term a gradient whose strides differ there; DDP copies it
+    into its bucket all the same, but warns of impaired performance on every such step."""
+    if grad.stride() == param.stride():
+        return grad
+    return grad.new_empty_strided(param.size(), param.stride()).copy_(grad)
 
 
 class GradientCarrier:
