@@ -454,3 +454,22 @@ def test_an_unquoted_off_is_the_compile_mode_off():
     assert config.load(None, ["train.compile=off"]).train.compile == "off"
     with pytest.raises(ConfigError, match="train.compile"):
         config.load(None, ["train.compile=true"])
+
+
+def test_file_paths_are_recorded_absolute_and_a_run_s_own_config_loads_back_unchanged(tmp_path, monkeypatch):
+    """A resume or eval from another folder read a relative data.path there (other images, silently), and
+    loading a run's own config put its run folder on code_path, so every plain resume wrote a changed config."""
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    cfg = config.load(None, ["data.kind=folder", "data.path=imgs/good", "eval.inception_weights=w.pt"])
+    assert (cfg.data.path, cfg.eval.inception_weights) == (str(project / "imgs/good"), str(project / "w.pt"))
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(config.to_yaml(cfg))
+    monkeypatch.chdir(tmp_path)
+    again = config.load(str(run / "config.yaml"))
+    assert config.to_yaml(again) == (run / "config.yaml").read_text()  # nothing for a plain resume to record
+    user_yaml = project / "gan.yaml"  # a user's own YAML file: its folder is searched for their modules
+    user_yaml.write_text(config.to_yaml(cfg))
+    assert config.load(str(user_yaml)).code_path == [str(project)]

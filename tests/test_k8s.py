@@ -51,6 +51,18 @@ def write_manifest(tmp_path: Path, *args: str) -> list[dict]:
     return list(yaml.safe_load_all(path.read_text()))
 
 
+def test_the_config_map_keeps_file_paths_as_given_for_the_pods_to_read(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "data" / "facades").mkdir(parents=True)
+    Image.new("L", (8, 8)).save(tmp_path / "data" / "facades" / "0.png")
+    config_map, _ = write_manifest(tmp_path, "--set", "data.kind=folder", "--set", "data.path=data/facades",
+                                   "--set", "eval.inception_weights=weights/inception.pt")
+    mounted = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert mounted["data"]["path"] == "data/facades"  # a pod's working directory, not this machine's
+    assert mounted["eval"]["inception_weights"] == "weights/inception.pt"
+
+
 def test_the_manifest_is_a_valid_jobset_holding_everything_the_user_passed(tmp_path, validator):
     config_map, jobset = write_manifest(tmp_path, "--max-restarts", "3", "--namespace", "gans")
     validator.validate(jobset)

@@ -8,6 +8,7 @@ raises `ConfigError`, which the CLI turns into exit code 2 with one message nami
 from __future__ import annotations
 
 import difflib
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -603,14 +604,23 @@ def build(raw: dict[str, Any]) -> Config:
         raise _explain(e.errors()[0]) from None
 
 
-def load(source: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load(source: str | None, overrides: list[str] | tuple[str, ...] = (), files_here: bool = True) -> Config:
+    """A recipe or YAML file with --set overrides. files_here: the data and weight files are this machine's, made
+    absolute from its working directory (False where the config is rendered for pods that read their own)."""
     raw = load_raw(source)
     raw.setdefault("name", source or DEFAULT_RECIPE)
     for assignment in overrides:
         apply_override(raw, assignment)
     cfg = build(raw)
     yaml_folder = None if (source or DEFAULT_RECIPE) in recipe_names() else Path(source).resolve().parent
-    cfg.code_path = _absolute_folders(cfg.code_path, yaml_folder)
+    # A run's own config (a resume without a recipe) holds absolute folders already: its run folder is no code.
+    own_config = yaml_folder is not None and (yaml_folder / "checkpoints").is_dir()
+    cfg.code_path = _absolute_folders(cfg.code_path, None if own_config else yaml_folder)
+    # Recorded as read from where the run started: a resume or eval from another folder reads the same files.
+    if files_here and cfg.data.path:  # empty: refused where the data is read
+        cfg.data.path = os.path.abspath(cfg.data.path)
+    if files_here and cfg.eval.inception_weights:
+        cfg.eval.inception_weights = os.path.abspath(cfg.eval.inception_weights)
     return cfg
 
 

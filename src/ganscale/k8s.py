@@ -148,7 +148,7 @@ def write(recipe: str | None, overrides: tuple[str, ...], layout: Layout, run_di
           force: bool) -> Path:
     """Resolve the config as `ganscale train` does, check the layout, and write the manifest (--out, or
     RUN_DIR/k8s/job.yaml). Raises ConfigError before anything is written."""
-    cfg = config_mod.load(recipe, overrides)
+    cfg = config_mod.load(recipe, overrides, files_here=False)  # the pods' paths, as given
     check_layout(layout)
     try:
         preflight.check(cfg, layout.world_size, cuda_available=True)  # the pods have the GPUs asked for
