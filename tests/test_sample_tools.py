@@ -281,3 +281,23 @@ def test_style_mix_refuses_other_models_through_the_cli(dcgan_run, tmp_path):
     result = ganscale("style-mix", str(dcgan_run), "--out", "m.png", cwd=tmp_path)
     assert_refused(result, "RUN_DIR", "model.kind=dcgan", "stylegan2")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, problem", [("model: [unclosed\n", "not valid YAML"),
+                                           ("- a\n", "the top level is not a mapping"),
+                                           ("", "the file holds no settings"),
+                                           ("train: {steps: -3}\n", "train.steps: input should be greater than 0")])
+def test_a_run_whose_config_file_is_broken_is_refused_by_name_by_every_command(dcgan_run, tmp_path, text, problem):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(dcgan_run, run)
+    (run / "config.yaml").write_text(text)
+    commands = [["sample", "--out", str(tmp_path / "s.png")], ["export", "--out", str(tmp_path / "g.safetensors")],
+                ["interpolate", "--out", str(tmp_path / "i.gif")], ["eval", "--samples", "10"]]
+    for command in commands:
+        result = CliRunner().invoke(main, [command[0], str(run), *command[1:]])
+        assert result.exit_code == 2, (command, result.output)
+        assert result.output.strip().splitlines() == [result.output.strip()]  # one line, no traceback
+        assert f"config error at '{run / 'config.yaml'}': {problem}" in result.output, result.output
+    assert not any((tmp_path / name).exists() for name in ("s.png", "g.safetensors", "i.gif"))

@@ -16,7 +16,7 @@ import yaml
 from torch import nn
 
 from ganscale import checkpoint
-from ganscale.config import Config, ConfigError, auto_features, build
+from ganscale.config import Config, ConfigError, auto_features, build, load_raw
 from ganscale.data import build_dataset
 from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.finite import refuse_non_finite_checkpoint
@@ -49,7 +49,7 @@ def fitted_generator(run_dir: Path, source: Path, state: dict, nets: tuple[str, 
     checkpoints/ is loaded into the generator RUN_DIR is configured with at its step (`run_config`), as a resume
     builds it: one whose weights do not fit (another recipe's, copied in) is refused, as a resume refuses it."""
     configured = run_config(run_dir, source, state)
-    cfg = build(yaml.safe_load(configured.read_text() if configured else state["config"]))
+    cfg = configured_as(configured) if configured else build(yaml.safe_load(state["config"]))
     generator, _ = build_networks(cfg)
     for net in nets:
         try:
@@ -62,6 +62,16 @@ def fitted_generator(run_dir: Path, source: Path, state: dict, nets: tuple[str, 
                               f"its {net} does not fit the generator its own config describes",
                               "give the run directory that wrote it (a resume of this run refuses it too)") from None
     return cfg, generator
+
+
+def configured_as(config_file: Path) -> Config:
+    """A run's config file, refused as a resume refuses it: one line naming the file."""
+    raw = load_raw(str(config_file))
+    try:
+        return build(raw)
+    except ConfigError as e:
+        raise ConfigError(str(config_file), f"{e.key}: {e.problem}" if e.key else e.problem,
+                          "correct that setting in the file (a resume of the run reads it too)") from None
 
 
 def run_config(run_dir: Path, source: Path, state: dict) -> Path | None:
