@@ -301,3 +301,25 @@ def test_a_run_whose_config_file_is_broken_is_refused_by_name_by_every_command(d
         assert result.output.strip().splitlines() == [result.output.strip()]  # one line, no traceback
         assert f"config error at '{run / 'config.yaml'}': {problem}" in result.output, result.output
     assert not any((tmp_path / name).exists() for name in ("s.png", "g.safetensors", "i.gif"))
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**64)])
+def test_a_seed_outside_32_bits_is_refused_by_every_command_that_takes_one(dcgan_run, tmp_path, seed):
+    """torch and numpy seed with 32 bits: 2**32 drew what 0 draws, 2**64 was a traceback."""
+    commands = [["sample", str(dcgan_run), "--out", str(tmp_path / "s.png")],
+                ["interpolate", str(dcgan_run), "--out", str(tmp_path / "i.gif")],
+                ["eval", str(dcgan_run), "--samples", "10"], ["make-facades", str(tmp_path / "facades"), "--n", "1"],
+                ["fit-digits-features", "--out", str(tmp_path / "f.safetensors"), "--epochs", "1"]]
+    for command in commands:
+        result = CliRunner().invoke(main, [*command, "--seed", seed])
+        assert result.exit_code == 2, (command, result.output)
+        assert f"Invalid value for '--seed': {seed} is not in the range 0<=x<=4294967295" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_facades_names_its_folder_argument_when_refusing_it(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("kept")
+    result = CliRunner().invoke(main, ["make-facades", str(tmp_path / "taken"), "--n", "1"])
+    assert result.exit_code == 2 and result.output.startswith("ganscale: config error at 'FOLDER': "), result.output
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]

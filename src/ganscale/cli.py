@@ -83,6 +83,8 @@ def main() -> None:
     """Train GANs on one process or many, with the same config and the same result."""
 
 
+# Seeds as train.seed takes them: torch and numpy seed with 32 bits at most, so a larger one would alias another.
+SEED_RANGE = click.IntRange(0, 2**32 - 1)
 SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                    help="Override a config value, e.g. --set train.steps=500 (repeatable).")
 
@@ -248,7 +250,7 @@ def recipes() -> None:
 @main.command(name="make-facades")
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.option("--n", "count", type=click.IntRange(min=1), default=400, show_default=True, help="Pairs to write.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED_RANGE, default=0, show_default=True)
 @click.option("--size", default="512x256", show_default=True, help="WIDTHxHEIGHT of each A|B file.")
 def make_facades(folder: str, count: int, seed: int, size: str) -> None:
     """Write a synthetic facades-shaped paired data set: photo | label map files, as facades' A|B (train BtoA)."""
@@ -256,8 +258,8 @@ def make_facades(folder: str, count: int, seed: int, size: str) -> None:
 
     try:
         written = write_synthetic_facades(Path(folder), count, seed, parse_size(size))
-    except ConfigError as e:
-        _fail(e)
+    except ConfigError as e:  # the folder is data.path to a training, FOLDER here
+        _fail(ConfigError("FOLDER", e.problem, e.fix) if e.key == "data.path" else e)
     click.echo(f"wrote {count} pairs to {written}; train with: ganscale train pix2pix --set data.path={written}")
 
 
@@ -283,7 +285,7 @@ def export(run_dir: str, out: str, force: bool, checkpoint_path: str | None) -> 
     click.echo(f"wrote {written}")
 
 
-SEED = click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
+SEED = click.option("--seed", type=SEED_RANGE, default=0, show_default=True, help="Noise seed.")
 TRUNCATION = click.option("--truncation", "psi", type=float, default=1.0, show_default=True, metavar="PSI",
                           help="StyleGAN2: pull w towards its average, w_avg + PSI (w - w_avg); 0 to 1.")
 CLASS = click.option("--class", "label", type=int, default=None,
@@ -372,7 +374,7 @@ def style_mix(run_dir: str, out: str, force: bool, rows: int, cols: int, crossov
 @main.command(name="eval")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--samples", type=click.IntRange(min=1), default=2500, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed.")
+@click.option("--seed", type=SEED_RANGE, default=0, show_default=True, help="Noise seed.")
 @click.option("--features", type=click.Choice([*DIGIT_DATASETS, "inception"]), default=None,
               help="Image runs: feature extractor (default: digits or mnist for those data.kind, else inception).")
 @click.option("--inception-weights", type=click.Path(dir_okay=False), default=None,
@@ -406,7 +408,8 @@ def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, in
 FIT_OPTIONS = (
     click.option("--out", required=True, help="Output .safetensors file."),
     FORCE,
-    click.option("--seed", type=int, default=0, show_default=True, help="Split, initialisation and batch-order seed."),
+    click.option("--seed", type=SEED_RANGE, default=0, show_default=True,
+                 help="Split, initialisation and batch-order seed."),
     click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True),
 )
 
