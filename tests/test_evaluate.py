@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from ganscale import config
@@ -109,6 +110,21 @@ def test_eval_of_a_run_on_fewer_images_than_density_coverage_need_is_one_line_an
     assert result.output.count("\n") == 1 and "Traceback" not in result.output
     assert f"'data.path': data.path={five} holds 5 images" in result.output and "at least 6" in result.output
     assert not (run / "eval.json").exists()
+
+
+def test_an_unreadable_inception_file_is_refused_by_eval_in_one_line(digits_run, tmp_path):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(torch.randint(256, (5000,), generator=torch.Generator().manual_seed(0),
+                                      dtype=torch.uint8).numpy().tobytes())
+    result = CliRunner().invoke(main, ["eval", str(digits_run[0]), "--samples", "10", "--features", "inception",
+                                       "--inception-weights", str(garbage)])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and "'--inception-weights'" in result.output and str(garbage) in result.output
+    assert "weights_only" not in result.output and "Traceback" not in result.output
 
 
 def test_sample_and_eval_commands(ring_run, digits_run, tmp_path):
