@@ -20,6 +20,17 @@ def write_decompression_bomb_png(path: Path, side: int = 20000) -> None:
     path.write_bytes(bytes(data))
 
 
+def write_noise_pngs(folder: Path, n: int, side: int = 16) -> Path:
+    """n seeded RGB noise PNGs of side x side in `folder` (made if missing): a data set too small for some uses."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(n):
+        pixels = np.random.default_rng(index).integers(0, 256, (side, side, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{index}.png")
+    return folder
+
+
 def write_nvlabs_zip(path: Path, images: list[Image.Image], labels: list[int] | None = None) -> list[str]:
     """A StyleGAN data set zip laid out as NVlabs' dataset_tool writes one (uncompressed zip, uncompressed PNGs
     named 00000/img00000000.png, dataset.json last), built here without ganscale. Returns the member names."""

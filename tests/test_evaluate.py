@@ -6,12 +6,14 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from ganscale import config
 from ganscale.config import ConfigError
 from ganscale.evaluate import evaluate, load_generator, sample_picture
 from dist_helpers import train_in_process
+from image_helpers import write_noise_pngs
 
 
 def _train(run_dir, source, overrides):
@@ -91,6 +93,38 @@ def test_feature_options_are_checked(digits_run, ring_run):
         evaluate(digits_run[0], samples=200, features="inception")
     with pytest.raises(ConfigError, match="--features"):
         evaluate(ring_run[0], features="digits")
+
+
+def test_eval_of_a_run_on_fewer_images_than_density_coverage_need_is_one_line_and_exit_2(tmp_path):
+    """k = 5 nearest neighbours need 6 real images: refused before scoring, not a traceback from the distances."""
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    five = write_noise_pngs(tmp_path / "five", 5)
+    run = tmp_path / "run"
+    _train(run, None, ["data.kind=folder", f"data.path={five}", "data.resolution=16", "data.channels=3",
+                       "train.batch_size=4", "model.g_width=8", "model.d_width=8"])
+    result = CliRunner().invoke(main, ["eval", str(run), "--features", "digits", "--samples", "10"])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert f"'data.path': data.path={five} holds 5 images" in result.output and "at least 6" in result.output
+    assert not (run / "eval.json").exists()
+
+
+def test_an_unreadable_inception_file_is_refused_by_eval_in_one_line(digits_run, tmp_path):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(torch.randint(256, (5000,), generator=torch.Generator().manual_seed(0),
+                                      dtype=torch.uint8).numpy().tobytes())
+    result = CliRunner().invoke(main, ["eval", str(digits_run[0]), "--samples", "10", "--features", "inception",
+                                       "--inception-weights", str(garbage)])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and "'--inception-weights'" in result.output and str(garbage) in result.output
+    assert "weights_only" not in result.output and "Traceback" not in result.output
 
 
 def test_sample_and_eval_commands(ring_run, digits_run, tmp_path):

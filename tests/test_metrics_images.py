@@ -180,6 +180,17 @@ def test_unknown_or_missing_weights_are_named_with_the_fix(tmp_path):
         build_extractor("digits", digits_weights=tmp_path / "missing.safetensors")
 
 
+def test_an_unreadable_inception_file_is_one_line_without_torchs_advice_to_load_it_unsafely(tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"z" * 5000)  # pickle opcode 122, which torch's weights_only unpickler does not take
+    with pytest.raises(ConfigError) as refused:
+        build_extractor("inception", inception_weights=garbage)
+    message = str(refused.value)
+    assert refused.value.key == "--inception-weights" and str(garbage) in message
+    assert "Unsupported operand 122" in message  # the file's own problem is kept
+    assert "\n" not in message and "weights_only" not in message and "arbitrary code" not in message
+
+
 def test_fd_digits_of_a_constant_generator_is_far_worse_than_held_out_real_digits():
     images, labels = digits_classifier.labelled_digits()
     train, held_out = digits_classifier.held_out_split(len(labels), 0)

@@ -334,6 +334,33 @@ def test_eval_settings_that_cannot_work_are_refused(overrides, key):
     assert info.value.key == key
 
 
+def test_eval_every_on_fewer_images_than_density_coverage_need_is_refused_before_anything_is_written(tmp_path):
+    """k = 5 nearest neighbours need 6 real images: refused at the start, not a traceback at the first eval step
+    with no checkpoint written; the corrected command then trains and scores in the same run directory."""
+    import subprocess
+    import sys
+
+    from image_helpers import write_noise_pngs
+    from test_cli import clean_env
+
+    images, run = write_noise_pngs(tmp_path / "images", 5), tmp_path / "run"
+    command = [sys.executable, "-m", "ganscale", "train", "--run-dir", str(run)] + [
+        arg for key, value in {**QUIET, "data.kind": "folder", "data.path": images, "data.resolution": 16,
+                               "data.channels": 3, "model.g_width": 8, "model.d_width": 8, "train.steps": 2,
+                               "train.batch_size": 4, "eval.every": 2, "eval.features": "digits",
+                               "eval.samples": 10}.items() for arg in ("--set", f"{key}={value}")]
+    refused = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert f"'data.path': data.path={images} holds 5 images" in refused.stderr
+    assert "at least 6" in refused.stderr and "eval.every=0" in refused.stderr
+    assert not run.exists()
+    write_noise_pngs(images, 6)
+    trained = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert trained.returncode == 0, trained.stderr
+    assert "eval_coverage" in (run / "metrics.jsonl").read_text() and list((run / "checkpoints").iterdir())
+
+
 def test_inception_preprocessing_choice_reaches_the_extractor_from_config_and_from_eval_flag(tmp_path, monkeypatch):
     """eval.inception_preprocess (training's scorer, and `ganscale eval`'s default) and --inception-preprocess
     (which wins) reach the feature extractor. A stand-in records the choice: a real Inception file is ~100 MB."""

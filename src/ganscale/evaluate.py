@@ -22,7 +22,8 @@ from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.finite import refuse_non_finite_checkpoint
 from ganscale.memory import check_sampling
 from ganscale.metrics.features import build_extractor
-from ganscale.metrics.images import REFERENCE_LIMIT, image_metrics, reference_features
+from ganscale.metrics.images import (FEWEST_REFERENCES, REFERENCE_LIMIT, check_reference_count, image_metrics,
+                                     reference_features)
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
@@ -140,8 +141,11 @@ def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, fea
     if samples < 6:
         raise ConfigError("--samples", f"{samples} samples are too few for density/coverage (k = 5)",
                           "use at least 6 (thousands for stable numbers)")
+    training_images = build_dataset(cfg, whole=True)
+    check_reference_count(cfg, len(training_images), f"score a run trained on at least {FEWEST_REFERENCES} "
+                          "images (thousands for stable numbers)")
     extractor = build_extractor(features, "cpu", inception_weights, inception_preprocess=inception_preprocess)
-    reference = reference_features(build_dataset(cfg, whole=True), extractor, reference_limit, seed)
+    reference = reference_features(training_images, extractor, reference_limit, seed)
     task = build_task(cfg)
     return image_metrics(lambda z: task.from_noise(generator, z).float(), cfg.model.z_dim, samples, seed, extractor,
                          reference)

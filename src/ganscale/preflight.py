@@ -17,6 +17,7 @@ from ganscale import augment, objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset
 from ganscale.data.mnist import mnist_file
+from ganscale.metrics.images import FEWEST_REFERENCES, check_reference_count
 from ganscale.models import build_networks, meta_networks, stylegan2
 from ganscale.parallel import CAPABILITIES
 from ganscale.parallel.pipeline import split
@@ -95,6 +96,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "use 8, 16, 32, 64, ...")
     if cfg.data.kind == "zip" or cfg.data.max_images:  # after the model's own resolution rules
         build_dataset(cfg)  # a zip: every image's header and dataset.json; data.max_images against the source
+    _check_eval_references(cfg)  # after the zip's own checks
 
 
 def _check_data_source(cfg: Config) -> None:
@@ -418,6 +420,17 @@ def _check_eval(cfg: Config) -> None:
                           f"Inception features need a local weights file; got {e.inception_weights!r}",
                           "set eval.inception_weights to pytorch-fid's pt_inception-2015-12-05 .pth file "
                           "(or torch-fidelity's), or eval.every=0")
+
+
+def _check_eval_references(cfg: Config) -> None:
+    """eval.every scores against the whole data source: enough images for the k-NN radii (the shipped digit sets
+    hold thousands, and MNIST is not read here)."""
+    if not cfg.eval.every or cfg.data.kind in ("digits", "mnist", "ring8", "grid25", "paired"):
+        return
+    with torch.random.fork_rng(devices=[]):  # a user's data set may draw from the global RNG
+        count = len(build_dataset(cfg, whole=True))
+    check_reference_count(cfg, count, f"use data of at least {FEWEST_REFERENCES} images (thousands for stable "
+                          "numbers), or set eval.every=0")
 
 
 def _check_parallel(p: ParallelConfig, world_size: int, on_cuda: bool) -> None:

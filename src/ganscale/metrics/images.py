@@ -17,11 +17,26 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
-from ganscale.metrics.distances import _nothing, all_distances
+from ganscale.config import ConfigError
+from ganscale.metrics.distances import DC_NEIGHBOURS, PR_NEIGHBOURS, _nothing, all_distances
 from ganscale.metrics.features import FeatureExtractor
 
 EVAL_BATCH = 500  # images per forward; bounds memory, not the result
 REFERENCE_LIMIT = 10_000  # real images whose features form the reference set (a seeded subset beyond it)
+FEWEST_REFERENCES = max(PR_NEIGHBOURS, DC_NEIGHBOURS) + 1  # a k-NN radius needs k neighbours besides the point
+
+
+def check_reference_count(cfg, count: int, fix: str) -> None:
+    """ConfigError naming the data where its `count` images (the whole source: the reference set ignores
+    data.max_images) are too few for the k-NN radii of precision/recall and density/coverage, which would
+    otherwise fail only after G's images were generated."""
+    if count >= FEWEST_REFERENCES:
+        return
+    d = cfg.data
+    key = {"custom": "data.dataset", "folder": "data.path", "zip": "data.path"}.get(d.kind, "data.kind")
+    named = {"data.dataset": d.dataset, "data.path": d.path, "data.kind": d.kind}[key]
+    raise ConfigError(key, f"{key}={named} holds {count} image{'s' * (count != 1)}, but density/coverage "
+                      f"(k = {DC_NEIGHBOURS}) need at least {FEWEST_REFERENCES} reference images", fix)
 
 
 def _world() -> tuple[int, int]:

@@ -16,12 +16,14 @@ weights file in this repository).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ganscale.checkpoint import read_failure
 from ganscale.config import ConfigError
 
 FID_RESOLUTION = 299
@@ -170,9 +172,12 @@ class FIDInceptionV3(nn.Module):
 def load_weights(model: FIDInceptionV3, path: Path) -> None:
     """Load pytorch-fid's or torch-fidelity's file; the 1008-way classifier (fc.*) is not needed for features."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one line below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same message
-        raise ConfigError("--inception-weights", f"cannot read {path} as a torch weights file ({e})",
+        # one line, without torch's advice to load with weights_only=False (which would run the file's code)
+        raise ConfigError("--inception-weights", f"cannot read {path} as a torch weights file: {read_failure(e)}",
                           "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file") from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     state = {k: v for k, v in state.items() if not k.startswith(("fc.", "AuxLogits."))}
