@@ -323,3 +323,11 @@ def test_make_facades_names_its_folder_argument_when_refusing_it(tmp_path):
     result = CliRunner().invoke(main, ["make-facades", str(tmp_path / "taken"), "--n", "1"])
     assert result.exit_code == 2 and result.output.startswith("ganscale: config error at 'FOLDER': "), result.output
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
+
+
+def test_a_checkpoint_s_completion_marker_given_as_the_checkpoint_is_named_as_such(dcgan_run, tmp_path):
+    marker = sorted((dcgan_run / "checkpoints").glob("*.json"))[-1]
+    result = CliRunner().invoke(main, ["export", str(dcgan_run), "--out", str(tmp_path / "g.safetensors"),
+                                       "--checkpoint", str(marker)])
+    assert result.exit_code == 2 and "a completion marker, not a checkpoint: pass the checkpoint beside it" in (
+        result.output), result.output

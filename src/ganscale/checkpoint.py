@@ -139,6 +139,8 @@ def problem(path: Path, content: bool = True) -> str | None:
     `content=False` checks every file is there at its size but reads none (a rank whose peer has checked the
     content: see `load`)."""
     marker = manifest_path(path)
+    if marker == Path(path):
+        return "a completion marker, not a checkpoint: pass the checkpoint beside it (.pt, or .dcp when sharded)"
     if not marker.is_file():
         return (f"incomplete: no completion marker {marker.name} beside it (the write was interrupted, or the file "
                 "was copied without it)")
@@ -218,24 +220,25 @@ def _expected_files(manifest, path: Path) -> dict[str, dict] | str:
     return expected
 
 
-def newest_valid(run_dir: Path) -> Path | None:
-    """The newest intact checkpoint; every newer bad one is reported on stderr, naming the file and why, and then
-    the one used instead."""
+def newest_valid(run_dir: Path, report: bool = True) -> Path | None:
+    """The newest intact checkpoint; with `report`, every newer bad one is reported on stderr, naming the file and
+    why, and then the one used instead."""
     skipped = False
     for path in reversed(list_checkpoints(run_dir)):
         reason = problem(path)
         if reason is None:
-            if skipped:
+            if skipped and report:
                 print(f"ganscale: using checkpoint {path}, the newest intact one", file=sys.stderr, flush=True)
             return path
-        print(f"ganscale: warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+        if report:
+            print(f"ganscale: warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
         skipped = True
     return None
 
 
-def newest_intact(run_dir: Path, key: str, fix: str) -> Path:
+def newest_intact(run_dir: Path, key: str, fix: str, report: bool = True) -> Path:
     """`newest_valid`, or a ConfigError at `key` (the caller's option) saying why a run has none."""
-    found = newest_valid(run_dir)
+    found = newest_valid(run_dir, report)
     if found is None:
         newest = latest(run_dir)
         raise ConfigError(key, f"no intact checkpoint under {run_dir}/checkpoints"

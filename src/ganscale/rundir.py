@@ -25,8 +25,10 @@ class AlreadyTrained(Exception):
     """The resume point is the run's last step (`train.steps`): nothing to train, nothing to write."""
 
 
-def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, Path | None]:
-    """(run directory, checkpoint to resume from or None). Raises ConfigError; writes nothing."""
+def resolve_run(cfg: Config, run_dir: str | None, resume: str | None, report: bool = True
+                ) -> tuple[Path, Path | None]:
+    """(run directory, checkpoint to resume from or None). Raises ConfigError; writes nothing. `report`: say
+    which newer checkpoints are passed over (`checkpoint.newest_valid`)."""
     if resume not in (None, "auto"):
         source = Path(resume)
         if not source.exists():
@@ -38,7 +40,7 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
         if source.is_dir() and source.name == "checkpoints" and checkpoint.checkpoint_dir(source.parent) == source:
             source = source.parent  # a run's checkpoints/ folder: that run
         is_run = source.is_dir() and not checkpoint.is_folder(source)  # a step-N.dcp or .tf folder is one checkpoint
-        found = _resumable(source) if is_run else source
+        found = _resumable(source, report) if is_run else source
         if not is_run and checkpoint.problem(source):
             raise ConfigError("--resume", f"{source}: {checkpoint.problem(source)}", "pass an intact checkpoint")
         if not is_run and run_dir is None and not checkpoint.PATTERN.match(source.name):
@@ -68,7 +70,7 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[P
     if newest is None and foreign:  # a fresh run replaces a failed run's own files, and nothing else
         raise ConfigError("--run-dir", f"'{path}' holds files that are not a ganscale run's ({', '.join(foreign[:3])})",
                           "choose a new or empty --run-dir")
-    return path, (_left_to_train(cfg, _resumable(path)) if newest is not None else None)
+    return path, (_left_to_train(cfg, _resumable(path, report)) if newest is not None else None)
 
 
 def own_config(run_dir: str | None, resume: str | None) -> Path | None:
@@ -151,10 +153,10 @@ def _left_to_train(cfg: Config, source: Path) -> Path:
     return source
 
 
-def _resumable(run_dir: Path) -> Path:
+def _resumable(run_dir: Path, report: bool = True) -> Path:
     """The newest intact checkpoint of a run (newer bad ones are reported), or a ConfigError."""
     return checkpoint.newest_intact(run_dir, "--resume", "pass a checkpoint file, a run directory holding intact "
-                                    "checkpoints, or start a new --run-dir")
+                                    "checkpoints, or start a new --run-dir", report)
 
 
 def claim_run(cfg: Config, run_dir: str | None, resume: str | None
@@ -162,9 +164,11 @@ def claim_run(cfg: Config, run_dir: str | None, resume: str | None
     """`resolve_run`, holding the run directory: (run directory, resume point, this process's hold on it, None
     under the `--nproc` parent's). A directory another run holds is refused first, naming that run; the
     decision is made again once held, so it is made on what no other run can change any more."""
-    if run_dir is not None and not runlock.held_by_parent(Path(run_dir)):
+    parent_holds = run_dir is not None and runlock.held_by_parent(Path(run_dir))
+    if run_dir is not None and not parent_holds:
         runlock.refuse_if_held(Path(run_dir))
-    path, source = resolve_run(cfg, run_dir, resume)
+    # Decided again once held (below), which says what it passes over: said once.
+    path, source = resolve_run(cfg, run_dir, resume, report=parent_holds)
     if runlock.held_by_parent(path):
         return path, source, None
     held = runlock.hold(path)
