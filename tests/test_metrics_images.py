@@ -191,6 +191,20 @@ def test_an_unreadable_inception_file_is_one_line_without_torchs_advice_to_load_
     assert "\n" not in message and "weights_only" not in message and "arbitrary code" not in message
 
 
+@pytest.mark.parametrize("content, problem", [
+    ([1, 2, 3], "holds a list, not a state dict of named tensors"),
+    ({"Conv2d_1a_3x3.conv.weight": "text"}, "holds a dict, not a state dict of named tensors"),
+    ({"Conv2d_1a_3x3.conv.weight": torch.zeros(1)}, "is not an FID Inception-v3 state dict (size mismatch for "
+                                                     "Conv2d_1a_3x3.conv.weight")])
+def test_a_readable_inception_file_of_other_content_is_one_line(tmp_path, content, problem):
+    weights = tmp_path / "other.pt"
+    torch.save(content, weights)
+    with pytest.raises(ConfigError) as refused:
+        build_extractor("inception", inception_weights=weights)
+    assert refused.value.key == "--inception-weights" and f"{weights} {problem}" in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
 def test_fd_digits_of_a_constant_generator_is_far_worse_than_held_out_real_digits():
     images, labels = digits_classifier.labelled_digits()
     train, held_out = digits_classifier.held_out_split(len(labels), 0)

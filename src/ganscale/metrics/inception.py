@@ -179,14 +179,22 @@ def load_weights(model: FIDInceptionV3, path: Path) -> None:
         # one line, without torch's advice to load with weights_only=False (which would run the file's code)
         raise ConfigError("--inception-weights", f"cannot read {path} as a torch weights file: {read_failure(e)}",
                           "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file") from None
+    fix = "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file"
     state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
+        raise ConfigError("--inception-weights", f"{path} holds a {type(state).__name__}, not a state dict of "
+                          "named tensors", fix)
     state = {k: v for k, v in state.items() if not k.startswith(("fc.", "AuxLogits."))}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape: torch lists each on a line of its own
+        first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e))
+        raise ConfigError("--inception-weights", f"{path} is not an FID Inception-v3 state dict ({first})",
+                          fix) from None
     missing = [k for k in missing if not k.endswith("num_batches_tracked")]  # absent from old files; unused in eval
     if missing or unexpected:
         raise ConfigError("--inception-weights", f"{path} is not an FID Inception-v3 state dict (missing "
-                          f"{missing[:3]}, unexpected {unexpected[:3]})",
-                          "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file")
+                          f"{missing[:3]}, unexpected {unexpected[:3]})", fix)
 
 
 def resize_like_tensorflow1(x: torch.Tensor, size: int = FID_RESOLUTION) -> torch.Tensor:
