@@ -104,6 +104,30 @@ def test_grey_images_stay_grey_unless_rgb_is_asked_for(tmp_path, flag, grey):
     assert all(image.shape == ((4, 4) if grey else (4, 4, 3)) for image in images)
 
 
+def test_16_bit_grey_images_are_scaled_into_8_bits_where_every_reader_reads_them(tmp_path):
+    """Pillow's convert clipped 16-bit grey at 255: such an image came out all white, silently."""
+    from ganscale.data.folder import ImageFolder
+
+    (tmp_path / "src").mkdir()
+    levels = [0, 32896, 65535]  # 0, 128 and 255 in 8 bits
+    for i, level in enumerate(levels):
+        Image.fromarray(np.full((6, 6), level, dtype=np.uint16)).save(tmp_path / "src" / f"{i}.png")
+    assert cli("dataset", "create", str(tmp_path / "src"), str(tmp_path / "w.zip"), "--resolution", "4").exit_code == 0
+    images, _ = nvlabs_read(tmp_path / "w.zip")
+    assert [int(image.mean()) for image in images] == [0, 128, 255]
+    folder = ImageFolder(tmp_path / "src", 4, 1)
+    assert [round(float(folder[i][0].mean()), 3) for i in range(3)] == [-1.0, round(128 / 127.5 - 1, 3), 1.0]
+
+
+def test_a_floating_point_image_is_refused_by_name_and_nothing_is_written(tmp_path):
+    (tmp_path / "src").mkdir()
+    Image.fromarray(np.full((6, 6), 0.5, dtype=np.float32)).save(tmp_path / "src" / "a.tif")
+    result = cli("dataset", "create", str(tmp_path / "src"), str(tmp_path / "f.zip"), "--resolution", "4")
+    assert result.exit_code == 2 and f"cannot read image {tmp_path / 'src' / 'a.tif'}: its pixels are floating-point" \
+        in result.output, result.output
+    assert not (tmp_path / "f.zip").exists()
+
+
 def test_grayscale_turns_colour_images_grey(tmp_path):
     write_classes(tmp_path / "src")
     cli("dataset", "create", str(tmp_path / "src"), str(tmp_path / "g.zip"), "--resolution", "4", "--grayscale")

@@ -19,7 +19,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ganscale.config import ConfigError
-from ganscale.data.folder import UNDECODABLE, UnreadableImage
+from ganscale.data.folder import UNDECODABLE, UnreadableImage, in_mode
 
 LABELS_FILE = "dataset.json"
 ZIP_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -143,7 +143,7 @@ class ImageZip(Dataset):
         name = self.names[index]
         try:
             with Image.open(io.BytesIO(self._zip().read(name))) as image:
-                array = np.asarray(image.convert(MODES[self.channels]), dtype=np.float32)
+                array = np.asarray(in_mode(image, MODES[self.channels]), dtype=np.float32)
         except (*UNDECODABLE, zipfile.BadZipFile) as e:
             raise UnreadableImage(f"cannot read image {name} of {self.path}: {e}") from None
         pixels = torch.from_numpy(array).reshape(*array.shape[:2], -1).permute(2, 0, 1) / 127.5 - 1.0

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ganscale.config import ConfigError
 from ganscale.data.archive import LABELS_FILE, member_name
-from ganscale.data.folder import IMAGE_SUFFIXES, UNDECODABLE
+from ganscale.data.folder import IMAGE_SUFFIXES, UNDECODABLE, in_mode
 from ganscale.outputs import check_output, write_output
 
 GREY_MODES = {"1", "L", "LA", "I", "I;16", "F"}  # what PIL opens a grey image as
@@ -72,7 +72,7 @@ def square(path: Path, resolution: int, mode: str) -> Image.Image:
     tool does: resizing the whole image would blend pixels from outside the square into its edges."""
     with _open(path) as image:
         try:
-            image = image.convert(mode)
+            image = in_mode(image, mode)
         except UNDECODABLE as e:
             raise ConfigError("SRC", f"cannot read image {path}: {e}", "remove or replace the file") from None
         side = min(image.size)

@@ -17,6 +17,20 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".ti
 UNDECODABLE = (OSError, Image.DecompressionBombError)
 
 
+def in_mode(image: Image.Image, mode: str) -> Image.Image:
+    """image.convert(mode), 16-bit grey (Pillow's I;16 and I modes) scaled into 8 bits first: convert clips it, so
+    such an image came out all white. Floating-point pixels have no range to scale from: refused (OSError)."""
+    if image.mode == "F":
+        raise OSError("its pixels are floating-point numbers, which have no fixed range; save it with 8- or 16-bit "
+                      "integer pixels")
+    if image.mode.startswith("I"):
+        wide = np.asarray(image, dtype=np.int64)
+        if wide.size and (wide.min() < 0 or wide.max() > 65535):
+            raise OSError("its 32-bit integer pixels go beyond 16 bits; save it with 8- or 16-bit pixels")
+        image = Image.fromarray(np.round(wide / 257).astype(np.uint8), "L")  # 65535 -> 255
+    return image.convert(mode)
+
+
 class UnreadableImage(OSError):
     """An image of the data set that does not decode, found while training reads it (bad input: exit 2).
 
@@ -43,7 +57,7 @@ class ImageFolder(Dataset):
         path = self.files[index]
         try:
             with Image.open(path) as image:
-                image = image.convert({1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}[self.channels])  # config allows 1..4
+                image = in_mode(image, {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}[self.channels])  # config allows 1..4
                 side = min(image.size)
                 left, top = (image.width - side) // 2, (image.height - side) // 2
                 image = image.crop((left, top, left + side, top + side))

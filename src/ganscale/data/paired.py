@@ -32,7 +32,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ganscale.config import ConfigError
-from ganscale.data.folder import IMAGE_SUFFIXES, UNDECODABLE, UnreadableImage
+from ganscale.data.folder import IMAGE_SUFFIXES, UNDECODABLE, UnreadableImage, in_mode
 from ganscale.seeds import derive_seed
 
 DIRECTIONS = ("AtoB", "BtoA")
@@ -113,7 +113,7 @@ class PairedImages(Dataset):
     def _read_halves(self, path: Path) -> tuple[Image.Image, Image.Image]:
         try:
             with Image.open(path) as image:
-                image = image.convert(self.mode)
+                image = in_mode(image, self.mode)
         except UNDECODABLE as e:
             raise UnreadableImage(f"cannot read image {path}: {e}") from None
         half = image.width // 2  # an odd width leaves the extra column to B, as the reference does
