@@ -94,6 +94,7 @@ def test_a_user_g_drawing_noise_from_the_rank_s_rng_is_different_and_named(tmp_p
     (["--steps", "1"], "--steps"),
     (["--set", "train.batch_size=63"], "train.batch_size"),  # 2 processes cannot split it
     (["--set", "parallel.generator=hsdp", "--set", "parallel.mesh=[1,2]"], "parallel.mesh"),  # 1 process cannot
+    (["--set", "train.engine=tensorflow"], "train.engine"),  # its fingerprints are the torch engine's
 ])
 def test_configs_it_cannot_compare_exit_2_naming_the_key(tmp_path, args, key):
     result = verify(*args, "--run-dir", "kept", cwd=tmp_path)

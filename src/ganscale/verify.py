@@ -294,6 +294,10 @@ def plan(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int)
               "log.tensorboard=false", "eval.every=0", "log.fingerprints=true"]
     sets = [*overrides, *forced]  # after the user's: these are what verify needs
     cfg = config_mod.load(recipe, sets)
+    if cfg.train.engine != "torch":  # verify reads the torch engine's fingerprints of every step
+        raise ConfigError("train.engine", f"verify compares the torch engine's runs, not the {cfg.train.engine} "
+                          "engine's", "verify with train.engine=torch (its replicas are proven equal to one process "
+                          "by tests/test_tf_engine.py)")
     cuda = torch.cuda.is_available()
     for world in (nproc, 1):
         try:
