@@ -154,3 +154,13 @@ def test_workers_reach_the_tensorflow_engine_s_checks(tmp_path):
         api.train("digits", overrides=["train.engine=tensorflow"], workers=2, run_dir=tmp_path / "b")
     assert tensorflow.value.key == "parallel.tf_open_servers"
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("arguments, key", [
+    ({"nproc": 0}, "nproc"), ({"nproc": -1}, "nproc"), ({"nproc": "2"}, "nproc"), ({"max_restarts": -1}, "max_restarts"),
+    ({"workers": 0}, "workers"), ({"overrides": "train.steps=4"}, "overrides"), ({"config": 123}, "config")])
+def test_arguments_the_cli_checks_by_type_are_refused_naming_the_argument(tmp_path, arguments, key):
+    with pytest.raises(ConfigError) as refused:
+        api.train(**{"run_dir": tmp_path / "run", **arguments})
+    assert refused.value.key == key
+    assert not (tmp_path / "run").exists()

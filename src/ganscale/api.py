@@ -69,6 +69,7 @@ def train(config: str | os.PathLike | dict | Config | None = None, *, overrides:
     """
     from ganscale import launch
 
+    check_arguments(config, overrides, nproc, max_restarts, workers)
     worker = launch.under_launcher()
     try:
         run_dir = None if run_dir is None else os.fspath(run_dir)
@@ -83,6 +84,21 @@ def train(config: str | os.PathLike | dict | Config | None = None, *, overrides:
             leave(e)  # a rank: one line and its exit code, as `ganscale train`'s workers
         raise
     return None if trained is None else {**trained[1], "run_dir": str(trained[0])}
+
+
+def check_arguments(config, overrides, nproc, max_restarts, workers) -> None:
+    """The arguments the CLI's options check by type: a ConfigError naming the argument (a string of overrides
+    was taken letter by letter, nproc=0 trained in this process, a string nproc was a TypeError)."""
+    if config is not None and not isinstance(config, (str, os.PathLike, dict, Config)):
+        raise ConfigError("config", f"a {type(config).__name__}", "pass a recipe name, a YAML file's path, a dict "
+                          "or a Config (or None: the default recipe)")
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError("overrides", f"{overrides!r} is not a list of strings",
+                          "pass a list of 'dotted.key=value' strings, e.g. overrides=['train.steps=500']")
+    for name, value, least in (("nproc", nproc, 1), ("workers", workers, 1), ("max_restarts", max_restarts, 0)):
+        if value is not None and (type(value) is not int or value < least):
+            raise ConfigError(name, f"{value!r}", f"pass an int of at least {least}"
+                              + (" (or None)" if name != "max_restarts" else ""))
 
 
 def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir: str | None, resume: str | None,
