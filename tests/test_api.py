@@ -164,3 +164,16 @@ def test_arguments_the_cli_checks_by_type_are_refused_naming_the_argument(tmp_pa
         api.train(**{"run_dir": tmp_path / "run", **arguments})
     assert refused.value.key == key
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_in_this_process_leaves_its_excepthook_as_it_found_it():
+    """torch's init_process_group chains a '[rankN]:' excepthook: each in-process run added one more prefix."""
+    import sys
+
+    from ganscale.runtime import start
+
+    before = sys.excepthook
+    for _ in range(2):
+        runtime = start("cpu")
+        runtime.close()
+        assert sys.excepthook is before

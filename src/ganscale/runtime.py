@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,6 +31,9 @@ class Runtime:
     local_rank: int
     device: torch.device
     owns_group: bool
+    # The hook before init_process_group, which chains its own "[rankN]:" one: put back at close, or every
+    # in-process run of the Python API added a prefix to the process's uncaught errors.
+    excepthook: Callable | None = None
 
     @property
     def is_main(self) -> bool:
@@ -37,6 +42,8 @@ class Runtime:
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self.excepthook is not None:
+            sys.excepthook = self.excepthook
 
 
 def environment_world_size() -> int:
@@ -80,6 +87,7 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
     else:
         dev = torch.device("cpu")
     owns = not dist.is_initialized()
+    excepthook = sys.excepthook if owns else None
     # PyTorch's flight recorder keeps each process group's last collectives (NCCL's and gloo's); the hang
     # watchdog writes it to RUN_DIR/diagnostics/. It must be sized before the group is made.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
@@ -90,7 +98,7 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
             dist.init_process_group(chosen, timeout=timeout, device_id=dev if use_cuda else None)
         else:
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns, excepthook)
 
 
 GLOO_POLLING_THREAD = "gloo_tcp_loop"
