@@ -604,6 +604,16 @@ def test_a_checkpoint_that_does_not_fit_names_the_first_tensor_that_differs(tmp_
         runtime.close()
     assert "does not fit this run's model/optimizer config" in refused.value.problem
     assert "size mismatch for " in refused.value.problem  # torch's first line alone named no tensor
+    assert refused.value.fix.endswith(f"({tmp_path / 'config.yaml'})")  # the file it was written with
+    resumed_config = tmp_path / "config.resumed-00000002.yaml"  # as a resume that changed the config writes it
+    resumed_config.write_text((tmp_path / "config.yaml").read_text())
+    runtime = start("cpu")
+    try:
+        with pytest.raises(ConfigError) as refused:
+            Trainer(wider, runtime, tmp_path, checkpoint.latest(tmp_path))
+    finally:
+        runtime.close()
+    assert refused.value.fix.endswith(f"({resumed_config})")
 
 
 # ------------------------------------------------------------------------------ crafted files run no code

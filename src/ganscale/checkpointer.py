@@ -123,7 +123,7 @@ class Checkpointer:
         except (RuntimeError, ValueError, KeyError) as e:
             first = " ".join(str(e).strip().splitlines()[:2]).replace("\t", "")[:300]  # torch's headline and first tensor
             raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({first})",
-                              "resume with the config the checkpoint was written with (its config.yaml)") from None
+                              f"resume with the config the checkpoint was written with ({written_with(path)})") from None
 
     def restore_rank_streams(self, saved: list) -> None:
         """Every rank's RNG streams as they were at the checkpoint (`load`'s return)."""
@@ -168,3 +168,12 @@ def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]], group: dist.Pro
             f"replicas differ: {names[tensor]} on ranks {', '.join(map(str, apart))} (it must be bitwise identical); "
             "nothing was saved from this step. Continue from the last checkpoint with --resume auto (or "
             "--max-restarts); if it recurs, run `ganscale doctor` on these machines")
+
+
+def written_with(path: Path) -> str:
+    """The config file a run's checkpoint was written with (a resume that changed it wrote config.resumed-K.yaml)."""
+    from ganscale.rundir import config_at
+
+    step = checkpoint.step_of(Path(path))
+    found = config_at(Path(path).parent.parent, step) if step is not None else None
+    return str(found) if found is not None else "its run's config.yaml"

@@ -36,7 +36,7 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None, report: bo
                               "pass a checkpoint file, a run directory holding checkpoints/, or 'auto'")
         if source.is_file() and source.suffix == ".json":
             raise ConfigError("--resume", f"{source} is a checkpoint's completion marker, not the checkpoint",
-                              "pass the checkpoint beside it (the .pt file or .dcp folder of the same name)")
+                              "pass the checkpoint beside it (the .pt file, or .dcp or .tf folder, of the same name)")
         if source.is_dir() and source.name == "checkpoints" and checkpoint.checkpoint_dir(source.parent) == source:
             source = source.parent  # a run's checkpoints/ folder: that run
         is_run = source.is_dir() and not checkpoint.is_folder(source)  # a step-N.dcp or .tf folder is one checkpoint
