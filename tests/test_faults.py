@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -305,6 +306,16 @@ def test_kill_9_of_a_worker_with_max_restarts_resumes_and_finishes(tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 400  # the redone steps replaced, not duplicated
     assert killed_after >= 50  # the kill came after the first checkpoint: at most one interval was redone
+    # The killed worker is named, not the survivor the agent then stopped with SIGTERM (-15).
+    assert re.search(r"worker rank \d failed with exit code -9 ", stderr), stderr[-3000:]
+
+
+def test_the_root_cause_is_a_worker_s_own_failure_then_its_own_signal_then_a_peer_s_then_the_agent_s_sigterm():
+    from ganscale.fault import EXIT_PEER_FAILED
+    from ganscale.launch import root_cause_order
+
+    codes = [-signal.SIGTERM, EXIT_PEER_FAILED, -signal.SIGKILL, 1]
+    assert sorted(codes, key=root_cause_order) == [1, -signal.SIGKILL, EXIT_PEER_FAILED, -signal.SIGTERM]
 
 
 def _running(pid: int) -> bool:

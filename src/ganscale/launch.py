@@ -130,6 +130,17 @@ def check_stop_grace(cfg: Config) -> None:
                       f"set fault.exit_timeout_s to at most {most:g}, or install torch>={first}")
 
 
+def root_cause_order(exit_code: int) -> int:
+    """How likely a worker's exit code is the failure's root cause, most likely first: a worker that failed on its
+    own; one killed by a signal of its own (SIGKILL by the OOM killer or a user, a crash); one whose collective broke
+    because a peer had died (EXIT_PEER_FAILED); last, SIGTERM, which the agent sends every worker still running."""
+    if exit_code == -signal.SIGTERM:
+        return 3
+    if exit_code == EXIT_PEER_FAILED:
+        return 2
+    return 1 if exit_code < 0 else 0
+
+
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int = 0,
                  resume: str | None = None, held: runlock.RunLock | None = None, stop_grace_s: float = 0.0) -> int:
     """Start `nproc` workers running `python -m ganscale <worker_args> --run-dir RUN_DIR [--resume ...]` via torch's
@@ -197,10 +208,8 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path, stop_grace_s
               file=sys.stderr)
         return EXIT_PREEMPTED, False
     except ChildFailedError as e:
-        # The root cause is a worker that failed on its own: not one the agent then stopped with a signal
-        # (code < 0), nor one whose collective broke because a peer had died (EXIT_PEER_FAILED); the earliest.
-        first_rank, first = min(e.failures.items(), key=lambda item: (
-            item[1].exitcode < 0 or item[1].exitcode == EXIT_PEER_FAILED, item[1].timestamp, item[0]))
+        first_rank, first = min(e.failures.items(), key=lambda item: (root_cause_order(item[1].exitcode),
+                                                                      item[1].timestamp, item[0]))
         # Ranks that stopped together at one error share its code; one of them printed it (told_by).
         alike = [str(rank) for rank, failure in sorted(e.failures.items()) if failure.exitcode == first.exitcode]
         who = f"worker rank {first_rank}" if len(alike) == 1 else f"worker ranks {', '.join(alike)}"
