@@ -221,3 +221,65 @@ def test_throughput_of_stylegan2_counts_its_flops(tmp_path):
     # Per sample: modulated convolutions and the mapping; per forward, whatever the batch: w_avg's refresh (the
     # mapping of 256 fixed latents). Twice the batch: more FLOPs, less than twice.
     assert rows[0]["gflop_per_iter"] < rows[1]["gflop_per_iter"] < 2 * rows[0]["gflop_per_iter"]
+
+
+@pytest.mark.parametrize("model, resolution, problem", [
+    ("dcgan", "12", "DCGAN needs a power-of-two resolution, got 12"),
+    ("dcgan", "48", "DCGAN needs a power-of-two resolution, got 48"),
+    ("stylegan2", "12", "StyleGAN2 has no layout for resolution 12"),
+    ("biggan", "12", "BigGAN has no layout for resolution 12")])
+def test_throughput_refuses_a_resolution_the_model_has_no_layout_for_in_one_line(tmp_path, model, resolution, problem):
+    result = CliRunner().invoke(main, ["bench", "throughput", "--device", "cpu", "--batch", "2", "--iters", "1",
+                                       "--warmup", "1", "--model", model, "--resolution", resolution,
+                                       "--out-dir", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"ganscale: config error at '--resolution': {problem}. Fix: use ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_throughput_refuses_the_resolution_train_refuses_with_train_s_message(tmp_path):
+    bench = CliRunner().invoke(main, ["bench", "throughput", "--device", "cpu", "--model", "dcgan", "--resolution",
+                                      "12", "--out-dir", str(tmp_path / "out")])
+    with pytest.raises(config.ConfigError) as train:
+        preflight.check(config.load("digits", ["data.resolution=12"]), 1, False)
+    assert bench.exit_code == 2
+    assert bench.output.strip() == f"ganscale: {config.ConfigError('--resolution', train.value.problem, train.value.fix)}"
+
+
+@pytest.mark.parametrize("peak", ["-1", "0"])
+def test_throughput_refuses_a_peak_that_is_not_positive(tmp_path, peak):
+    result = CliRunner().invoke(main, ["bench", "throughput", "--device", "cpu", "--peak-tflops", peak,
+                                       "--out-dir", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--peak-tflops" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("nproc, batch", [("3", "8"), ("2", "3")])
+def test_strategies_refuses_a_batch_the_processes_cannot_split_before_any_run(tmp_path, monkeypatch, nproc, batch):
+    from ganscale.bench import strategies
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(strategies, "train_run", no_run)
+    result = CliRunner().invoke(main, ["bench", "strategies", "--nproc", nproc, "--batch", batch, "--steps", "5",
+                                       "--strategy", "ddp", "--out-dir", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (f"ganscale: config error at '--batch': global batch {batch} is not divisible by "
+                                     f"world size {nproc}. Fix: make --batch a multiple of {nproc}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_strategies_on_cuda_without_a_gpu_exits_2_before_any_run(tmp_path, monkeypatch):
+    from ganscale.bench import strategies
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(strategies, "train_run", no_run)
+    result = CliRunner().invoke(main, ["bench", "strategies", "--device", "cuda", "--steps", "5", "--strategy", "ddp",
+                                       "--out-dir", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--device cuda: no CUDA device is visible" in result.output
+    assert not (tmp_path / "out").exists()

@@ -18,7 +18,7 @@ from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset
 from ganscale.data.mnist import mnist_file
 from ganscale.metrics.images import FEWEST_REFERENCES, check_reference_count
-from ganscale.models import build_networks, meta_networks, stylegan2
+from ganscale.models import biggan, build_networks, meta_networks, stylegan2
 from ganscale.parallel import CAPABILITIES
 from ganscale.parallel.pipeline import split
 from ganscale.tasks import build_task
@@ -91,12 +91,22 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
     _check_augment(cfg)
     _check_stylegan2(cfg, micro)
-    if cfg.model.kind == "dcgan" and (cfg.data.resolution & (cfg.data.resolution - 1)):
-        raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {cfg.data.resolution}",
-                          "use 8, 16, 32, 64, ...")
+    check_model_resolution(cfg.model.kind, cfg.data.resolution)
     if cfg.data.kind == "zip" or cfg.data.max_images:  # after the model's own resolution rules
         build_dataset(cfg)  # a zip: every image's header and dataset.json; data.max_images against the source
     _check_eval_references(cfg)  # after the zip's own checks
+
+
+def check_model_resolution(kind: str, resolution: int) -> None:
+    """The shipped model's own rule for data.resolution (ConfigError at data.resolution); other kinds: no rule here.
+    `ganscale bench throughput` checks its --resolution with it too."""
+    if kind == "dcgan" and (resolution & (resolution - 1)):
+        raise ConfigError("data.resolution", f"DCGAN needs a power-of-two resolution, got {resolution}",
+                          "use 8, 16, 32, 64, ...")
+    if kind == "stylegan2":
+        stylegan2.check_resolution(resolution)
+    if kind == "biggan":
+        biggan.check_resolution(resolution)
 
 
 def _check_data_source(cfg: Config) -> None:

@@ -107,7 +107,7 @@ def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, batch: i
               help="Default: bf16 on CUDA, fp32 on CPU.")
 @click.option("--iters", type=click.IntRange(min=1), default=5, show_default=True, help="Timed iterations.")
 @click.option("--warmup", type=click.IntRange(min=1), default=2, show_default=True, help="Untimed iterations.")
-@click.option("--peak-tflops", type=float, default=None,
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Peak for MFU (default on CUDA: H100 SXM dense, 989 bf16 / 67 fp32).")
 @click.option("--engine", type=click.Choice(["torch", "tensorflow"]), default="torch", show_default=True,
               help="tensorflow: each DCGAN row also on the tensorflow engine's step, next to torch's (dcgan only).")
@@ -129,12 +129,14 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
     if engine == "tensorflow" and set(models) - {"dcgan"}:
         raise click.UsageError("--engine tensorflow: the tensorflow engine has only the dcgan of these models; "
                                "pass --model dcgan, or --engine torch")
-    tensorflow_rows = _tensorflow_throughput(threads) if engine == "tensorflow" else None
     on_cuda = device == "cuda"
+    models = models or (("dcgan",) if engine == "tensorflow" else ("dcgan", "biggan"))
+    resolution = resolution or (64 if on_cuda else 32)
+    _check_resolution(models, resolution)
+    tensorflow_rows = _tensorflow_throughput(threads) if engine == "tensorflow" else None
     torch.set_num_threads(threads)
-    models = models or (("dcgan",) if tensorflow_rows else ("dcgan", "biggan"))
     ctx.params.update(device=device, batches=batches or (64, 256), models=models,
-                      resolution=resolution or (64 if on_cuda else 32), biggan_ch=biggan_ch or (64 if on_cuda else 16),
+                      resolution=resolution, biggan_ch=biggan_ch or (64 if on_cuda else 16),
                       stylegan2_base=stylegan2_base or (16384 if on_cuda else 1024),
                       precision=precision or ("bf16" if on_cuda else "fp32"))
     p = ctx.params
@@ -159,6 +161,21 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
                      "graphs, the host's finite check) on the same DCGAN, batch and random reals; FLOPs as counted on "
                      "the torch row")
     publish(ctx, "throughput", columns, rows, notes)
+
+
+def _check_resolution(models: tuple[str, ...], resolution: int) -> None:
+    """Each model's own resolution rule, the one `ganscale train` applies to data.resolution; exit 2 naming
+    --resolution."""
+    from ganscale.config import ConfigError
+    from ganscale.fault import EXIT_CONFIG
+    from ganscale.preflight import check_model_resolution
+
+    for model in models:
+        try:
+            check_model_resolution(model, resolution)
+        except ConfigError as e:
+            click.echo(f"ganscale: {ConfigError('--resolution', e.problem, e.fix)}", err=True)
+            sys.exit(EXIT_CONFIG)
 
 
 def _tensorflow_throughput(threads: int):
@@ -206,6 +223,12 @@ def strategies(ctx: click.Context, nproc: int, model: str, steps: int, batch: in
     from ganscale.bench import strategies as bench_strategies
 
     ctx.params["strategies"] = strategies = strategies or tuple(bench_strategies.PAIRS)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    _check_strategy_runs(model, nproc, steps, batch, strategies, device)
     try:
         runs = bench_strategies.compare_strategies(model, nproc, steps, batch, list(strategies), threads, device)
     except bench_strategies.RunFailed as e:
@@ -225,6 +248,33 @@ def strategies(ctx: click.Context, nproc: int, model: str, steps: int, batch: in
              "(summary.json held_bytes; activations and process memory not included)",
              "comm = payload bytes of every collective in one measured iteration (summary.json communicated_bytes)"]
     publish(ctx, "strategies", columns, rows, notes, {"runs": runs})
+
+
+# The runs' config keys that are this command's options (an error at one of them names the option instead).
+STRATEGY_OPTIONS = {"train.batch_size": "--batch", "train.device": "--device", "train.steps": "--steps"}
+
+
+def _check_strategy_runs(model: str, nproc: int, steps: int, batch: int | None, strategies: tuple[str, ...],
+                         device: str | None) -> None:
+    """The preflight check each run's `ganscale train` makes, made here on the same config before any run starts:
+    exit 2 with its one line (naming this command's option where the key is one)."""
+    import torch
+
+    from ganscale import config, preflight
+    from ganscale.bench import strategies as bench_strategies
+    from ganscale.config import ConfigError
+    from ganscale.fault import EXIT_CONFIG
+
+    for name in strategies:
+        recipe, overrides = bench_strategies.run_config(model, steps, batch, device, name)
+        try:
+            preflight.check(config.load(recipe, [*bench_strategies.QUIET, *overrides]), nproc, torch.cuda.is_available())
+        except ConfigError as e:
+            option = STRATEGY_OPTIONS.get(e.key)
+            if option:
+                e = ConfigError(option, e.problem, e.fix.replace(e.key, option))
+            click.echo(f"ganscale: {e}", err=True)
+            sys.exit(EXIT_CONFIG)
 
 
 @bench.command()

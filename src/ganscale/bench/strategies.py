@@ -82,16 +82,22 @@ def train_run(recipe: str, overrides: list[str], nproc: int, run_dir: Path, thre
             "world_size": summary["world_size"], "global_batch": summary["global_batch"]}
 
 
+def run_config(model: str, steps: int, batch: int | None, device: str | None, pair: str) -> tuple[str, list[str]]:
+    """(recipe, overrides) of the run of one strategy pair (QUIET is added when it is started)."""
+    recipe, base = MODELS[model]
+    generator, discriminator = PAIRS[pair]
+    return recipe, [*base, f"train.steps={steps}", *([f"train.batch_size={batch}"] if batch else []),
+                    *([f"train.device={device}"] if device else []),
+                    f"parallel.generator={generator}", f"parallel.discriminator={discriminator}"]
+
+
 def compare_strategies(model: str, nproc: int, steps: int, batch: int | None, pairs: list[str], threads: int,
                        device: str | None) -> list[dict]:
-    recipe, base = MODELS[model]
-    overrides = [*base, f"train.steps={steps}", *([f"train.batch_size={batch}"] if batch else []),
-                 *([f"train.device={device}"] if device else [])]
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in pairs:
             generator, discriminator = PAIRS[name]
-            run = train_run(recipe, [*overrides, f"parallel.generator={generator}",
-                                     f"parallel.discriminator={discriminator}"], nproc, Path(scratch) / name, threads)
+            recipe, overrides = run_config(model, steps, batch, device, name)
+            run = train_run(recipe, overrides, nproc, Path(scratch) / name, threads)
             rows.append({"strategy": name, "generator": generator, "discriminator": discriminator, **run})
     return rows

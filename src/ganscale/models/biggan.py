@@ -52,7 +52,7 @@ RESOLUTIONS = tuple(G_MULTIPLIERS)
 BOTTOM = 4  # G starts from, and D ends at, 4x4 maps
 
 
-def _check_resolution(resolution: int) -> None:
+def check_resolution(resolution: int) -> None:
     if resolution not in G_MULTIPLIERS:
         raise ConfigError("data.resolution", f"BigGAN has no layout for resolution {resolution}",
                           f"use one of {', '.join(map(str, RESOLUTIONS))}")
@@ -119,7 +119,7 @@ class BigGANGenerator(nn.Module):
     def __init__(self, resolution: int = 128, ch: int = 64, z_dim: int = 120, n_classes: int = 1000,
                  channels: int = 3, shared_dim: int = 128, attn_resolution: int = 32):
         super().__init__()
-        _check_resolution(resolution)
+        check_resolution(resolution)
         widths = [ch * m for m in G_MULTIPLIERS[resolution]]
         n_blocks = len(widths) - 1
         if z_dim < n_blocks + 1:
@@ -154,7 +154,7 @@ class BigGANDiscriminator(nn.Module):
     def __init__(self, resolution: int = 128, ch: int = 64, n_classes: int = 1000, channels: int = 3,
                  attn_resolution: int = 32):
         super().__init__()
-        _check_resolution(resolution)
+        check_resolution(resolution)
         widths = [ch * m for m in D_MULTIPLIERS[resolution]]
         downsamplings = int(math.log2(resolution // BOTTOM))
         self.blocks = nn.ModuleList(
