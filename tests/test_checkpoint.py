@@ -596,24 +596,23 @@ def test_a_checkpoint_that_does_not_fit_names_the_first_tensor_that_differs(tmp_
     settings = {**SMALL_DCGAN, "train.steps": 2, "checkpoint.every": 2}
     train_in_process(config.load(None, [f"{k}={v}" for k, v in settings.items()]), tmp_path)
     wider = config.load(None, [f"{k}={v}" for k, v in {**settings, "train.steps": 4, "model.g_width": 32}.items()])
-    runtime = start("cpu")
-    try:
-        with pytest.raises(ConfigError) as refused:
-            Trainer(wider, runtime, tmp_path, checkpoint.latest(tmp_path))
-    finally:
-        runtime.close()
-    assert "does not fit this run's model/optimizer config" in refused.value.problem
-    assert "size mismatch for " in refused.value.problem  # torch's first line alone named no tensor
-    assert refused.value.fix.endswith(f"({tmp_path / 'config.yaml'})")  # the file it was written with
+
+    def refusal() -> ConfigError:
+        runtime = start("cpu")
+        try:
+            with pytest.raises(ConfigError) as refused:
+                Trainer(wider, runtime, tmp_path, checkpoint.latest(tmp_path))
+        finally:
+            runtime.close()
+        return refused.value
+
+    refused = refusal()
+    assert "does not fit this run's model/optimizer config" in refused.problem
+    assert "size mismatch for " in refused.problem  # torch's first line alone named no tensor
+    assert refused.fix.endswith(f"({tmp_path / 'config.yaml'})")  # the file it was written with
     resumed_config = tmp_path / "config.resumed-00000002.yaml"  # as a resume that changed the config writes it
     resumed_config.write_text((tmp_path / "config.yaml").read_text())
-    runtime = start("cpu")
-    try:
-        with pytest.raises(ConfigError) as refused:
-            Trainer(wider, runtime, tmp_path, checkpoint.latest(tmp_path))
-    finally:
-        runtime.close()
-    assert refused.value.fix.endswith(f"({resumed_config})")
+    assert refusal().fix.endswith(f"({resumed_config})")
 
 
 # ------------------------------------------------------------------------------ crafted files run no code
