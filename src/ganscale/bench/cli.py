@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -15,6 +16,22 @@ OUT_DIR = click.option("--out-dir", type=click.Path(file_okay=False), default=st
                        help="Where the Markdown and JSON results go.")
 THREADS = click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
                        help="CPU threads per process (torch.set_num_threads / OMP_NUM_THREADS).")
+
+
+def refuse_at(option: str, error, fix: str | None = None) -> NoReturn:
+    """Exit 2 with a config error said at this command's option (the runs it starts know it by a config key)."""
+    from ganscale.config import ConfigError
+    from ganscale.fault import EXIT_CONFIG
+
+    click.echo(f"ganscale: {ConfigError(option, error.problem, error.fix if fix is None else fix)}", err=True)
+    sys.exit(EXIT_CONFIG)
+
+
+def refuse_invisible_cuda(device: str | None) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
 
 
 def command_line(ctx: click.Context) -> str:
@@ -124,8 +141,7 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
     from ganscale.bench import throughput as bench_throughput
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    refuse_invisible_cuda(device)
     if engine == "tensorflow" and set(models) - {"dcgan"}:
         raise click.UsageError("--engine tensorflow: the tensorflow engine has only the dcgan of these models; "
                                "pass --model dcgan, or --engine torch")
@@ -167,15 +183,13 @@ def _check_resolution(models: tuple[str, ...], resolution: int) -> None:
     """Each model's own resolution rule, the one `ganscale train` applies to data.resolution; exit 2 naming
     --resolution."""
     from ganscale.config import ConfigError
-    from ganscale.fault import EXIT_CONFIG
     from ganscale.preflight import check_model_resolution
 
     for model in models:
         try:
             check_model_resolution(model, resolution)
         except ConfigError as e:
-            click.echo(f"ganscale: {ConfigError('--resolution', e.problem, e.fix)}", err=True)
-            sys.exit(EXIT_CONFIG)
+            refuse_at("--resolution", e)
 
 
 def _tensorflow_throughput(threads: int):
@@ -187,8 +201,7 @@ def _tensorflow_throughput(threads: int):
     try:
         require_tensorflow()
     except ConfigError as e:
-        click.echo(f"ganscale: {ConfigError('--engine', e.problem, e.fix)}", err=True)
-        sys.exit(2)
+        refuse_at("--engine", e)
     from ganscale.tf import bench as tf_bench
 
     tf_bench.use_threads(threads)
@@ -223,11 +236,7 @@ def strategies(ctx: click.Context, nproc: int, model: str, steps: int, batch: in
     from ganscale.bench import strategies as bench_strategies
 
     ctx.params["strategies"] = strategies = strategies or tuple(bench_strategies.PAIRS)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    refuse_invisible_cuda(device)
     _check_strategy_runs(model, nproc, steps, batch, strategies, device)
     try:
         runs = bench_strategies.compare_strategies(model, nproc, steps, batch, list(strategies), threads, device)
@@ -263,7 +272,6 @@ def _check_strategy_runs(model: str, nproc: int, steps: int, batch: int | None, 
     from ganscale import config, preflight
     from ganscale.bench import strategies as bench_strategies
     from ganscale.config import ConfigError
-    from ganscale.fault import EXIT_CONFIG
 
     for name in strategies:
         recipe, overrides = bench_strategies.run_config(model, steps, batch, device, name)
@@ -271,10 +279,7 @@ def _check_strategy_runs(model: str, nproc: int, steps: int, batch: int | None, 
             preflight.check(config.load(recipe, [*bench_strategies.QUIET, *overrides]), nproc, torch.cuda.is_available())
         except ConfigError as e:
             option = STRATEGY_OPTIONS.get(e.key)
-            if option:
-                e = ConfigError(option, e.problem, e.fix.replace(e.key, option))
-            click.echo(f"ganscale: {e}", err=True)
-            sys.exit(EXIT_CONFIG)
+            refuse_at(option or e.key, e, e.fix.replace(e.key, option) if option else None)
 
 
 @bench.command()
@@ -351,8 +356,7 @@ def pix2pix_table(ctx: click.Context, data: str | None, images: int | None, epoc
     from ganscale.bench import pix2pix
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    refuse_invisible_cuda(device)
     names = [n.strip() for n in rows_csv.split(",")] if rows_csv is not None else pix2pix.ROW_NAMES
     if "" in names:  # --rows "" or "baseline,": not "every row"
         raise click.BadParameter(f"{rows_csv!r} names an empty row; give comma-separated rows, e.g. --rows "
@@ -364,13 +368,11 @@ def pix2pix_table(ctx: click.Context, data: str | None, images: int | None, epoc
     if data is not None:
         from ganscale.config import ConfigError
         from ganscale.data.paired import PairedImages
-        from ganscale.fault import EXIT_CONFIG
 
         try:
             images = len(PairedImages(data))
         except ConfigError as e:  # the option here is --data (the rows pass it on as data.path)
-            click.echo(f"ganscale: {ConfigError('--data', e.problem, e.fix.replace('data.path', '--data'))}", err=True)
-            sys.exit(EXIT_CONFIG)
+            refuse_at("--data", e, e.fix.replace("data.path", "--data"))
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     ctx.params.update(device=device, images=images or (400 if device == "cuda" else 8),
                       nproc=nproc or (torch.cuda.device_count() if device == "cuda" else 2),

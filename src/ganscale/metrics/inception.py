@@ -171,6 +171,7 @@ class FIDInceptionV3(nn.Module):
 
 def load_weights(model: FIDInceptionV3, path: Path) -> None:
     """Load pytorch-fid's or torch-fidelity's file; the 1008-way classifier (fc.*) is not needed for features."""
+    fix = "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file"
     try:
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one line below says it all
             warnings.simplefilter("ignore")
@@ -178,8 +179,7 @@ def load_weights(model: FIDInceptionV3, path: Path) -> None:
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same message
         # one line, without torch's advice to load with weights_only=False (which would run the file's code)
         raise ConfigError("--inception-weights", f"cannot read {path} as a torch weights file: {read_failure(e)}",
-                          "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file") from None
-    fix = "pass pytorch-fid's pt_inception-2015-12-05-*.pth or torch-fidelity's weights file"
+                          fix) from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
         raise ConfigError("--inception-weights", f"{path} holds a {type(state).__name__}, not a state dict of "
