@@ -110,6 +110,7 @@ class GlobalBatches:
     def __init__(self, dataset: Dataset, slicing: Slicing, seed: int, device: torch.device,
                  workers: int = 0, start: int = 0):
         self.slicing, self.device, self.position = slicing, device, start
+        self._loader_batches = None  # the DataLoader's iterator, where there is one
         sampler = _RankSampler(len(dataset), slicing, seed, start, getattr(dataset, "keyed_by_position", False))
         if isinstance(dataset, TensorDataset) and workers == 0:
             # In-memory data: index the tensors directly, no per-sample collation.
@@ -120,7 +121,8 @@ class GlobalBatches:
             loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                 worker_init_fn=_leave_stops_to_trainer, pin_memory=device.type == "cuda",
                                 persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
-            self._micro = (tuple(batch) for batch in loader)
+            self._loader_batches = iter(loader)
+            self._micro = (tuple(batch) for batch in self._loader_batches)
 
     def __iter__(self) -> GlobalBatches:
         return self
@@ -128,7 +130,16 @@ class GlobalBatches:
     def close(self) -> None:
         """Stop the DataLoader's worker processes now: they ignore SIGTERM (`_leave_stops_to_trainer`), so left to
         the interpreter's exit, which terminates and joins its children, they would keep it waiting forever."""
-        self._micro.close()  # frees the loader's iterator, whose finaliser shuts its workers down
+        self._micro.close()
+        loader_batches, self._loader_batches = self._loader_batches, None
+        # The iterator's own shutdown (which its finaliser would run, if nothing else held it: with pinned memory on
+        # CUDA something does) asks the workers to stop and joins them for a few seconds; a worker still alive then
+        # is killed, as the SIGTERM that the shutdown sends it is ignored.
+        getattr(loader_batches, "_shutdown_workers", lambda: None)()
+        for worker in getattr(loader_batches, "_workers", []):
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
 
     def __next__(self) -> list[Sample]:
         self.position += 1
