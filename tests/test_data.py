@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import numpy as np
@@ -105,6 +106,30 @@ def test_the_data_stream_leaves_the_global_rng_alone(workers):
     next(stream)
     stream.close()
     assert torch.equal(torch.get_rng_state(), before)
+
+class StuckAfterOneBatch(IndexDataset):
+    """A worker that hangs in its second batch (a stalled network file system, say)."""
+
+    calls = 0  # per worker process
+
+    def __getitem__(self, i: int):
+        StuckAfterOneBatch.calls += 1
+        if StuckAfterOneBatch.calls > 4:
+            time.sleep(600)
+        return (torch.tensor(i),)
+
+
+def test_close_stops_the_loader_workers_even_when_the_iterator_is_held_and_a_worker_hangs():
+    """The workers ignore SIGTERM, so one left alive keeps the interpreter's exit waiting forever: close() shuts
+    them down itself (something else may hold the loader's iterator: with pinned memory on CUDA something did)
+    and kills one that does not stop."""
+    stream = GlobalBatches(StuckAfterOneBatch(), Slicing(0, 1, 4, 1), 0, CPU, workers=1)
+    next(stream)
+    held = stream._loader_batches  # noqa: F841 (what kept the iterator and its workers alive)
+    workers = list(held._workers)
+    stream.close()
+    assert workers and not any(w.is_alive() for w in workers)
+
 
 def test_each_epoch_is_a_permutation():
     sampler = _RankSampler(SIZE, Slicing(0, 1, 12, 1), seed=0, start=0)

@@ -473,3 +473,37 @@ def test_reuse_fake_conditional_on_two_ranks_equals_one_process(tmp_path):
     one = run_ranks(train_and_collect, 1, overrides, str(tmp_path / "one"))[0]
     two = run_ranks(train_and_collect, 2, overrides, str(tmp_path / "two"))
     assert_same_functions(overrides, one, two, biggan_inputs())
+
+
+def _g_batchnorm_statistics(trainer) -> list[torch.Tensor]:
+    return [b.clone() for name, b in trainer.G.module.named_buffers() if "running" in name]
+
+
+def test_a_skipped_d_step_leaves_the_reused_g_forward_s_statistics_to_g_s_step(tmp_path, monkeypatch, facades):
+    """pix2pix with BatchNorm: D's step 2 has a NaN loss and is skipped. Its G forward is G's step's (reused):
+    putting G's statistics back under that graph broke its backward ('modified by an inplace operation', seen
+    with fp16 on CUDA). G's statistics end as in a run where nothing was skipped."""
+    from ganscale import objectives
+
+    overrides = {**tiny_pix2pix(facades), "model.norm": "batch", "train.steps": 2, "train.reuse_fake": "true"}
+    clean = _g_batchnorm_statistics(train_in_process(build(overrides), tmp_path / "clean"))
+    calls, d_loss = [], objectives.d_loss
+    monkeypatch.setattr(objectives, "d_loss", lambda *args: d_loss(*args) * (
+        float("nan") if len(calls.append(1) or calls) == 2 else 1.0))
+    trainer = train_in_process(build(overrides), tmp_path / "skipped")
+    assert trainer.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(_g_batchnorm_statistics(trainer), clean))
+
+
+def test_a_skipped_g_step_puts_back_what_its_reused_forward_moved(tmp_path, monkeypatch, facades):
+    """With the reused output, G's forward ran in D's step: a skipped G step puts G's statistics back to before it."""
+    from ganscale import objectives
+
+    overrides = {**tiny_pix2pix(facades), "model.norm": "batch", "train.reuse_fake": "true"}
+    one_step = _g_batchnorm_statistics(train_in_process(build({**overrides, "train.steps": 1}), tmp_path / "one"))
+    calls, g_loss = [], objectives.g_loss
+    monkeypatch.setattr(objectives, "g_loss", lambda *args: g_loss(*args) * (
+        float("nan") if len(calls.append(1) or calls) == 2 else 1.0))
+    trainer = train_in_process(build({**overrides, "train.steps": 2}), tmp_path / "skipped")
+    assert trainer.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(_g_batchnorm_statistics(trainer), one_step))

@@ -16,22 +16,24 @@ from ganscale.parallel import local
 
 
 class BufferSnapshot:
-    """The buffers of some networks, copied into tensors allocated once: `take` at the start of a network step,
-    `restore` when every rank agreed to skip it. Nothing is copied for networks without buffers."""
+    """The buffers of each network, copied into tensors allocated once: `take` them before the forwards a step
+    owns, `restore` them when every rank agreed to skip it. Nothing is copied for networks without buffers."""
 
-    def __init__(self, *modules: nn.Module):
-        self.live = [local(b) for m in modules for b in m.buffers()]
-        self.saved = [b.clone() for b in self.live]
-
-    @torch.no_grad()
-    def take(self) -> None:
-        if self.live:
-            torch._foreach_copy_(self.saved, self.live)
+    def __init__(self, **networks: nn.Module):
+        self.live = {name: [local(b) for b in m.buffers()] for name, m in networks.items()}
+        self.saved = {name: [b.clone() for b in live] for name, live in self.live.items()}
 
     @torch.no_grad()
-    def restore(self) -> None:
-        if self.live:
-            torch._foreach_copy_(self.live, self.saved)
+    def take(self, *names: str) -> None:
+        for name in names:
+            if self.live[name]:
+                torch._foreach_copy_(self.saved[name], self.live[name])
+
+    @torch.no_grad()
+    def restore(self, *names: str) -> None:
+        for name in names:
+            if self.live[name]:
+                torch._foreach_copy_(self.live[name], self.saved[name])
 
 
 def first_non_finite(tensors: dict[str, list[tuple[str, Tensor]]]) -> str | None:

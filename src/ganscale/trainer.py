@@ -172,7 +172,7 @@ class Trainer:
         self.pipeline = self.G.pipeline  # None unless pipelined: its passes replace the micro-step loops
         calm_gloo_polling()  # every process group exists now (meshes, pipeline stages): see runtime.py
         self.G_ema = self.G.shard_like(ema)  # placed (and sharded, or split) exactly like G
-        self.buffers = BufferSnapshot(self.G.module, self.D.module)  # what a skipped step puts back
+        self.buffers = BufferSnapshot(G=self.G.module, D=self.D.module)  # what a skipped step puts back
         self.update_ema = EmaUpdate(self.G_ema, self.G.module)
         self.opt_g = self._adam(self.G, cfg.optim.g, fused=cfg.optim.fused)
         self.opt_d = self._adam(self.D, cfg.optim.d, fused=cfg.optim.fused)
@@ -372,7 +372,7 @@ class Trainer:
             self.D.begin_iteration()  # compiled CUDA graphs: this step's replays may reuse the last step's outputs
             phase = PHASE_D + critic
             with_r1 = phases.folded_due(self.phases, "r1", step)  # same on every rank
-            self.buffers.take()
+            self.buffers.take("G", "D")
             with self.phase(part="d_forward_backward"):
                 if self.pipeline is not None:
                     real, z = reals[0][0], self.slicing.take(self._global_latents(step, phase), 0)
@@ -381,7 +381,9 @@ class Trainer:
                     terms = [pass_loss, None, None]  # preflight refuses augmentation with the pipeline
                 else:
                     terms = self._discriminator_micro_steps(reals, step, phase, with_r1)
-            loss_d, penalty_d, real_sign, grad_norm = self._finish_step(self.D, self.opt_d, terms)
+            # A reused G forward is G's step's (its graph is): a skipped D step leaves G's buffers to that step.
+            moved = ("D",) if self.reuse_fake else ("G", "D")
+            loss_d, penalty_d, real_sign, grad_norm = self._finish_step(self.D, self.opt_d, terms, moved)
             # ADA's p moves on the sign of D(real) agreed in that step's all-reduce: the same p on every rank.
             self.augment.adjust(real_sign, critic == self.cfg.loss.n_critic - 1
                                 and (step + 1) % self.cfg.augment.interval == 0)
@@ -453,7 +455,9 @@ class Trainer:
             self.D.trainable(False)  # G's loss flows through D; D's weights are not G's to update
             if self._fake_for_g is None:  # else G's output and saved activations from D's step are still needed
                 self.G.begin_iteration()
-            self.buffers.take()
+                self.buffers.take("G", "D")
+            else:  # G's buffers as they were before its forward in D's step
+                self.buffers.take("D")
             with self.phase(part="g_forward_backward"):
                 if self.pipeline is not None:
                     z = self.slicing.take(self._global_latents(step, PHASE_G), 0)
@@ -462,7 +466,7 @@ class Trainer:
                 else:
                     terms = self._generator_micro_steps(reals, step)
             self.D.trainable(True)
-            loss_g, reconstruction_g, grad_norm = self._finish_step(self.G, self.opt_g, terms)
+            loss_g, reconstruction_g, grad_norm = self._finish_step(self.G, self.opt_g, terms, ("G", "D"))
         return {"loss_g": loss_g, "l1_g": reconstruction_g, "grad_norm_g": grad_norm}
 
     def _generator_micro_steps(self, reals: list[Sample], step: int) -> list[Tensor | None]:
@@ -506,10 +510,10 @@ class Trainer:
             self.precision.update()  # D's optimizer stepped already in this iteration: the scaler's update first
             self.D.trainable(True)
             self.D.begin_iteration()
-            self.buffers.take()
+            self.buffers.take("D")
             with self.phase(part="d_forward_backward"):
                 terms = self._r1_micro_steps(self._reals, step, phase)
-            penalty, grad_norm = self._finish_step(self.D, self.opt_d, terms)
+            penalty, grad_norm = self._finish_step(self.D, self.opt_d, terms, ("D",))
         return {"penalty_r1": penalty, "grad_norm_d_reg": grad_norm}
 
     def _r1_micro_steps(self, reals: list[Sample], step: int, phase: phases.TrainingPhase) -> list[Tensor | None]:
@@ -541,11 +545,11 @@ class Trainer:
         with self.phase("G reg step (DDP all-reduce in backward)", traffic="g_step"):
             self.precision.update()  # G's optimizer stepped already in this iteration: the scaler's update first
             self.G.begin_iteration()
-            self.buffers.take()
+            self.buffers.take("G")
             skipped_before = self.skipped_steps
             with self.phase(part="g_forward_backward"):
                 terms = self._path_length_micro_steps(step, phase)
-            penalty, mean_length, grad_norm = self._finish_step(self.G, self.opt_g, terms)
+            penalty, mean_length, grad_norm = self._finish_step(self.G, self.opt_g, terms, ("G",))
         if self.skipped_steps == skipped_before:  # a skipped step leaves pl_mean too
             self.pl_mean += self.cfg.loss.pl_decay * (mean_length - self.pl_mean)
         return {"penalty_pl": penalty, "pl_mean": self.pl_mean, "grad_norm_g_reg": grad_norm}
@@ -592,9 +596,10 @@ class Trainer:
         if net.carrier is not None:  # else _finish_step makes the agreement's own all-reduce
             net.carry_with_gradients(self._agreement(terms))
 
-    def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer,
-                     terms: list[Tensor | None]) -> tuple[float, ...]:
-        """Clip, agree on skipping and stopping, step. Returns the global mean of each loss term (0 for an
+    def _finish_step(self, net: Wrapped, optimizer: torch.optim.Optimizer, terms: list[Tensor | None],
+                     moved: tuple[str, ...]) -> tuple[float, ...]:
+        """Clip, agree on skipping and stopping, step; a skipped step puts back the buffers of `moved` (the
+        networks whose forwards it owns). Returns the global mean of each loss term (0 for an
         absent one: the same on every rank) and the pre-clip gradient norm."""
         with self.phase(part="optimizer"):
             self.precision.unscale_(optimizer)
@@ -623,7 +628,7 @@ class Trainer:
         with self.phase(part="optimizer"):
             if skip:  # every rank alike: the parameters stay, and the buffers its forwards moved go back
                 self.skipped_steps += 1
-                self.buffers.restore()
+                self.buffers.restore(*moved)
             else:
                 self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
