@@ -60,6 +60,8 @@ RECIPE_PRECISIONS = {
 # The tensorflow engine (MirroredStrategy over every visible GPU), where TensorFlow is installed.
 TENSORFLOW_PRECISIONS = ["fp32", "bf16", "fp16"]
 RECIPE_STEPS = 30
+# Each took 18-30 s on an H100 (start-up included): a hang costs this much of a call, not its whole budget.
+RECIPE_TIMEOUT_S = 120
 DEVICE = "cuda"
 # The speed targets of a facades-shaped epoch (400 x 256^2, batch 1) on one H100/H200 (issue 21).
 FACADES_IMAGES = 400
@@ -211,7 +213,7 @@ def recipe_run(recipe: str, precision: str, out: Path) -> tuple[str, str]:
     log = out / f"recipe-{recipe}-{precision}.log"
     rc = run_logged([sys.executable, "-m", "ganscale", "train", recipe, "--run-dir", str(run_dir),
                      "--set", f"train.steps={RECIPE_STEPS}", "--set", f"train.device={DEVICE}",
-                     "--set", f"train.precision={precision}", *data], log, timeout=300)
+                     "--set", f"train.precision={precision}", *data], log, timeout=RECIPE_TIMEOUT_S)
     if rc != 0:
         return "fail", f"train exit {rc} ({log.name})"
     keep_summary(run_dir, out)
