@@ -295,6 +295,26 @@ def pix2pix_targets(out: Path) -> tuple[str, str]:
     return ("pass" if met else "fail"), measured + ("" if met else ": missed")
 
 
+# The fast path's options, as the pix2pix table's "fast" row on CUDA sets them (ganscale.bench.pix2pix).
+FAST_PATH = ["train.channels_last=true", "optim.fused=true", "train.compile=reduce-overhead", "train.precision=bf16"]
+
+
+def pix2pix_profile(label: str, overrides: list[str], out: Path) -> tuple[str, str]:
+    """20 steps of pix2pix on the facades-shaped set, profiled after 30 (log.profile_steps): where a step goes."""
+    run_dir = SCRATCH / "runs" / f"profile-{label}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log = out / f"profile-pix2pix-{label}.log"
+    sets = [f"data.path={facades(FACADES_IMAGES, out)}", f"train.device={DEVICE}", "train.steps=50", "log.every=50",
+            "log.sample_every=0", "checkpoint.every=0", "log.profile_after=30", "log.profile_steps=20", *overrides]
+    rc = run_logged([sys.executable, "-m", "ganscale", "train", "pix2pix", "--run-dir", str(run_dir),
+                     *(word for option in sets for word in ("--set", option))], log, timeout=300)
+    profile = run_dir / "profile" / "rank0.txt"
+    if rc != 0 or not profile.exists():
+        return "fail", f"train exit {rc} ({log.name})"
+    shutil.copy(profile, out / f"profile-pix2pix-{label}.txt")
+    return "pass", "; ".join(profile.read_text().splitlines()[:3]) + f" (profile-pix2pix-{label}.txt)"
+
+
 def pix2pix_row(row: str, out: Path) -> tuple[str, str]:
     status, detail, record = pix2pix_rows([row], out)
     if record is None:
@@ -329,6 +349,8 @@ def items() -> list[Item]:
                for recipe, precisions in RECIPE_PRECISIONS.items() for precision in precisions]
     listed += [
         Item(3, f"pix2pix targets: fast path vs eager fp32 baseline, {FACADES_IMAGES} pairs", pix2pix_targets, True),
+        Item(3, "pix2pix profile: fast path", lambda out: pix2pix_profile("fast", FAST_PATH, out), True),
+        Item(3, "pix2pix profile: eager fp32", lambda out: pix2pix_profile("eager", [], out), True),
         Item(3, "bench throughput dcgan, biggan (MFU against the bench's default peak, H100 SXM dense)",
              lambda out: throughput("throughput", [], out), True),
         Item(3, "bench throughput stylegan2 (its 256 px config's widths, 64 px, batch 32; MFU as above)",

@@ -25,8 +25,9 @@ def test_all_parts_without_a_gpu_list_every_item_as_not_run_and_the_machine(tmp_
     done = gpu_check(tmp_path, "--part", "all")
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
-    # 4 CUDA tests, 3 tensorflow engine runs, 15 recipe runs, the pix2pix targets, 2 throughput benches, 9 table rows
-    assert len(record["items"]) == 34
+    # 4 CUDA tests, 3 tensorflow engine runs, 15 recipe runs, the pix2pix targets, 2 pix2pix profiles,
+    # 2 throughput benches, 9 table rows
+    assert len(record["items"]) == 36
     assert {row["status"] for row in record["items"].values()} == {"not run"}
     summary = (tmp_path / "summary.md").read_text()
     assert "## Machine" in summary and f"torch: {torch.__version__}" in summary
@@ -191,3 +192,19 @@ def test_a_budget_or_jobs_not_above_zero_is_one_line_and_exit_2(tmp_path, option
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"error: {option} 0: give a number above 0"]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_profile_item_runs_the_table_s_fast_row_and_keeps_the_profile(tmp_path, monkeypatch):
+    """Exercised on the CPU with tiny networks: the profile of steps 31-50 lands in the result folder."""
+    from ganscale.bench.pix2pix import rows
+
+    gpu_check = import_gpu_check()
+    fast = next(row for row in rows(on_cuda=True) if row.name == "fast")
+    assert gpu_check.FAST_PATH == list(fast.overrides)
+    for name, value in {"DEVICE": "cpu", "FACADES_IMAGES": 4, "SCRATCH": tmp_path / "scratch"}.items():
+        monkeypatch.setattr(gpu_check, name, value)
+    tiny = ["model.g_width=2", "model.d_width=2", "data.resolution=32", "data.load_size=36", "data.workers=0"]
+    status, detail = gpu_check.pix2pix_profile("tiny", tiny, tmp_path)
+    assert status == "pass", detail
+    assert detail.startswith("steps 31-50 as logged (20),")
+    assert (tmp_path / "profile-pix2pix-tiny.txt").read_text().startswith("steps 31-50")

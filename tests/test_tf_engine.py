@@ -480,6 +480,7 @@ REFUSED = [
     ("checkpoint.format=sharded", "checkpoint.format"),
     ("optim.fused=true", "optim.fused"),
     ("eval.every=10", "eval.every"),
+    ("log.profile_steps=2", "log.profile_steps"),
 ]
 
 

@@ -401,6 +401,12 @@ class LogConfig(Section):
     step_times: bool = True
     """Log where each step's time goes (time_<part>_ms: data, D and G forward/backward, sync, optimizer,
     outputs); on CUDA this synchronises the device at each part's boundary, in one step out of 8."""
+    profile_steps: int = Field(0, ge=0, le=1000)
+    """Profile this many steps with torch.profiler (0: off): RUN_DIR/profile/rank<R>.txt gives each step's wall
+    time, on CUDA the GPU's busy share, its launches and host synchronisations, and the ops that take the time."""
+    profile_after: int = Field(10, ge=0, le=MAX_STEPS)
+    """Steps trained before profiling starts (compilation, CUDA graph recording and cuDNN autotuning happen in the
+    first ones)."""
 
 
 class EvalConfig(Section):

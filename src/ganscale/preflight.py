@@ -65,6 +65,9 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.data.kind in ("folder", "paired") and not Path(cfg.data.path).is_dir():
         raise ConfigError("data.path", f"'{cfg.data.path}' is not a directory", "point data.path at a folder of images")
     _check_data_source(cfg)
+    if cfg.log.profile_steps and cfg.log.profile_after >= t.steps:
+        raise ConfigError("log.profile_after", f"profiling starts after step {cfg.log.profile_after}, and the run "
+                          f"trains {t.steps}", f"set log.profile_after below {t.steps}")
     if cfg.loss.with_gradient_penalty and cfg.loss.gp_weight == 0:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")

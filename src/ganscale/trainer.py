@@ -33,6 +33,7 @@ from ganscale.finite import BufferSnapshot, refuse_non_finite
 from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault, rank0_writes
 from ganscale.models import build_networks, output_warning
 from ganscale.observe.fingerprints import fingerprints_for
+from ganscale.observe.profile import StepProfiler
 from ganscale.observe.reporter import Reporter
 from ganscale.observe.timing import StepTimes
 from ganscale.outputs import write_output
@@ -196,6 +197,7 @@ class Trainer:
         self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
         self.traffic = TrafficMeter()  # bytes communicated per step, measured on one step
         self.times = StepTimes(device, cfg.log.step_times)  # where each step's wall time goes
+        self.profiler = StepProfiler(cfg.log.profile_steps, cfg.log.profile_after, self.run_dir, runtime.rank, device)
         # Test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set.
         self.inject_fault = injected_fault(stopping=lambda: self.stop_signal is not None)
         self.watchdog = Watchdog(runtime.rank, runtime.world, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics",
@@ -309,10 +311,12 @@ class Trainer:
                 self.reporter.close(stopped="preempted")  # collective
                 raise Preempted(f"stopped at step {self.step} on request ({self.stop_signal or 'another rank'}); "
                                 f"checkpoint written; continue with --resume auto")
+        self.profiler.close(self.step)
         return self.reporter.close()  # collective
 
     def _begin_step(self, step: int, start_step: int) -> None:
         """Before each step: its watchdog mark and timers, its learning rates, and the test-only fault hook."""
+        self.profiler.step(step)  # log.profile_steps
         self.watchdog.mark(f"step {step}: start")
         self.times.begin_step()
         # Measure one iteration's communication: the third, as the first two also carry one-time work

@@ -1,0 +1,85 @@
+"""`log.profile_steps`: where a few steps' time goes, op by op, from torch.profiler.
+
+Every rank profiles the same steps (the window is a function of the step; nothing here changes what the
+ranks run together) and writes RUN_DIR/profile/rank<R>.txt: per step, the wall time, and on CUDA the
+kernels' time (the GPU's busy share), kernel and CUDA-graph launches and host synchronisations; then the
+ops with the most time of their own on the host and, on CUDA, on the device. A step bound by the host shows
+a low busy share and many launches or synchronisations; one bound by the GPU, its kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
+SYNCHRONISATIONS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
+ROWS = 30  # of each table
+
+
+class StepProfiler:
+    """Profiles steps [after, after + steps) (0-based, as the trainer counts before a step runs): `step(step)`
+    before each step, `close()` when training ends (a run that ends inside the window writes what it has)."""
+
+    def __init__(self, steps: int, after: int, run_dir: Path, rank: int, device: torch.device):
+        self.first, self.end, self.path = after, after + steps, Path(run_dir) / "profile" / f"rank{rank}.txt"
+        self.cuda = device.type == "cuda"
+        self.enabled = steps > 0
+        self._profile: profile | None = None
+        self._started_at, self._from_step = 0.0, 0
+
+    def step(self, step: int) -> None:
+        if not self.enabled:
+            return
+        if self._profile is None and self.first <= step < self.end:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._profile = profile(activities=activities)
+            self._profile.start()
+            self._started_at, self._from_step = time.perf_counter(), step
+        elif self._profile is not None and step >= self.end:
+            self._finish(step)
+
+    def close(self, step: int) -> None:
+        if self._profile is not None:
+            self._finish(step)
+
+    def _finish(self, step: int) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()  # the window's kernels belong to its wall time
+        wall = time.perf_counter() - self._started_at
+        self._profile.stop()
+        events, self._profile, self.enabled = self._profile.key_averages(), None, False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(report(events, self._from_step, step, wall, self.cuda))
+
+
+def report(events, first: int, end: int, wall: float, cuda: bool) -> str:
+    """The text of a profile of steps [first, end) that took `wall` seconds."""
+    n = max(end - first, 1)
+    lines = [f"steps {first + 1}-{end} as logged ({n}), {1e3 * wall / n:.2f} ms a step (wall, profiler on)"]
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / n
+        count = {e.key: e.count for e in events}
+        lines += [f"CUDA kernels {kernel_ms:.2f} ms a step: the GPU busy {100 * kernel_ms / (1e3 * wall / n):.0f}% "
+                  "of the wall time",
+                  f"launches a step: {sum(count.get(k, 0) for k in LAUNCHES) / n:.0f} "
+                  f"(of them CUDA graph replays: {count.get('cudaGraphLaunch', 0) / n:.0f}); host synchronisations "
+                  f"a step: {sum(count.get(k, 0) for k in SYNCHRONISATIONS) / n:.1f}, device-to-host copies "
+                  f"{sum(e.count for e in kernels if 'DtoH' in e.key) / n:.1f}"]
+    lines += ["", "Host: ops by their own time", table(events, "self_cpu_time_total", n)]
+    if cuda:
+        lines += ["", "Device: kernels by their time", table([e for e in events if e.device_type == DeviceType.CUDA],
+                                                              "self_device_time_total", n)]
+    return "\n".join(lines) + "\n"
+
+
+def table(events, field: str, steps: int) -> str:
+    ranked = sorted(events, key=lambda e: getattr(e, field), reverse=True)[:ROWS]
+    rows = [f"{'ms a step':>10} {'calls a step':>12}  name"]
+    rows += [f"{getattr(e, field) / 1e3 / steps:10.3f} {e.count / steps:12.1f}  {e.key[:110]}" for e in ranked]
+    return "\n".join(rows)

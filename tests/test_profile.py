@@ -1,0 +1,60 @@
+"""log.profile_steps: a few steps profiled with torch.profiler, on every rank, changing nothing they train."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+
+from dist_helpers import train_in_process
+from ganscale import config, preflight
+from ganscale.config import ConfigError
+from ganscale.observe.profile import report
+
+TINY = ["model.z_dim=8", "model.g_width=8", "model.d_width=8", "train.batch_size=8", "train.steps=4",
+        "log.every=1", "log.sample_every=0", "checkpoint.every=0", "log.tensorboard=false"]
+
+
+def test_the_profiled_steps_are_written_and_train_as_unprofiled_ones(tmp_path):
+    plain = train_in_process(config.load(None, TINY), tmp_path / "plain")
+    profiled = train_in_process(config.load(None, [*TINY, "log.profile_steps=2", "log.profile_after=1"]),
+                                tmp_path / "profiled")
+    text = (tmp_path / "profiled" / "profile" / "rank0.txt").read_text()
+    assert text.startswith("steps 2-3 as logged (2),")
+    assert "aten::convolution" in text or "aten::conv" in text
+    assert not (tmp_path / "plain" / "profile").exists()
+    for a, b in zip(plain.G.module.state_dict().values(), profiled.G.module.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_window_inside_a_run_that_ends_first_is_written_as_far_as_it_went(tmp_path):
+    train_in_process(config.load(None, [*TINY, "log.profile_steps=10", "log.profile_after=2"]), tmp_path)
+    assert (tmp_path / "profile" / "rank0.txt").read_text().startswith("steps 3-4 as logged (2),")
+
+
+def test_a_window_past_the_last_step_is_refused_by_name():
+    cfg = config.load(None, [*TINY, "log.profile_steps=2", "log.profile_after=4"])
+    with pytest.raises(ConfigError, match="log.profile_after.*below 4"):
+        preflight.check(cfg, 1, False)
+
+
+def event(key, count, device_us=0.0, cpu_us=0.0, device=DeviceType.CPU):
+    return SimpleNamespace(key=key, count=count, self_device_time_total=device_us, self_cpu_time_total=cpu_us,
+                           device_type=device)
+
+
+def test_the_cuda_summary_gives_busy_share_launches_and_synchronisations():
+    """Two steps of 10 ms wall: 4 ms of kernels a step, 30 launches (10 of them graph replays), 2 syncs."""
+    events = [event("cudaLaunchKernel", 40, cpu_us=400), event("cudaGraphLaunch", 20, cpu_us=200),
+              event("cudaStreamSynchronize", 4, cpu_us=9000),
+              event("void conv_kernel", 30, device_us=6000, device=DeviceType.CUDA),
+              event("Memcpy DtoH (Device -> Pinned)", 4, device_us=2000, device=DeviceType.CUDA)]
+    text = report(events, 10, 12, 0.020, cuda=True)
+    assert text.splitlines()[0] == "steps 11-12 as logged (2), 10.00 ms a step (wall, profiler on)"
+    assert "CUDA kernels 4.00 ms a step: the GPU busy 40% of the wall time" in text
+    assert "launches a step: 30 (of them CUDA graph replays: 10); host synchronisations a step: 2.0, " \
+           "device-to-host copies 2.0" in text
+    device_table = text.split("Device: kernels by their time")[1]
+    assert device_table.index("void conv_kernel") < device_table.index("Memcpy DtoH")
