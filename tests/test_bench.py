@@ -94,7 +94,8 @@ def test_throughput_runs_bf16_autocast(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
 def test_throughput_on_cuda_without_a_gpu_exits_2_naming_the_option(tmp_path):
     result = CliRunner().invoke(main, ["bench", "throughput", "--device", "cuda", "--out-dir", str(tmp_path)])
-    assert result.exit_code == 2 and "--device cuda" in result.output
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert "config error at '--device': cuda: no CUDA device is visible" in result.output
     assert not list(tmp_path.iterdir())
 
 
@@ -281,5 +282,6 @@ def test_strategies_on_cuda_without_a_gpu_exits_2_before_any_run(tmp_path, monke
     monkeypatch.setattr(strategies, "train_run", no_run)
     result = CliRunner().invoke(main, ["bench", "strategies", "--device", "cuda", "--steps", "5", "--strategy", "ddp",
                                        "--out-dir", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "--device cuda: no CUDA device is visible" in result.output
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        "ganscale: config error at '--device': cuda: no CUDA device is visible. Fix: use --device cpu"]
     assert not (tmp_path / "out").exists()

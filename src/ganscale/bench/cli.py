@@ -31,7 +31,9 @@ def refuse_invisible_cuda(device: str | None) -> None:
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+        from ganscale.config import ConfigError
+
+        refuse_at("--device", ConfigError("--device", "cuda: no CUDA device is visible", "use --device cpu"))
 
 
 def command_line(ctx: click.Context) -> str:
