@@ -331,3 +331,20 @@ def test_a_checkpoint_s_completion_marker_given_as_the_checkpoint_is_named_as_su
                                        "--checkpoint", str(marker)])
     assert result.exit_code == 2 and "a completion marker, not a checkpoint: pass the checkpoint beside it" in (
         result.output), result.output
+
+
+@pytest.mark.parametrize("command,out", [("sample", "s.png"), ("interpolate", "w.gif")])
+def test_a_grid_pillow_would_refuse_to_open_is_refused_naming_the_n_that_fits(dcgan_run, tmp_path, monkeypatch,
+                                                                              command, out):
+    """Past Image.MAX_IMAGE_PIXELS Pillow warns on opening the picture, past twice that it refuses it."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100_000)  # a 10 x 10 grid of 34 px cells is 116,964 pixels
+    refused = CliRunner().invoke(main, [command, str(dcgan_run), "--out", str(tmp_path / out), "--n", "100"])
+    assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1, refused.output
+    assert "config error at '--n'" in refused.output and "116,964 pixels" in refused.output
+    most = int(refused.output.split("(--n ")[1].split(")")[0])
+    assert not (tmp_path / out).exists()
+    drawn = CliRunner().invoke(main, [command, str(dcgan_run), "--out", str(tmp_path / out), "--n", str(most)])
+    assert drawn.exit_code == 0, drawn.output
+    grown = CliRunner().invoke(main, [command, str(dcgan_run), "--out", str(tmp_path / f"more-{out}"),
+                                      "--n", str(most + 1)])
+    assert grown.exit_code == 2 and "config error at '--n'" in grown.output

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch import Tensor, nn
 
 from ganscale.config import Config, ConfigError, LogConfig, ModelConfig, TrainConfig
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES
 from ganscale.models import meta_networks
-from ganscale.observe.samples import grid_bytes
+from ganscale.observe.samples import grid_bytes, grid_pixels
 from ganscale.parallel import FULLY_SHARDED
 from ganscale.preflight import reuses_fake
 from ganscale.runtime import uses_cuda
@@ -187,7 +188,8 @@ def _sample_grid_bytes(cfg: Config, generator: nn.Module) -> int:
     if isinstance(task, Paired):  # its grid translates a few fixed pairs, whatever log.samples
         return 0
     n = PROTOCOL_SAMPLES if cfg.data.kind in MIXTURE_MODES else cfg.log.samples
-    return _drawing_bytes(generator, task.preview, torch.empty(n, cfg.model.z_dim, device="meta"), task.grid_columns)
+    return _drawing_bytes(generator, task.preview, torch.empty(n, cfg.model.z_dim, device="meta"),
+                          task.grid_columns)[0]
 
 
 def training_estimate(cfg: Config, world: int, local_ranks: int = 1, on_cuda: bool = False) -> Estimate:
@@ -306,25 +308,27 @@ def check_before_launch(cfg: Config, nproc: int) -> None:
 
 
 def _drawing_bytes(generator: nn.Module, preview: Callable[[nn.Module, Tensor], Tensor], z: Tensor,
-                   columns: int | None) -> int:
+                   columns: int | None) -> tuple[int, torch.Size]:
     """Bytes of drawing a picture from latents `z` (meta): G's forward without gradients (a layer's input and
-    output at a time), the samples in fp32 and the grid picture (2D data: a fixed-size scatter plot)."""
+    output at a time), the samples in fp32 and the grid picture (2D data: a fixed-size scatter plot); and the
+    shape of the samples the picture shows."""
     with torch.device("meta"), torch.no_grad(), outputs_of(generator) as outputs:
         samples = preview(generator, z)
     in_flight = max((a + b for a, b in zip([_bytes(z), *outputs], outputs)), default=0)
-    return in_flight + samples.numel() * FP32 + (0 if samples.dim() == 2 else grid_bytes(samples.shape, columns))
+    grid = 0 if samples.dim() == 2 else grid_bytes(samples.shape, columns)
+    return in_flight + samples.numel() * FP32 + grid, samples.shape
 
 
 def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int,
                    columns: int | None) -> str | None:
-    """`ganscale sample --n`: ConfigError when the latents and drawing n samples exceed the host's available
-    memory. The line to print when G's forward could not be counted (then only the latents and samples are),
+    """`ganscale sample --n` (and interpolate's): ConfigError when the latents and drawing n samples exceed the
+    host's available memory, or their grid is a picture larger than Pillow opens. The line to print when G's forward could not be counted (then only the latents and samples are),
     else None."""
     z = torch.empty(n, cfg.model.z_dim, device="meta")
     try:
-        drawing, note = _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns), None
+        (drawing, shown), note = _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns), None
     except Exception as e:  # noqa: BLE001 - any error of a user's forward on meta (a shipped network's: raised)
-        drawing = n * math.prod(cfg.data.sample_shape) * FP32
+        drawing, shown = n * math.prod(cfg.data.sample_shape) * FP32, torch.Size((n, *cfg.data.sample_shape))
         note = f"drawing was not estimated: {_not_on_meta(cfg, e)}; the memory check counts latents and samples only"
     needed = _bytes(z) + drawing
     room = host_available()
@@ -332,4 +336,13 @@ def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], 
         fits = max(1, math.floor(n * room / needed))  # every part grows with n
         raise ConfigError("--n", f"{n} samples need about {gib(needed)}, more than the {gib(room)} this machine has "
                           "available", f"draw at most about {fits} (--n {fits})")
+    limit = Image.MAX_IMAGE_PIXELS  # what Pillow opens without refusing it as a decompression bomb
+    if len(shown) == 4 and limit and grid_pixels(shown, columns) > limit:
+        def opens(k: int) -> bool:
+            return grid_pixels(torch.Size((k, *shown[1:])), columns) <= limit
+
+        most = next(k for k in range(math.floor(n * limit / grid_pixels(shown, columns)), 0, -1) if opens(k))
+        raise ConfigError("--n", f"the grid of {n} samples is {grid_pixels(shown, columns):,} pixels, more than Pillow "
+                          f"opens ({limit:,}; it refuses more as a decompression bomb)",
+                          f"draw at most {most} (--n {most})")
     return note

@@ -35,11 +35,18 @@ def _layout(shape: torch.Size, cols: int | None, min_cell: int) -> tuple[int, in
     return cols, math.ceil(n / cols), max(1, math.ceil(min_cell / max(h, w)))
 
 
+def grid_pixels(shape: torch.Size, cols: int | None = None, min_cell: int = 32) -> int:
+    """Pixels of the picture `image_grid` makes of `shape` images."""
+    _, _, h, w = shape
+    cols, rows, zoom = _layout(shape, cols, min_cell)
+    return (rows * (h * zoom + 2) + 2) * (cols * (w * zoom + 2) + 2)
+
+
 def grid_bytes(shape: torch.Size, cols: int | None = None, min_cell: int = 32) -> int:
     """Bytes `image_grid` holds at once for `shape` images: the zoomed cells (twice, in the making), the grid."""
     n, _, h, w = shape
-    cols, rows, zoom = _layout(shape, cols, min_cell)
-    return 2 * n * 3 * h * zoom * w * zoom + 3 * (rows * (h * zoom + 2) + 2) * (cols * (w * zoom + 2) + 2)
+    zoom = _layout(shape, cols, min_cell)[2]
+    return 2 * n * 3 * h * zoom * w * zoom + 3 * grid_pixels(shape, cols, min_cell)
 
 
 def scatter(points: torch.Tensor, reference: torch.Tensor | None = None, size: int = 384) -> np.ndarray:
