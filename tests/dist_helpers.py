@@ -185,8 +185,8 @@ def record_steps(trainer) -> Callable[[], list[dict]]:
         steps.append({"net": optimizers[id(optimizer)], "grad": torch.cat(grads)})
         step(optimizer)
 
-    def recording_finish(net, optimizer, terms):
-        means = finish(net, optimizer, terms)
+    def recording_finish(net, optimizer, terms, moved):
+        means = finish(net, optimizer, terms, moved)
         steps[-1]["loss"] = means[0]  # the adversarial (plus reconstruction) loss, global mean
         return means
     trainer.precision.step, trainer._finish_step = recording_step, recording_finish
