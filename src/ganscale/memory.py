@@ -322,8 +322,8 @@ def _drawing_bytes(generator: nn.Module, preview: Callable[[nn.Module, Tensor], 
 def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int,
                    columns: int | None) -> str | None:
     """`ganscale sample --n` (and interpolate's): ConfigError when the latents and drawing n samples exceed the
-    host's available memory, or their grid is a picture larger than Pillow opens. The line to print when G's forward could not be counted (then only the latents and samples are),
-    else None."""
+    host's available memory, or their grid is a picture larger than Pillow opens. The line to print when G's
+    forward could not be counted (then only the latents and samples are), else None."""
     z = torch.empty(n, cfg.model.z_dim, device="meta")
     try:
         (drawing, shown), note = _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns), None
@@ -337,12 +337,10 @@ def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], 
         raise ConfigError("--n", f"{n} samples need about {gib(needed)}, more than the {gib(room)} this machine has "
                           "available", f"draw at most about {fits} (--n {fits})")
     limit = Image.MAX_IMAGE_PIXELS  # what Pillow opens without refusing it as a decompression bomb
-    if len(shown) == 4 and limit and grid_pixels(shown, columns) > limit:
-        def opens(k: int) -> bool:
-            return grid_pixels(torch.Size((k, *shown[1:])), columns) <= limit
-
-        most = next(k for k in range(math.floor(n * limit / grid_pixels(shown, columns)), 0, -1) if opens(k))
-        raise ConfigError("--n", f"the grid of {n} samples is {grid_pixels(shown, columns):,} pixels, more than Pillow "
-                          f"opens ({limit:,}; it refuses more as a decompression bomb)",
-                          f"draw at most {most} (--n {most})")
+    pixels = grid_pixels(shown, columns) if len(shown) == 4 else 0
+    if limit and pixels > limit:
+        most = next(k for k in range(math.floor(n * limit / pixels), 0, -1)  # the estimate, down to one that opens
+                    if grid_pixels(torch.Size((k, *shown[1:])), columns) <= limit)
+        raise ConfigError("--n", f"the grid of {n} samples is {pixels:,} pixels, more than Pillow opens ({limit:,}; "
+                          "it refuses more as a decompression bomb)", f"draw at most {most} (--n {most})")
     return note

@@ -61,8 +61,8 @@ def report(events, first: int, end: int, wall: float, cuda: bool) -> str:
     """The text of a profile of steps [first, end) that took `wall` seconds."""
     n = max(end - first, 1)
     lines = [f"steps {first + 1}-{end} as logged ({n}), {1e3 * wall / n:.2f} ms a step (wall, profiler on)"]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     if cuda:
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
         kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / n
         count = {e.key: e.count for e in events}
         lines += [f"CUDA kernels {kernel_ms:.2f} ms a step: the GPU busy {100 * kernel_ms / (1e3 * wall / n):.0f}% "
@@ -73,8 +73,7 @@ def report(events, first: int, end: int, wall: float, cuda: bool) -> str:
                   f"{sum(e.count for e in kernels if 'DtoH' in e.key) / n:.1f}"]
     lines += ["", "Host: ops by their own time", table(events, "self_cpu_time_total", n)]
     if cuda:
-        lines += ["", "Device: kernels by their time", table([e for e in events if e.device_type == DeviceType.CUDA],
-                                                              "self_device_time_total", n)]
+        lines += ["", "Device: kernels by their time", table(kernels, "self_device_time_total", n)]
     return "\n".join(lines) + "\n"
 
 
