@@ -48,7 +48,8 @@ def _trainer_layout(rank, world, overrides, run_dir):
     convs = [p for net in (trainer.G.module, trainer.D.module, trainer.G_ema) for p in net.parameters() if p.dim() == 4]
     return {"convs": len(convs), "nhwc": sum(p.is_contiguous(memory_format=torch.channels_last) for p in convs),
             "fused": (trainer.opt_g.defaults["fused"], trainer.opt_d.defaults["fused"]),
-            "compiled": trainer.G.forward is not trainer.G.net and trainer.D.forward is not trainer.D.net}
+            "compiled": trainer.G.forward is not trainer.G.net and trainer.D.forward is not trainer.D.net,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark}
 
 
 def test_fast_path_options_reach_the_networks_and_optimizers(tmp_path):
@@ -58,6 +59,15 @@ def test_fast_path_options_reach_the_networks_and_optimizers(tmp_path):
     assert plain["nhwc"] < plain["convs"] and fast["nhwc"] == fast["convs"]  # every 4-D weight in NHWC
     assert not any(plain["fused"]) and all(fast["fused"])
     assert not plain["compiled"] and fast["compiled"]
+
+
+def test_cudnn_times_convolution_algorithms_unless_told_not_to(tmp_path):
+    """train.cudnn_benchmark (default true) reaches the process's cuDNN setting (torch's own default: false; each
+    run is a new process)."""
+    default = run_ranks(_trainer_layout, 1, SMALL_DCGAN, str(tmp_path / "default"))[0]
+    heuristic = run_ranks(_trainer_layout, 1, {**SMALL_DCGAN, "train.cudnn_benchmark": "false"},
+                          str(tmp_path / "heuristic"))[0]
+    assert default["cudnn_benchmark"] and not heuristic["cudnn_benchmark"]
 
 
 def test_channels_last_and_fused_adam_train_like_the_default(tmp_path):

@@ -481,6 +481,7 @@ REFUSED = [
     ("optim.fused=true", "optim.fused"),
     ("eval.every=10", "eval.every"),
     ("log.profile_steps=2", "log.profile_steps"),
+    ("train.cudnn_benchmark=false", "train.cudnn_benchmark"),
 ]
 
 

@@ -286,6 +286,10 @@ class TrainConfig(Section):
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
     """torch.compile G and D (the mode): reduce-overhead and max-autotune also capture CUDA graphs on GPU (what a
     batch-1 step needs). Not with R1 or the gradient penalty (no double backward), FSDP2 strategies or pipeline."""
+    cudnn_benchmark: bool = True
+    """On a GPU, cuDNN times the algorithms of each convolution shape it meets and keeps the fastest (a GAN's
+    shapes are fixed, so the first steps pay once); false: its heuristic's choice, the same algorithms every run.
+    The torch engine's setting (TensorFlow autotunes its own)."""
     reuse_fake: bool | None = None
     """G's step judges the samples D's step generated (kept with their graph: one G forward per iteration,
     as PyTorch's DCGAN example and the pix2pix reference train) instead of fresh ones. Unset: on for

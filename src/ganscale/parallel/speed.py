@@ -11,6 +11,9 @@
   `Wrapped.power_iteration` pauses spectral norm after a step's first micro-step by putting its
   parametrizations in eval mode: Dynamo guards on that mode, so with accumulation a network with spectral
   norm gets a second graph (per form of its forward) for its later micro-steps, compiled once, not per step.
+- `choose_convolution_algorithms(benchmark)` lets cuDNN time each convolution shape's algorithms once and keep the
+  fastest (`train.cudnn_benchmark`, on by default, as in PyTorch's DCGAN example and StyleGAN2-ADA), instead of
+  taking its heuristic's pick; the eager and the compiled path both run cuDNN's convolutions.
 - Fused Adam is the optimizer's own option (`optim.fused`), set where the trainer builds its optimizers.
 
 What compilation cannot do is refused by preflight.check: double backward (R1, gradient penalty), FSDP2's
@@ -28,6 +31,12 @@ from ganscale.parallel import Wrapped
 def in_layout(module: nn.Module, channels_last: bool) -> nn.Module:
     """The network with its 4-D weights in channels-last (NHWC) layout when asked; others are unchanged."""
     return module.to(memory_format=torch.channels_last) if channels_last else module
+
+
+def choose_convolution_algorithms(benchmark: bool) -> None:
+    """cuDNN's algorithm choice for this process: timed per shape (`benchmark`) or its heuristic's (no effect off
+    CUDA). Inductor's compiled graphs call the same convolutions, so this holds for the fast path too."""
+    torch.backends.cudnn.benchmark = benchmark
 
 
 def compiled(wrapped: Wrapped, mode: str) -> Wrapped:
