@@ -11,7 +11,7 @@ from torch.autograd import DeviceType
 from dist_helpers import train_in_process
 from ganscale import config, preflight
 from ganscale.config import ConfigError
-from ganscale.observe.profile import report
+from ganscale.observe.profile import compile_line, report
 
 TINY = ["model.z_dim=8", "model.g_width=8", "model.d_width=8", "train.batch_size=8", "train.steps=4",
         "log.every=1", "log.sample_every=0", "checkpoint.every=0", "log.tensorboard=false"]
@@ -25,8 +25,31 @@ def test_the_profiled_steps_are_written_and_train_as_unprofiled_ones(tmp_path):
     assert text.startswith("steps 2-3 as logged (2),")
     assert "aten::convolution" in text or "aten::conv" in text
     assert not (tmp_path / "plain" / "profile").exists()
+    assert "torch.compile" not in text  # nothing compiled: no line on it
     for a, b in zip(plain.G.module.state_dict().values(), profiled.G.module.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_a_compiled_run_is_told_its_graphs_and_the_recompiles_inside_the_window(tmp_path):
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # the counts are the process's: this run's alone
+    train_in_process(config.load(None, [*TINY, "train.compile=default", "log.profile_steps=2", "log.profile_after=2"]),
+                     tmp_path)
+    line = next(line for line in (tmp_path / "profile" / "rank0.txt").read_text().splitlines()
+                if line.startswith("torch.compile"))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2  # G and D at least
+    assert line == (f"torch.compile in this run: {graphs} graphs, 0 graph breaks, 0 CUDA graphs skipped "
+                    "(TORCH_LOGS=perf_hints says why); in the profiled steps: 0 graphs compiled (recompiles: "
+                    "TORCH_LOGS=recompiles says why)")
+
+
+def test_graphs_compiled_inside_the_window_are_counted_as_recompiles():
+    line = compile_line({"graphs": 9, "graph breaks": 1, "CUDA graphs skipped": 2},
+                        {"graphs": 3, "graph breaks": 0, "CUDA graphs skipped": 0})
+    assert "9 graphs, 1 graph breaks, 2 CUDA graphs skipped" in line and "profiled steps: 3 graphs compiled" in line
+    assert compile_line({"graphs": 0, "graph breaks": 0, "CUDA graphs skipped": 0}, {"graphs": 0}) is None
 
 
 def test_a_window_inside_a_run_that_ends_first_is_written_as_far_as_it_went(tmp_path):

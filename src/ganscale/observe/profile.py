@@ -4,7 +4,9 @@ Every rank profiles the same steps (the window is a function of the step; nothin
 ranks run together) and writes RUN_DIR/profile/rank<R>.txt: per step, the wall time, and on CUDA the
 kernels' time (the GPU's busy share), kernel and CUDA-graph launches and host synchronisations; then the
 ops with the most time of their own on the host and, on CUDA, on the device. A step bound by the host shows
-a low busy share and many launches or synchronisations; one bound by the GPU, its kernels.
+a low busy share and many launches or synchronisations; one bound by the GPU, its kernels. A compiled run also
+gets torch.compile's counts: graphs, graph breaks and CUDA graphs inductor skipped, and the graphs compiled inside
+the window, each a recompile that a steady step should not have.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class StepProfiler:
         self.enabled = steps > 0
         self._profile: profile | None = None
         self._started_at, self._from_step = 0.0, 0
+        self._compiled_before: dict[str, int] = {}
 
     def step(self, step: int) -> None:
         if not self.enabled:
@@ -40,6 +43,7 @@ class StepProfiler:
             self._profile = profile(activities=activities)
             self._profile.start()
             self._started_at, self._from_step = time.perf_counter(), step
+            self._compiled_before = compile_counts()
         elif self._profile is not None and step >= self.end:
             self._finish(step)
 
@@ -54,11 +58,32 @@ class StepProfiler:
         self._profile.stop()
         events, self._profile, self.enabled = self._profile.key_averages(), None, False
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(report(events, self._from_step, step, wall, self.cuda))
+        compiled = compile_counts()
+        within = {key: compiled[key] - self._compiled_before.get(key, 0) for key in compiled}
+        self.path.write_text(report(events, self._from_step, step, wall, self.cuda, (compiled, within)))
 
 
-def report(events, first: int, end: int, wall: float, cuda: bool) -> str:
-    """The text of a profile of steps [first, end) that took `wall` seconds."""
+def compile_counts() -> dict[str, int]:
+    """torch.compile's counts in this process so far (torch._dynamo's counters: all zero when nothing compiled)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph breaks": sum(counters["graph_break"].values()),
+            "CUDA graphs skipped": counters["inductor"]["cudagraph_skips"]}
+
+
+def compile_line(compiled: dict[str, int], within: dict[str, int]) -> str | None:
+    """The report's line on torch.compile (None when nothing was compiled)."""
+    if not compiled["graphs"]:
+        return None
+    return (f"torch.compile in this run: {compiled['graphs']} graphs, {compiled['graph breaks']} graph breaks, "
+            f"{compiled['CUDA graphs skipped']} CUDA graphs skipped (TORCH_LOGS=perf_hints says why); in the profiled "
+            f"steps: {within['graphs']} graphs compiled (recompiles: TORCH_LOGS=recompiles says why)")
+
+
+def report(events, first: int, end: int, wall: float, cuda: bool,
+           compilation: tuple[dict[str, int], dict[str, int]] | None = None) -> str:
+    """The text of a profile of steps [first, end) that took `wall` seconds; `compilation`: torch.compile's
+    counts in the run and inside the window (compile_counts), where known."""
     n = max(end - first, 1)
     lines = [f"steps {first + 1}-{end} as logged ({n}), {1e3 * wall / n:.2f} ms a step (wall, profiler on)"]
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
@@ -71,6 +96,8 @@ def report(events, first: int, end: int, wall: float, cuda: bool) -> str:
                   f"(of them CUDA graph replays: {count.get('cudaGraphLaunch', 0) / n:.0f}); host synchronisations "
                   f"a step: {sum(count.get(k, 0) for k in SYNCHRONISATIONS) / n:.1f}, device-to-host copies "
                   f"{sum(e.count for e in kernels if 'DtoH' in e.key) / n:.1f}"]
+    said = compile_line(*compilation) if compilation else None
+    lines += [said] if said else []
     lines += ["", "Host: ops by their own time", table(events, "self_cpu_time_total", n)]
     if cuda:
         lines += ["", "Device: kernels by their time", table(kernels, "self_device_time_total", n)]
