@@ -351,6 +351,9 @@ def items() -> list[Item]:
         # The profiles first: where a step goes is what a fix of the missed targets needs (1.12x on an H100).
         Item(3, "pix2pix profile: fast path", lambda out: pix2pix_profile("fast", FAST_PATH, out), True),
         Item(3, "pix2pix profile: eager fp32", lambda out: pix2pix_profile("eager", [], out), True),
+        # Whether CUDA-graph trees pay for themselves on this torch and CUDA (they cost host time of their own).
+        Item(3, "pix2pix profile: fast path without CUDA graphs (train.compile=default)",
+             lambda out: pix2pix_profile("fast-no-graphs", [*FAST_PATH, "train.compile=default"], out), True),
         Item(3, f"pix2pix targets: fast path vs eager fp32 baseline, {FACADES_IMAGES} pairs", pix2pix_targets, True),
         Item(3, "bench throughput dcgan, biggan (MFU against the bench's default peak, H100 SXM dense)",
              lambda out: throughput("throughput", [], out), True),
