@@ -507,3 +507,23 @@ def test_a_skipped_g_step_puts_back_what_its_reused_forward_moved(tmp_path, monk
     trainer = train_in_process(build({**overrides, "train.steps": 2}), tmp_path / "skipped")
     assert trainer.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(_g_batchnorm_statistics(trainer), one_step))
+
+
+@pytest.mark.parametrize("l1_weight,stops", [(1e6, False), (1e9, True)])
+def test_fp16_backing_off_from_its_initial_scale_is_not_a_non_finite_streak(tmp_path, facades, l1_weight, stops):
+    """fp16 (CPU autocast; users are refused it there, the path is CUDA's): an L1 weight of 1e6 overflows the
+    scaled gradients until the scale has halved ~20 times from 2**16, every step with finite losses. Those skips
+    are the scaler's doing and do not end the run after fault.max_consecutive_skips (10), as they did. At 1e9 the
+    gradients overflow even unscaled: the streak counts once the scale is below 1, and the run stops, saying so."""
+    from ganscale.fault import NonFiniteTraining
+
+    overrides = {**tiny_pix2pix(facades), "train.precision": "fp16", "loss.l1_weight": l1_weight,
+                 "train.steps": 30, "log.every": 30}
+    cfg = config.load(None, [f"{k}={v}" for k, v in overrides.items()])
+    if stops:
+        with pytest.raises(NonFiniteTraining, match=r"10 consecutive steps .* at fp16 loss scale 0\.000"):
+            train_in_process(cfg, tmp_path)
+        return
+    trainer = train_in_process(cfg, tmp_path)
+    assert trainer.skipped_steps > cfg.fault.max_consecutive_skips and trainer.step == 30
+    assert trainer.precision.loss_scale < 2.0**16

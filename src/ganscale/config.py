@@ -452,7 +452,8 @@ class FaultConfig(Section):
     previous checkpoint stays intact either way); the default leaves a rank gone within 25 s, inside the
     30 s that torchrun, Slurm and Kubernetes grant."""
     max_consecutive_skips: int = Field(10, ge=1)
-    """Stop (exit 4) after this many consecutive steps in which D or G was skipped for non-finite values."""
+    """Stop (exit 4) after this many consecutive steps in which D or G was skipped for non-finite values (not
+    counting fp16's loss scale backing off: finite losses at a scale still >= 1)."""
 
 
 class Config(Section):

@@ -193,6 +193,7 @@ class Trainer:
         self._g_stepped = False  # whether this iteration's G main step was taken (not skipped): G_ema follows
 
         self.step, self.skipped_steps, self.consecutive_skips = 0, 0, 0
+        self.non_finite_steps = 0  # skipped steps that fp16's loss scale backing off does not explain
         self.stop_signal: str | None = None  # set by a signal on this rank
         self.stop_agreed = False             # set when any rank had a stop signal (agreed in _finish_step)
         self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
@@ -279,12 +280,12 @@ class Trainer:
         cfg, start_step = self.cfg, self.step
         self.reporter.begin()
         while self.step < cfg.train.steps:
-            step, skipped_before = self.step, self.skipped_steps
+            step, counted_before = self.step, self.non_finite_steps
             self._begin_step(step, start_step)
             for phase in phases.steps_at(self.phases, step):  # a function of the step: the same on every rank
                 self.stats.update(self.phase_steps[phase.computes][phase.network](phase, step))
             self.precision.update()  # once per iteration, after both networks stepped
-            self.consecutive_skips = self.consecutive_skips + 1 if self.skipped_steps > skipped_before else 0
+            self.consecutive_skips = self.consecutive_skips + 1 if self.non_finite_steps > counted_before else 0
             self.step = step + 1
             if self._g_stepped:  # a skipped G main step leaves G_ema as it was too
                 with self.phase(part="optimizer"):
@@ -301,7 +302,7 @@ class Trainer:
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
                 self.reporter.close(stopped="non-finite")  # collective
                 raise NonFiniteTraining(
-                    f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients "
+                    f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients{self._at_scale()} "
                     f"(last: {self.reporter.record or self.stats}); {self._non_finite_fix()}")
             last_step = final or self.stop_agreed  # the last step this process trains: it saves
             if self.reporter.due(self.step, final) or self.checkpointer.due(self.step, last_step):
@@ -334,6 +335,10 @@ class Trainer:
         if where is not None:
             self.watchdog.mark(f"step {self.step}: {where}")
         return Phase(self.times.part(part) if part else NOTHING, self.traffic.measure(traffic) if traffic else NOTHING)
+
+    def _at_scale(self) -> str:
+        """fp16: the loss scale the streak ended at (an overflow there is the gradients', not the scale's)."""
+        return f" at fp16 loss scale {self.precision.loss_scale:g}" if self.precision.scaler.is_enabled() else ""
 
     def _non_finite_fix(self) -> str:
         newest = checkpoint.latest(self.run_dir)  # for the message only
@@ -447,7 +452,7 @@ class Trainer:
         real_logits, fake_logits, *interp_logits = logits.chunk(len(parts))  # a packed D (model.pack) gives b/pack each
         adversarial = objectives.d_loss(loss_cfg.kind, real_logits, fake_logits)
         penalty = None
-        scale = self.precision.loss_scale if with_r1 or alpha is not None else 1.0  # fp16: a GPU sync, when needed
+        scale = self.precision.loss_scale  # known on the host (precision.py): reading it never waits for the GPU
         if with_r1:
             penalty = 0.5 * loss_cfg.r1_gamma * loss_cfg.r1_interval * objectives.r1_penalty(real_logits, real, scale)
         if alpha is not None:
@@ -633,7 +638,9 @@ class Trainer:
         with self.phase(part="optimizer"):
             if skip:  # every rank alike: the parameters stay, and the buffers its forwards moved go back
                 self.skipped_steps += 1
+                self.non_finite_steps += not self.precision.backing_off(all(math.isfinite(v) for v in sums))
                 self.buffers.restore(*moved)
+                self.precision.skipped()
             else:
                 self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
