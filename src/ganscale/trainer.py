@@ -617,15 +617,18 @@ class Trainer:
         # Summed over ranks, a non-finite loss or gradient norm on any rank is non-finite on every rank:
         # the skip decision needs no flag of its own, and is taken on Python floats (no more tensor ops).
         with self.phase("all-reduce of losses and skip/stop flags", part="sync"):
-            norm = norm_sum = grad_norm.item()  # of gradients already averaged: the same on every rank
-            if self.runtime.world == 1:  # its values already are the global ones (no packing, no gloo hand-off)
-                sums = [t.item() for t in terms if t is not None] + [float(self.stop_signal is not None)]
+            if self.runtime.world == 1:  # its values already are the global ones: one device-to-host copy, no gloo
+                present = [t.float() for t in terms if t is not None]
+                *sums, norm = torch.stack([*present, grad_norm.to(present[0].device, torch.float32)]).tolist()
+                norm_sum, sums = norm, [*sums, float(self.stop_signal is not None)]
             elif net.carrier is not None:  # DDP (a property of the strategy, the same on every rank):
+                norm = norm_sum = grad_norm.item()  # of gradients already averaged: the same on every rank
                 sums = net.carried()  # summed with the gradients in backward
                 if sums is None:
                     raise RuntimeError(f"step {self.step}: DDP's gradient all-reduce carried no agreement values "
                                        "(was carry_with_gradients called before the last micro-step's backward?)")
             else:
+                norm = grad_norm.item()
                 packed = torch.cat([self._agreement(terms), grad_norm.to(device=self.runtime.device).view(1)])
                 dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
                 *sums, norm_sum = packed.tolist()
