@@ -9,7 +9,8 @@ side by side on the GPU; then the benches run one at a time on a quiet machine, 
 fast path against its eager baseline on a facades-shaped epoch, the throughput and MFU rows, then the pix2pix
 table's other rows, one item each. --budget S stops starting items S seconds after the start and cuts off a
 running one there ("not run: cut off by --budget"), so that one device call of limited time returns a
-summary; --pending runs only the items that the folder's results.json has no pass or fail for.
+summary; --pending runs only the items that the folder's results.json has no pass or fail for, --only those whose
+name holds one of the given words.
 
 Only the standard library is imported here: this script runs before ganscale's dependencies are checked.
 """
@@ -412,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, help="seconds: start no item after them, cut a running one off there")
     parser.add_argument("--jobs", type=int, help="correctness items run side by side (default: CPUs / 2, at most 6)")
     parser.add_argument("--pending", action="store_true", help="only items with no pass or fail in --out's record")
+    parser.add_argument("--only", help="comma-separated parts of item names: only the items whose name holds one "
+                                       "(e.g. 'pix2pix profile,fp16')")
     args = parser.parse_args(argv)
     if args.requirements:
         print("\n".join(DEPENDENCIES.values()))
@@ -423,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and not value > 0:
             print(f"error: {option} {value:g}: give a number above 0", file=sys.stderr)
             return 2
+    wanted = [part.strip() for part in args.only.split(",") if part.strip()] if args.only is not None else []
+    if args.only is not None and not any(part in item.name for item in items() for part in wanted):
+        print(f"error: --only {args.only!r}: no item's name holds any of these (summary.md lists the names)",
+              file=sys.stderr)
+        return 2
     if args.budget is not None:
         deadline = time.monotonic() + args.budget
     jobs = args.jobs or max(1, min(6, (os.cpu_count() or 2) // 2))
@@ -440,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                else None if machine["cuda_available"] else "no CUDA GPU")
 
     chosen = [item for item in items() if args.part in ("all", str(item.part))
-              and not (args.pending and record["items"].get(item.name, {}).get("status") in ("pass", "fail"))]
+              and not (args.pending and record["items"].get(item.name, {}).get("status") in ("pass", "fail"))
+              and (not wanted or any(part in item.name for part in wanted))]
     lock = threading.Lock()
 
     def check(item: Item) -> None:

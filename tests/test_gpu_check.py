@@ -208,3 +208,17 @@ def test_the_profile_item_runs_the_table_s_fast_row_and_keeps_the_profile(tmp_pa
     assert status == "pass", detail
     assert detail.startswith("steps 31-50 as logged (20),")
     assert (tmp_path / "profile-pix2pix-tiny.txt").read_text().startswith("steps 31-50")
+
+
+def test_only_runs_the_items_whose_name_holds_a_given_word(tmp_path):
+    done = gpu_check(tmp_path, "--only", "pix2pix profile, fp16")
+    assert done.returncode == 0, done.stderr
+    names = set(json.loads((tmp_path / "results.json").read_text())["items"])
+    assert names and all("pix2pix profile" in name or "fp16" in name for name in names)
+    assert "recipe pix2pix fp16" in names and "pix2pix profile: eager fp32" in names
+
+
+def test_only_with_no_matching_item_is_refused_before_anything_is_written(tmp_path):
+    done = gpu_check(tmp_path / "out", "--only", "no such item")
+    assert done.returncode == 2 and "--only 'no such item'" in done.stderr
+    assert not (tmp_path / "out").exists()
