@@ -246,7 +246,14 @@ class Trainer:
     def _global_latents(self, step: int, phase: int, n: int | None = None) -> Tensor:
         """Latents for the whole global batch (or `n` samples): the same on every rank."""
         self._noise.manual_seed(self._seed_of(step, phase))  # one generator, reseeded
-        return torch.randn(n or self.global_batch, self.cfg.model.z_dim, generator=self._noise).to(self.runtime.device)
+        return self._on_device(torch.randn(n or self.global_batch, self.cfg.model.z_dim, generator=self._noise))
+
+    def _on_device(self, drawn: Tensor) -> Tensor:
+        """A tensor drawn on the CPU, on the run's device. On CUDA through pinned memory, without blocking: a copy
+        from pageable memory waits for every kernel queued before it (a host synchronisation each step)."""
+        if self.runtime.device.type != "cuda":
+            return drawn
+        return drawn.pin_memory().to(self.runtime.device, non_blocking=True)
 
     def sample_latents(self, n: int) -> Tensor:
         """Latents of the sample pictures and of the 2D mixtures' scores: the same at every step and on every rank."""
@@ -257,11 +264,11 @@ class Trainer:
         if not self.task.n_classes:  # unconditional G: no seed to derive, no generator to build
             return None
         self._noise.manual_seed(self._seed_of(step, phase, 2))
-        return self.task.labels(n or self.global_batch, self._noise).to(self.runtime.device)
+        return self._on_device(self.task.labels(n or self.global_batch, self._noise))
 
     def _global_uniform(self, step: int, phase: int) -> Tensor:
         gen = torch.Generator().manual_seed(self._seed_of(step, phase, 1))
-        return torch.rand(self.global_batch, generator=gen).to(self.runtime.device)
+        return self._on_device(torch.rand(self.global_batch, generator=gen))
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict:
