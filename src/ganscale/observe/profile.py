@@ -33,6 +33,8 @@ class StepProfiler:
         self.enabled = steps > 0
         self._profile: profile | None = None
         self._started_at, self._from_step = 0.0, 0
+        # torch.compile's counters are the process's: this run's are the differences from here on.
+        self._compiled_at_start = compile_counts() if self.enabled else {}
         self._compiled_before: dict[str, int] = {}
 
     def step(self, step: int) -> None:
@@ -58,13 +60,14 @@ class StepProfiler:
         self._profile.stop()
         events, self._profile, self.enabled = self._profile.key_averages(), None, False
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        compiled = compile_counts()
-        within = {key: compiled[key] - self._compiled_before.get(key, 0) for key in compiled}
-        self.path.write_text(report(events, self._from_step, step, wall, self.cuda, (compiled, within)))
+        now = compile_counts()
+        run, within = ({key: now[key] - since[key] for key in now} for since in (self._compiled_at_start,
+                                                                                  self._compiled_before))
+        self.path.write_text(report(events, self._from_step, step, wall, self.cuda, (run, within)))
 
 
 def compile_counts() -> dict[str, int]:
-    """torch.compile's counts in this process so far (torch._dynamo's counters: all zero when nothing compiled)."""
+    """torch.compile's counts in this process so far (torch._dynamo's counters)."""
     from torch._dynamo.utils import counters
 
     return {"graphs": counters["stats"]["unique_graphs"], "graph breaks": sum(counters["graph_break"].values()),
@@ -72,7 +75,8 @@ def compile_counts() -> dict[str, int]:
 
 
 def compile_line(compiled: dict[str, int], within: dict[str, int]) -> str | None:
-    """The report's line on torch.compile (None when nothing was compiled)."""
+    """The report's line on torch.compile: `compiled`, the run's counts, `within`, the profiled steps' (None when
+    the run compiled nothing)."""
     if not compiled["graphs"]:
         return None
     return (f"torch.compile in this run: {compiled['graphs']} graphs, {compiled['graph breaks']} graph breaks, "
