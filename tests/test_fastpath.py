@@ -49,7 +49,8 @@ def _trainer_layout(rank, world, overrides, run_dir):
     return {"convs": len(convs), "nhwc": sum(p.is_contiguous(memory_format=torch.channels_last) for p in convs),
             "fused": (trainer.opt_g.defaults["fused"], trainer.opt_d.defaults["fused"]),
             "compiled": trainer.G.forward is not trainer.G.net and trainer.D.forward is not trainer.D.net,
-            "cudnn_benchmark": torch.backends.cudnn.benchmark}
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "fp32": (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision)}
 
 
 def test_fast_path_options_reach_the_networks_and_optimizers(tmp_path):
@@ -61,13 +62,15 @@ def test_fast_path_options_reach_the_networks_and_optimizers(tmp_path):
     assert not plain["compiled"] and fast["compiled"]
 
 
-def test_cudnn_times_convolution_algorithms_unless_told_not_to(tmp_path):
-    """train.cudnn_benchmark (default true) reaches the process's cuDNN setting (torch's own default: false; each
-    run is a new process)."""
+def test_cudnn_times_convolution_algorithms_and_uses_tf32_unless_told_not_to(tmp_path):
+    """train.cudnn_benchmark (default true; torch's own default: false) and train.tf32 (default true: torch's TF32
+    convolutions) reach the process's settings (each run is a new process)."""
     default = run_ranks(_trainer_layout, 1, SMALL_DCGAN, str(tmp_path / "default"))[0]
-    heuristic = run_ranks(_trainer_layout, 1, {**SMALL_DCGAN, "train.cudnn_benchmark": "false"},
-                          str(tmp_path / "heuristic"))[0]
-    assert default["cudnn_benchmark"] and not heuristic["cudnn_benchmark"]
+    told = run_ranks(_trainer_layout, 1, {**SMALL_DCGAN, "train.cudnn_benchmark": "false", "train.tf32": "false"},
+                     str(tmp_path / "told"))[0]
+    assert default["cudnn_benchmark"] and not told["cudnn_benchmark"]
+    assert default["fp32"] == ("tf32", "none")  # torch's defaults: TF32 convolutions, matrix products as torch has them
+    assert told["fp32"] == ("ieee", "ieee")
 
 
 def test_channels_last_and_fused_adam_train_like_the_default(tmp_path):

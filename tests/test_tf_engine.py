@@ -98,6 +98,14 @@ def test_two_replicas_with_sync_bn_train_as_one(tf):
         assert max(_relative(a.numpy(), b.numpy()) for a, b in moments) <= OUTPUT_TOLERANCE, name
 
 
+def test_tf32_is_on_unless_told_not_to(tf):
+    """train.tf32 reaches TensorFlow (whose default is on, as torch's is for convolutions)."""
+    _train(tf, 1, 0, "train.tf32=false")
+    assert not tf.config.experimental.tensor_float_32_execution_enabled()
+    _train(tf, 1, 0)
+    assert tf.config.experimental.tensor_float_32_execution_enabled()
+
+
 def test_per_replica_batchnorm_trains_differently(tf):
     """With parallel.sync_bn=false each replica normalises its 8 samples, not the 16: the runs part (this test
     shows the equality above is not trivial)."""

@@ -26,6 +26,15 @@ def verify(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Complet
                           capture_output=True, text=True, timeout=400)
 
 
+def test_both_runs_compute_fp32_without_tf32():
+    """On a GPU, TF32 convolutions round by the batch's shape, which differs between 1 and N processes: verify
+    turns TF32 off for both runs, whatever the user set."""
+    from ganscale.verify import plan
+
+    cfg, sets = plan("digits", ("train.tf32=true",), 2, 4)
+    assert not cfg.train.tf32 and sets[-1] == "train.tf32=false"
+
+
 @pytest.mark.slow
 def test_the_digits_recipe_on_two_processes_is_equal(tmp_path):
     result = verify("digits", "--run-dir", "kept", cwd=tmp_path)

@@ -290,6 +290,10 @@ class TrainConfig(Section):
     """On a GPU, cuDNN times the algorithms of each convolution shape it meets and keeps the fastest (a GAN's
     shapes are fixed, so the first steps pay once); false: its heuristic's choice, the same algorithms every run.
     The torch engine's setting (TensorFlow autotunes its own)."""
+    tf32: bool = True
+    """On an Ampere or newer GPU, fp32 convolutions take TF32 inputs (10-bit mantissa, fp32 sums): the default of
+    torch and TensorFlow alike; matrix products stay as the framework has them. false: both in full fp32, slower,
+    and what `ganscale verify` compares fp32 runs in (TF32's rounding differs with the batch's shape)."""
     reuse_fake: bool | None = None
     """G's step judges the samples D's step generated (kept with their graph: one G forward per iteration,
     as PyTorch's DCGAN example and the pix2pix reference train) instead of fresh ones. Unset: on for

@@ -39,7 +39,7 @@ from ganscale.observe.timing import StepTimes
 from ganscale.outputs import write_output
 from ganscale.parallel import Layout, held_bytes, parallelize
 from ganscale.parallel.pipeline import pipeline_networks
-from ganscale.parallel.speed import choose_convolution_algorithms, compiled, in_layout
+from ganscale.parallel.speed import choose_convolution_algorithms, compiled, fp32_in_tf32, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuses_fake
@@ -159,6 +159,7 @@ class Trainer:
 
         usercode.search(cfg.code_path)  # the user's modules (networks, data, loss) import alike in every process
         choose_convolution_algorithms(cfg.train.cudnn_benchmark)
+        fp32_in_tf32(cfg.train.tf32)
         # Same seed on every rank: identical init; in the memory layout the fast path asks for.
         generator, discriminator = (in_layout(net, cfg.train.channels_last) for net in build_networks(cfg))
         warning = per_rank_batchnorm(cfg, world, generator, discriminator)

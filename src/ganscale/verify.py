@@ -291,7 +291,8 @@ def plan(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int)
         raise ConfigError("--steps", f"{steps}: a network's randomness shows from the second step on",
                           "pass --steps 2 or more (default 4)")
     forced = [f"train.steps={steps}", "checkpoint.every=0", "log.sample_every=0", f"log.every={steps}",
-              "log.tensorboard=false", "eval.every=0", "log.fingerprints=true"]
+              "log.tensorboard=false", "eval.every=0", "log.fingerprints=true",
+              "train.tf32=false"]  # on a GPU, TF32 convolutions round by the batch's shape, which N processes change
     sets = [*overrides, *forced]  # after the user's: these are what verify needs
     cfg = config_mod.load(recipe, sets)
     if cfg.train.engine != "torch":  # verify reads the torch engine's fingerprints of every step
@@ -373,8 +374,8 @@ def run(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, 
 
 CRITERION = ("every optimizer step's losses within {t.loss:.0e} and gradients (before the optimizer) within "
              "{t.gradient:.0e}, buffers after every step and what G, G_ema and D compute on fixed inputs after the "
-             "last within {t.state:.0e}, each relative to the largest value compared ({precision}); parameters are "
-             "not compared one by one")
+             "last within {t.state:.0e}, each relative to the largest value compared ({precision}, no TF32); parameters "
+             "are not compared one by one")
 
 
 def report(differences: list[Difference], evidence: Evidence, cfg: Config, nproc: int,

@@ -14,6 +14,7 @@
 - `choose_convolution_algorithms(benchmark)` lets cuDNN time each convolution shape's algorithms once and keep the
   fastest (`train.cudnn_benchmark`, on by default, as in PyTorch's DCGAN example and StyleGAN2-ADA), instead of
   taking its heuristic's pick; the eager and the compiled path both run cuDNN's convolutions.
+- `fp32_in_tf32(enabled)`: fp32 convolutions in TF32 (`train.tf32`, torch's default), or everything in full fp32.
 - Fused Adam is the optimizer's own option (`optim.fused`), set where the trainer builds its optimizers.
 
 What compilation cannot do is refused by preflight.check: double backward (R1, gradient penalty), FSDP2's
@@ -55,3 +56,12 @@ def records_cuda_graphs(mode: str) -> bool:
     from torch._inductor import list_mode_options
 
     return mode != "off" and bool(list_mode_options(mode).get("triton.cudagraphs"))
+
+
+def fp32_in_tf32(enabled: bool) -> None:
+    """Convolutions in TF32 on GPUs that have it (torch's default), or, off, convolutions and matrix products in
+    full fp32 (no effect off CUDA). torch's per-backend precision settings: its older allow_tf32 flags, mixed
+    with them, raise."""
+    torch.backends.cudnn.conv.fp32_precision = "tf32" if enabled else "ieee"
+    if not enabled:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"

@@ -49,6 +49,7 @@ class Training:
                   f"{cfg.micro_batch(self.replicas)} samples; parallel.sync_bn is off), so this "
                   f"{self.replicas}-replica run trains differently from one replica. Fix: --set parallel.sync_bn=true",
                   file=sys.stderr, flush=True)
+        tf.config.experimental.enable_tensor_float_32_execution(cfg.train.tf32)
         keras.utils.set_random_seed(cfg.train.seed)  # the initial weights: the same on any number of replicas
         with strategy.scope():
             self.G, self.D = build_generator(cfg, sync_bn), build_discriminator(cfg)
