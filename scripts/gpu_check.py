@@ -89,7 +89,7 @@ def run_logged(cmd: list[str], log: Path, timeout: float, **env: str) -> int:
     """Run cmd from the checkout, its output in log; the exit status (124 past timeout or the budget)."""
     timeout = min(timeout, deadline - time.monotonic())
     with open(log, "ab") as out:
-        out.write(("$ " + " ".join(cmd) + "\n").encode())
+        out.write(("$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]) + "\n").encode())
         out.flush()
         if timeout <= 0:
             out.write(b"not started: the --budget is spent\n")
@@ -308,7 +308,8 @@ def pix2pix_profile(label: str, overrides: list[str], out: Path) -> tuple[str, s
     sets = [f"data.path={facades(FACADES_IMAGES, out)}", f"train.device={DEVICE}", "train.steps=50", "log.every=50",
             "log.sample_every=0", "checkpoint.every=0", "log.profile_after=30", "log.profile_steps=20", *overrides]
     rc = run_logged([sys.executable, "-m", "ganscale", "train", "pix2pix", "--run-dir", str(run_dir),
-                     *(word for option in sets for word in ("--set", option))], log, timeout=300)
+                     *(word for option in sets for word in ("--set", option))], log, timeout=300,
+                    TORCH_LOGS="perf_hints,recompiles")  # the log says why a CUDA graph was skipped or a graph recompiled
     profile = run_dir / "profile" / "rank0.txt"
     if rc != 0 or not profile.exists():
         return "fail", f"train exit {rc} ({log.name})"
