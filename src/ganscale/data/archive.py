@@ -21,6 +21,10 @@ from torch.utils.data import Dataset
 from ganscale.config import ConfigError
 from ganscale.data.folder import UNDECODABLE, UnreadableImage, in_mode
 
+# A member that is not a readable image: PIL's errors, a broken zip, an encrypted member (RuntimeError) or one
+# compressed by a method zipfile lacks (NotImplementedError: Deflate64, for one).
+UNREADABLE_MEMBER = (*UNDECODABLE, zipfile.BadZipFile, RuntimeError, NotImplementedError)
+
 LABELS_FILE = "dataset.json"
 ZIP_SUFFIXES = (".png", ".jpg", ".jpeg")
 MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}  # data.channels -> PIL mode (the config allows 1..4)
@@ -60,7 +64,7 @@ def image_side(archive: zipfile.ZipFile, path: Path, names: list[str]) -> int:
         try:
             with archive.open(name) as member, Image.open(member) as image:
                 sizes.setdefault(image.size, name)
-        except UNDECODABLE as e:
+        except UNREADABLE_MEMBER as e:
             raise _problem(path, f"member {name} is not a readable image ({e})", "remove or replace it") from None
         if len(sizes) > 1:
             (first, first_name), (other, other_name) = sizes.items()
@@ -79,7 +83,7 @@ def read_labels(archive: zipfile.ZipFile, path: Path, names: list[str]) -> list[
     fix = f'write {LABELS_FILE} as {{"labels": [["00000/img00000000.png", 3], ...]}} naming every image once'
     try:
         labels = json.loads(archive.read(LABELS_FILE))["labels"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, zipfile.BadZipFile, RuntimeError, NotImplementedError) as e:
         raise _problem(path, f"{LABELS_FILE} is not a JSON object with a 'labels' list ({e})", fix) from None
     if labels is None:
         return None
@@ -144,7 +148,7 @@ class ImageZip(Dataset):
         try:
             with Image.open(io.BytesIO(self._zip().read(name))) as image:
                 array = np.asarray(in_mode(image, MODES[self.channels]), dtype=np.float32)
-        except (*UNDECODABLE, zipfile.BadZipFile) as e:
+        except UNREADABLE_MEMBER as e:
             raise UnreadableImage(f"cannot read image {name} of {self.path}: {e}") from None
         pixels = torch.from_numpy(array).reshape(*array.shape[:2], -1).permute(2, 0, 1) / 127.5 - 1.0
         return (pixels,) if self.labels is None else (pixels, self.labels[index])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +14,10 @@ from torch.utils.data import Dataset
 from ganscale.config import ConfigError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
-# What PIL raises for a file it will not decode: a broken file, or one whose header claims more pixels than PIL's
-# decompression-bomb limit (a 20000x20000 PNG), which is not an OSError.
-UNDECODABLE = (OSError, Image.DecompressionBombError)
+# What PIL raises for a file it will not decode: OSError for most broken files, but its plugins also raise
+# SyntaxError (a PNG chunk of a broken length), ValueError, EOFError, struct.error and zlib.error, and a header
+# that claims more pixels than PIL's decompression-bomb limit (a 20000x20000 PNG) is none of those.
+UNDECODABLE = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, Image.DecompressionBombError)
 
 
 def in_mode(image: Image.Image, mode: str) -> Image.Image:
