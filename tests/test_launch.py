@@ -93,6 +93,52 @@ def test_train_nproc_listens_on_the_loopback_only(tmp_path):
     assert launcher.returncode == 3, stderr[-3000:]
 
 
+def test_bench_scaling_s_ranks_and_their_store_listen_on_the_loopback_only():
+    """`ganscale bench scaling` spawns its ranks itself: their store is the bench's, on 127.0.0.1, and gloo's
+    sockets are on the loopback too (rank 0 would otherwise open the store on every interface)."""
+    import threading
+
+    from ganscale.bench import scaling
+
+    seen: dict[int, set] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            for pid in [os.getpid(), *children(os.getpid())]:
+                try:
+                    seen.setdefault(pid, set()).update(listening_addresses(pid))
+                except OSError:  # ended meanwhile
+                    pass
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        times = scaling.step_times("ring8", ["model.g_width=16", "model.d_width=16", "train.batch_size=16",
+                                             "train.steps=60", "log.every=1000", "log.sample_every=0",
+                                             "checkpoint.every=0", "log.tensorboard=false"], 2, 1)
+    finally:
+        done.set()
+        watcher.join()
+    assert len(times) == 2 and all(times), times
+    ranks = [pid for pid in seen if pid != os.getpid() and seen[pid]]
+    assert seen[os.getpid()] and ranks, seen  # the bench's store, and the ranks' gloo sockets
+    assert all(address.is_loopback for addresses in seen.values() for address in addresses), seen
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 @pytest.mark.skipif("launcher-grace" in versions.lacking(torch.__version__),
                     reason="this torch's agent has a fixed grace (test_a_torch_with_a_fixed_agent_grace_...)")
 def test_the_local_launcher_waits_for_its_workers_longest_exit_before_sigkill(monkeypatch):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -22,21 +21,19 @@ import torch
 import torch.multiprocessing as mp
 
 from ganscale.bench.report import median, quantile
+from ganscale.loopback import ADDRESS, loopback_store
 
 SETUP_STEPS = 3  # one-time work, the memory report after step 1, step 3's traffic measurement
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, out_dir: str, recipe: str, overrides: list[str], threads: int,
           independent: bool = False) -> None:
     if not independent:  # independent: every process trains alone (a group of one), at the same time as the others
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        # Every rank a client of the parent's store on the loopback (rank 0 would open one on every interface).
+        os.environ.update(MASTER_ADDR=ADDRESS, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
+        if sys.platform.startswith("linux"):  # gloo listens on the address this host's name resolves to, else
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
     from ganscale import config, preflight
     from ganscale.runtime import start
@@ -72,8 +69,9 @@ def _rank(rank: int, world: int, port: int, out_dir: str, recipe: str, overrides
 def step_times(recipe: str, overrides: list[str], world: int, threads: int,
                independent: bool = False) -> list[list[tuple[float, float]]]:
     """Per rank (or per independent process), per step (after setup): (wall seconds, CPU seconds)."""
+    store = loopback_store()  # kept until the ranks are done
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(world, _free_port(), out_dir, recipe, overrides, threads, independent),
+        mp.start_processes(_rank, args=(world, store.port, out_dir, recipe, overrides, threads, independent),
                            nprocs=world, join=True, start_method="spawn")
         return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
