@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from dist_helpers import (assert_same_functions, max_relative_difference, record_steps, resume_point, run_ranks,
                           train_and_collect)
@@ -397,6 +399,11 @@ def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not
     ("loss.kind={pkg}.losses:Absent", "loss.kind", "has no attribute"),
     ("parallel.generator=pipeline", "parallel.generator", "another strategy (ddp, zero1, zero2, fsdp, hsdp)"),
     ("model.kind=dcgan", "model.generator", "model.kind=custom only"),
+    # a config names only the user's own code: never the standard library's or an installed package's functions
+    ("model.generator=subprocess:run", "model.generator", "is a module of Python's standard library"),
+    ("data.dataset=json:loads", "data.dataset", "is a module of Python's standard library"),
+    ("model.discriminator=torch.nn.init:zeros_", "model.discriminator", "an installed package"),
+    ("loss.kind=torch.nn:BCELoss", "loss.kind", "an installed package"),
 ])
 def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, override, key, said):
     package = f"bad_user_gan_{abs(hash(override)) % 10**8}"
@@ -411,3 +418,42 @@ def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, overr
     message = result.stderr.strip().splitlines()
     assert len(message) == 1 and f"'{key}'" in message[0] and said in message[0], explain(result)
     assert not (tmp_path / "run").exists()
+
+
+def test_an_installed_nn_module_class_may_be_a_network_and_nothing_else_of_a_library():
+    from ganscale import usercode
+    from ganscale.config import ConfigError
+
+    assert usercode.find("torch.nn:Linear", "model.generator", network=True) is torch.nn.Linear
+    with pytest.raises(ConfigError, match="installed package"):
+        usercode.find("torch.nn:Linear", "data.dataset")
+    with pytest.raises(ConfigError, match="standard library"):  # refused before the module imports
+        usercode.find("antigravity:geohash", "model.generator", network=True)
+    assert "antigravity" not in sys.modules
+
+
+def test_a_run_directory_s_config_cannot_make_sample_call_a_library_function(tmp_path):
+    """A run directory may come from elsewhere: its config.yaml naming subprocess:run is refused, not called."""
+    run = tmp_path / "run"
+    trained = ganscale("train", "ring8", "--set", "train.steps=1", "--set", "model.g_width=8", "--set",
+                       "model.d_width=8", "--run-dir", str(run), cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    marker = tmp_path / "called"
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"].update(kind="custom", generator="subprocess:run", generator_args={"args": ["touch", str(marker)]})
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    result = ganscale("sample", str(run), "--out", str(tmp_path / "grid.png"), cwd=tmp_path)
+    assert result.returncode == 2 and "standard library" in result.stderr, explain(result)
+    assert not marker.exists()
+
+
+def test_a_shipped_recipe_imports_no_file_of_the_current_directory(tmp_path):
+    """Only a config that names the user's code searches their folders: a built-in recipe run from a folder that
+    holds, say, an sklearn.py imports the installed packages, in the launcher and its workers (`python -m`)."""
+    marker = tmp_path / "imported"
+    for name in ("sklearn", "scipy", "mlxtend", "safetensors", "tensorboard", "tqdm", "pandas"):
+        (tmp_path / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    result = ganscale("train", "digits", "--set", "train.steps=1", "--set", "model.g_width=8", "--set",
+                      "model.d_width=8", "--nproc", "2", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert not marker.exists(), marker.read_text()

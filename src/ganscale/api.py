@@ -296,7 +296,7 @@ def import_path(obj: Any, argument: str) -> tuple[str, str | None]:
         raise ConfigError(key, f"{qualname} is defined in {module_name} (a script or a notebook), which workers and "
                           "resumes cannot import by name", fix)
     spec = f"{module_name}:{qualname}"
-    if usercode.find(spec, key) is not obj:
+    if usercode.find(spec, key, network=argument in ("generator", "discriminator")) is not obj:
         raise ConfigError(key, f"{spec} names another object than the one given (redefined, or decorated "
                           "without functools.wraps)", fix)
     return spec, _import_folder(module_name, getattr(module, "__file__", None))

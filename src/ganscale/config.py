@@ -490,6 +490,11 @@ class Config(Section):
                                       "not '.' or '..', without / \\ * ? [ ] or control characters")
         return name
 
+    @property
+    def names_user_code(self) -> bool:
+        """Whether the config names the user's own code (networks, data set or loss, "module:attribute")."""
+        return self.model.kind == "custom" or self.data.kind == "custom" or self.loss.kind not in SHIPPED_LOSSES
+
     def data_ranks(self, world_size: int) -> int:
         """Ranks that each take their own share of the global batch: all of them, or one per pipeline replica."""
         return world_size // self.parallel.pipeline_stages if self.parallel.pipelined else world_size

@@ -491,9 +491,9 @@ def _check_user_code_named(cfg: Config) -> None:
 def _check_user_code(cfg: Config) -> None:
     """The user's data set, loss and networks, run once on the CPU (the data set: its first item; the networks:
     a batch of 2), without touching the global RNG."""
-    user_loss = cfg.loss.kind not in SHIPPED_LOSSES
-    if not (cfg.model.kind == "custom" or cfg.data.kind == "custom" or user_loss):
+    if not cfg.names_user_code:
         return
+    user_loss = cfg.loss.kind not in SHIPPED_LOSSES
     usercode.search(cfg.code_path)
     with torch.random.fork_rng(devices=[]):
         if cfg.data.kind == "custom":

@@ -157,7 +157,8 @@ class Trainer:
         self._noise = torch.Generator()  # latents and labels: reseeded per (step, phase), on the CPU
         self._seed_of = StepSeeds(cfg.train.seed)  # derive_seed(seed, step, ...), a block of steps at a time
 
-        usercode.search(cfg.code_path)  # the user's modules (networks, data, loss) import alike in every process
+        if cfg.names_user_code:  # the user's modules (networks, data, loss) import alike in every process
+            usercode.search(cfg.code_path)
         choose_convolution_algorithms(cfg.train.cudnn_benchmark)
         fp32_in_tf32(cfg.train.tf32)
         # Same seed on every rank: identical init; in the memory layout the fast path asks for.

@@ -1,18 +1,30 @@
 """The user's own code, named "module:attribute" in the config, found the same way in every process.
 
 Modules are searched in the config's `code_path` (the YAML file's folder among them), then the current
-directory, then PYTHONPATH. A name that does not import, or a factory that refuses its arguments, is a
-ConfigError naming the key.
+directory, then PYTHONPATH; only for a config that names such code (`Config.names_user_code`), so a shipped
+recipe never imports a file that happens to lie in the current directory. A name that does not import, or a
+factory that refuses its arguments, is a ConfigError naming the key.
+
+A config is data that can come from elsewhere (a run directory read by sample, eval or export), so what it names
+must be the user's own code: never a function or class of Python's standard library or of an installed package
+(`subprocess:run` would run a command), except an installed nn.Module class as a network.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
+import site
 import sys
+import sysconfig
 from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from ganscale.config import ConfigError
 
@@ -24,12 +36,16 @@ def search(code_path: Sequence[str]) -> None:
             sys.path.insert(0, folder)
 
 
-def find(spec: str, key: str, code_path: Sequence[str] = ()) -> Any:
-    """The object `spec` ("module:attribute", the attribute possibly dotted) names."""
+def find(spec: str, key: str, code_path: Sequence[str] = (), network: bool = False) -> Any:
+    """The object `spec` ("module:attribute", the attribute possibly dotted) names: defined in the user's own code,
+    or, for a `network`, an nn.Module class of an installed package."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ConfigError(key, f"'{spec}' is not of the form module:attribute", "e.g. my_gan.nets:Generator")
     search(code_path)
+    top = importlib.util.find_spec(module_name.partition(".")[0])  # imports nothing
+    if top is not None and _where(top.origin) == STDLIB:  # refused before it imports (antigravity opens a browser)
+        raise _not_users_own(spec, key, f"a module of {STDLIB}")
     try:
         found = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - the module's own error while importing is the user's to see
@@ -41,21 +57,65 @@ def find(spec: str, key: str, code_path: Sequence[str] = ()) -> Any:
             raise ConfigError(key, f"'{module_name}' has no attribute '{attribute}'",
                               f"name a class or function defined in {module_name}")
         found = getattr(found, part)
+    if network and inspect.isclass(found) and issubclass(found, nn.Module):
+        return found
+    defined = found if inspect.isclass(found) or inspect.isroutine(found) else sys.modules[module_name]
+    try:
+        file = inspect.getfile(defined)
+    except TypeError:  # built into the interpreter
+        file = None
+    where = _where(file)
+    if where != USERS:
+        raise _not_users_own(spec, key, f"defined in {where}")
     return found
 
 
-def factory(spec: str, key: str, code_path: Sequence[str] = ()) -> Any:
+def _not_users_own(spec: str, key: str, where: str) -> ConfigError:
+    network = " (or, as a network, an nn.Module class of an installed package)" if key.startswith("model.") else ""
+    return ConfigError(key, f"'{spec}' is {where}: a config names only your own code{network}, since a config "
+                       "(a run directory's too) could otherwise make ganscale call any function",
+                       "define it in a module of your own (beside the YAML file or in a code_path folder); "
+                       "a wrapper of a few lines will do")
+
+
+STDLIB, INSTALLED, USERS = "Python's standard library", "an installed package", "the user's code"
+
+
+def _where(file: str | None) -> str:
+    """Whose code a file (a module's origin; None, 'built-in' or 'frozen': the interpreter's) is: STDLIB, INSTALLED
+    (site-packages, ganscale itself) or USERS."""
+    if file is None or not os.path.isabs(file):
+        return STDLIB
+    path = Path(file).resolve()
+    installed, stdlib = _library_folders()
+    if any(path.is_relative_to(folder) for folder in installed):  # first: site-packages may lie inside stdlib's
+        return INSTALLED
+    return STDLIB if any(path.is_relative_to(folder) for folder in stdlib) else USERS
+
+
+@cache
+def _library_folders() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """(installed packages' folders, the standard library's)."""
+    paths = sysconfig.get_paths()
+    installed = {paths["purelib"], paths["platlib"], *site.getsitepackages(), site.getusersitepackages(),
+                 str(Path(__file__).parent)}
+    installed |= {entry for entry in sys.path if Path(entry).name in ("site-packages", "dist-packages")}
+    stdlib = {paths["stdlib"], paths["platstdlib"]}
+    return tuple(Path(f).resolve() for f in installed), tuple(Path(f).resolve() for f in stdlib)
+
+
+def factory(spec: str, key: str, code_path: Sequence[str] = (), network: bool = False) -> Any:
     """The class or function `spec` names."""
-    found = find(spec, key, code_path)
+    found = find(spec, key, code_path, network)
     if not (inspect.isclass(found) or inspect.isfunction(found)):
         raise ConfigError(key, f"'{spec}' is a {type(found).__name__}, not a class or a function",
                           "name a class, or a function that builds the object")
     return found
 
 
-def build(spec: str, args: dict[str, Any], key: str, code_path: Sequence[str] = ()) -> Any:
+def build(spec: str, args: dict[str, Any], key: str, code_path: Sequence[str] = (), network: bool = False) -> Any:
     """What the factory `spec` returns for the keyword arguments `args` (the option `key`_args)."""
-    make = factory(spec, key, code_path)
+    make = factory(spec, key, code_path, network)
     try:
         inspect.signature(make).bind(**args)
     except TypeError as e:

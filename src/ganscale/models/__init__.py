@@ -76,7 +76,7 @@ def output_warning(cfg: Config, dataset) -> str | None:
 
 def user_network(spec: str, args: dict, key: str, code_path: list[str]) -> nn.Module:
     """The user's network from its factory (model.kind=custom)."""
-    network = usercode.build(spec, args, key, code_path)
+    network = usercode.build(spec, args, key, code_path, network=True)
     if not isinstance(network, nn.Module):
         raise ConfigError(key, f"{spec} returned a {type(network).__name__}, not a torch.nn.Module",
                           "return an nn.Module from the factory")
