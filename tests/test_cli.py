@@ -111,6 +111,8 @@ def test_a_new_run_starts_over_a_failed_runs_files_but_not_over_other_files(tmp_
     failed.mkdir()
     (failed / "config.yaml").write_text("stale: true\n")
     (failed / "metrics.jsonl").write_text('{"step": 1, "loss_d": 9.0}\n')
+    (failed / "profile").mkdir()  # log.profile_steps's folder, written before the first checkpoint
+    (failed / "profile" / "rank0.txt").write_text("steps 1-1\n")
     result = ganscale("train", *TINY_RUN, "--set", "log.every=1", "--run-dir", "failed", cwd=tmp_path)
     assert result.returncode == 0, explain(result)
     assert config.build(yaml.safe_load((failed / "config.yaml").read_text())).train.steps == 2
@@ -123,6 +125,14 @@ def test_a_new_run_starts_over_a_failed_runs_files_but_not_over_other_files(tmp_
     refused = ganscale("train", *TINY_RUN, "--run-dir", "mine", cwd=tmp_path)
     assert refused.returncode == 2 and "--run-dir" in refused.stderr and "NOTES.txt" in refused.stderr
     assert [p.name for p in mine.iterdir()] == ["NOTES.txt"]
+
+
+def test_resume_auto_that_finds_no_run_says_it_starts_a_new_one(tmp_path):
+    result = ganscale("train", *TINY_RUN, "--resume", "auto", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert result.stderr.count("--resume auto: no run of 'digits' with a checkpoint under runs/, so this is a new "
+                               "run") == 1, explain(result)
+    assert len(list((tmp_path / "runs").iterdir())) == 1
 
 
 def test_missing_recipe_exits_2(tmp_path):
@@ -484,6 +494,22 @@ def test_a_resume_without_a_recipe_continues_with_the_run_s_own_config(tmp_path)
                     "optim.g.lr=0.0002", cwd=tmp_path)
     assert back.returncode == 0 and "RUN/config.resumed-00000003.yaml" in back.stdout, explain(back)
     assert yaml.safe_load((tmp_path / "RUN" / "config.resumed-00000005.yaml").read_text())["optim"]["g"]["lr"] == 0.0002
+
+
+def test_export_reads_a_sharded_checkpoint_folder_named_by_checkpoint(tmp_path):
+    from safetensors import safe_open
+
+    run = tmp_path / "run"
+    trained = ganscale("train", "ring8", "--set", "train.steps=2", "--set", "checkpoint.every=1", "--set",
+                       "checkpoint.format=sharded", "--set", "model.g_width=8", "--set", "model.d_width=8",
+                       "--run-dir", str(run), cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    out = tmp_path / "W.safetensors"
+    result = ganscale("export", str(run), "--out", str(out), "--checkpoint",
+                      str(run / "checkpoints" / "step-00000001.dcp"), cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["step"] == "1" and any(k.startswith("G_ema.") for k in f.keys())
 
 
 @pytest.mark.slow

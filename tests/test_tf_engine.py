@@ -446,6 +446,20 @@ def test_export_of_a_checkpoint_its_config_no_longer_describes_is_one_line(tf, t
     assert not (tmp_path / "g.safetensors").exists()
 
 
+def test_a_tensorflow_run_whose_config_is_not_yaml_is_one_line_naming_it(tf, tmp_path):
+    from ganscale.tf import loop
+
+    training, _ = _train(tf, 1, 1, "train.steps=1", run_dir=tmp_path)
+    loop._write_config(training)
+    training.save()
+    (tmp_path / "config.yaml").write_text("model: [unclosed\n")
+    result = CliRunner().invoke(main, ["export", str(tmp_path), "--out", str(tmp_path / "g.safetensors")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert f"config error at '{tmp_path / 'config.yaml'}': not valid YAML" in line, line
+    assert not (tmp_path / "g.safetensors").exists()
+
+
 def test_bench_throughput_measures_both_engines_in_one_invocation(tf, tmp_path):
     """`ganscale bench throughput --engine tensorflow`: each DCGAN row on torch, then on the tensorflow engine's
     step with the same model and batch; other models are refused (exit 2)."""

@@ -270,8 +270,9 @@ FORCE = click.option("--force", is_flag=True, help="Replace --out if it exists (
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", required=True, help="Output .safetensors file.")
 @FORCE
-@click.option("--checkpoint", "checkpoint_path", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="A specific checkpoint (default: the newest in RUN_DIR).")
+@click.option("--checkpoint", "checkpoint_path", default=None, type=click.Path(exists=True),
+              help="A specific checkpoint: a .pt file, or a sharded .dcp or tensorflow .tf folder (default: the "
+                   "newest in RUN_DIR).")
 def export(run_dir: str, out: str, force: bool, checkpoint_path: str | None) -> None:
     """Write G and G_ema weights of a run to a safetensors file."""
     from ganscale.export import export_generator

@@ -5,6 +5,7 @@ the hold on it (runlock), decided before anything is written. Rank 0 decides; ev
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,8 @@ RUNS_ROOT = Path("runs")
 RESUMED_CONFIG = re.compile(r"^config\.resumed-(\d{8,})\.yaml$")  # a resume's config, where it differed
 # What a run writes into its directory (train, eval); a new run may start over them when no checkpoint is there.
 RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|k8s|config\.yaml|config\.resumed-\d{8,}\.yaml"
-                       r"|metrics\.jsonl|fingerprints\.jsonl|summary\.json|eval\.json|slurm|run\.lock(\.stale-[0-9a-f]+)?)$")
+                       r"|metrics\.jsonl|fingerprints\.jsonl|summary\.json|eval\.json|slurm|profile"
+                       r"|run\.lock(\.stale-[0-9a-f]+)?)$")
 
 
 class AlreadyTrained(Exception):
@@ -54,6 +56,9 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None, report: bo
         candidates = sorted((p for p in RUNS_ROOT.glob(f"{cfg.name}-*") if own.match(p.name) and checkpoint.latest(p)),
                             key=lambda p: checkpoint.latest(p).stat().st_mtime)
         run_dir = str(candidates[-1]) if candidates else None
+        if run_dir is None:  # said once: rank 0 decides, and decides again with the new run's directory
+            print(f"ganscale: --resume auto: no run of '{cfg.name}' with a checkpoint under {RUNS_ROOT}/, so this is "
+                  "a new run", file=sys.stderr, flush=True)
     if run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = RUNS_ROOT / f"{cfg.name}-{stamp}"

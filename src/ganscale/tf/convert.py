@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from torch import nn
 
 from ganscale import checkpoint
-from ganscale.config import ConfigError, build
+from ganscale.config import ConfigError
 from ganscale.rundir import config_at
 
 GENERATORS = ("G", "G_ema")
@@ -41,8 +40,9 @@ def torch_state(path: Path, fix: str) -> dict:
     if configured is None:
         raise ConfigError(str(path), "a tensorflow checkpoint holds no config, and its run directory's config.yaml "
                           "is not beside its checkpoints/ folder", fix)
-    text = configured.read_text()
-    cfg = build(yaml.safe_load(text))
+    from ganscale.evaluate import configured_as
+
+    text, cfg = configured.read_text(), configured_as(configured)  # a broken file: one line naming it
     nets = {name: build_generator(cfg, False, name=name) for name in GENERATORS}
     try:
         tf.train.Checkpoint(**nets).read(str(path / CHECKPOINT_PREFIX)).expect_partial().assert_existing_objects_matched()
