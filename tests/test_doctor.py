@@ -239,6 +239,8 @@ def test_omp_num_threads_against_the_cores():
     assert by_name(doctor.environment_checks({}, 1, 8, "gloo"))["env OMP_NUM_THREADS"].status == PASS
     over = by_name(doctor.environment_checks({"OMP_NUM_THREADS": "4"}, 4, 8, "gloo"))["env OMP_NUM_THREADS=4"]
     assert over.status == WARN and "16 threads on 8 cores" in over.detail and "OMP_NUM_THREADS=2" in over.fix
+    ranks = by_name(doctor.environment_checks({"OMP_NUM_THREADS": "1"}, 3, 2, "gloo"))["env OMP_NUM_THREADS=1"]
+    assert ranks.status == WARN and "run at most 2 ranks" in ranks.fix  # not the OMP_NUM_THREADS=1 it has
     bad = by_name(doctor.environment_checks({"OMP_NUM_THREADS": "many"}, 1, 8, "gloo"))["env OMP_NUM_THREADS=many"]
     assert bad.status == WARN
 

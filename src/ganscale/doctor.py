@@ -373,9 +373,10 @@ def _omp_check(value: str, nproc: int, cores: int, label: str, detail: str) -> C
         return Check(WARN, label, detail, f"{value!r} is not a positive integer: torch ignores it",
                      f"export OMP_NUM_THREADS={max(1, cores // nproc)} (cores / ranks)")
     if threads * nproc > cores:
+        fewer = (f"export OMP_NUM_THREADS={cores // nproc} (cores / ranks)" if cores >= nproc
+                 else f"run at most {cores} ranks on these {cores} cores (one thread each is the least)")
         return Check(WARN, label, f"{detail}; {threads} x {nproc} ranks = {threads * nproc} threads on {cores} cores",
-                     "more threads than cores: they take turns, and every collective waits for the slowest rank",
-                     f"export OMP_NUM_THREADS={max(1, cores // nproc)} (cores / ranks)")
+                     "more threads than cores: they take turns, and every collective waits for the slowest rank", fewer)
     return Check(PASS, label, detail)
 
 
