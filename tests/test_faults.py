@@ -416,6 +416,19 @@ def test_peer_failures_are_told_apart_from_a_rank_s_own_error():
     assert not is_peer_failure(RuntimeError("CUDA out of memory"))
 
 
+
+def test_a_peer_failure_is_summed_up_to_its_sign_whole():
+    """Backend errors add sentences after the sign; a cut at a fixed width ended mid-sentence ("This is )")."""
+    from ganscale.fault import peer_failure_summary
+
+    error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting " + "x" * 120
+                         + " for recv operation to complete: Connection reset by peer. This is likely due to a rank "
+                         "exiting early; see the other ranks' logs for the root cause.")
+    summary = peer_failure_summary(error)
+    assert summary.endswith("Connection reset by peer") and summary.startswith("...") and len(summary) == 200
+    assert peer_failure_summary(RuntimeError("Connection closed by peer [127.0.0.1]:1")) == "Connection closed by peer"
+
+
 def test_the_watchdog_works_when_its_descriptors_are_numbered_above_1024(tmp_path):
     """Many open files (data.workers=500) give the watchdog's sockets numbers select() cannot watch; it must still
     notice a stop signal and enforce fault.exit_timeout_s (with select() its thread died at once, silently)."""

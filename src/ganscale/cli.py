@@ -19,7 +19,8 @@ import click
 from ganscale import config as config_mod
 from ganscale.config import DIGIT_DATASETS, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, told_elsewhere)
+                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, peer_failure_summary,
+                            told_elsewhere)
 
 
 # A rank that leaves an error to another (told_by) exits this much later: a launcher stops every worker at the
@@ -144,7 +145,7 @@ def leave(error: Exception) -> NoReturn:
         os._exit(error.exit_code)
     if isinstance(error, RuntimeError) and is_peer_failure(error):
         click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "
-                   f"({str(error).splitlines()[0][:200]})", err=True)
+                   f"({peer_failure_summary(error)})", err=True)
         sys.exit(EXIT_PEER_FAILED)
     if not worker:
         raise error  # _Commands shows a known failure in one line

@@ -44,6 +44,15 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistBackendError) or any(sign in str(error) for sign in PEER_FAILURE_SIGNS)
 
 
+def peer_failure_summary(error: BaseException, width: int = 200) -> str:
+    """The error's first line up to the sign of the peer's failure (backend errors add sentences after it), at most
+    `width` characters: its end kept, and a cut marked with an ellipsis."""
+    line = (str(error).strip().splitlines() or [""])[0]
+    signs = [line.index(sign) + len(sign) for sign in PEER_FAILURE_SIGNS if sign in line]
+    line = line[:min(signs)] if signs else line
+    return line if len(line) <= width else "..." + line[-(width - 3):]
+
+
 class Preempted(Exception):
     """A stop was requested by a signal on some rank; every rank checkpointed and stopped."""
 
