@@ -174,6 +174,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
     launcher.send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=90)
     assert launcher.returncode == 3, stderr[-3000:]
+    # Both workers get the signal and stop alike: each line is said once, not once per rank.
+    assert stderr.count("finishing this step") == 1 and stderr.count("stopped at step") == 1, stderr[-3000:]
     checkpoints = list((run / "checkpoints").glob("step-*.pt"))
     assert len(checkpoints) == 1
     stopped_at = int(checkpoints[0].stem.split("-")[1])

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ganscale import checkpoint
 from ganscale.config import CheckpointConfig, ConfigError, to_yaml
-from ganscale.fault import ReplicaDivergence, every_rank_or_none
+from ganscale.fault import ReplicaDivergence, every_rank_or_none, told_by
 from ganscale.runtime import seed_rank_streams
 from ganscale.seeds import derive_seed
 
@@ -164,10 +164,10 @@ def check_replicas(tensors: dict[str, list[tuple[str, Tensor]]], group: dist.Pro
     if len(first):
         tensor = int(first[0])
         apart = [ranks[0], *(ranks[r] for r in differs[:, tensor].nonzero().flatten().tolist())]
-        raise ReplicaDivergence(
+        raise told_by(ranks[0], ReplicaDivergence(  # every rank found it in the same gather: one says it
             f"replicas differ: {names[tensor]} on ranks {', '.join(map(str, apart))} (it must be bitwise identical); "
             "nothing was saved from this step. Continue from the last checkpoint with --resume auto (or "
-            "--max-restarts); if it recurs, run `ganscale doctor` on these machines")
+            "--max-restarts); if it recurs, run `ganscale doctor` on these machines"))
 
 
 def written_with(path: Path) -> str:

@@ -134,7 +134,10 @@ def leave(error: Exception) -> NoReturn:
     if isinstance(error, WorkersFailed):  # they said why, and the launcher named the rank
         sys.exit(error.exit_code)
     if isinstance(error, (Preempted, NonFiniteTraining, ReplicaDivergence)):  # every rank alike: one line, its code
-        click.echo(f"ganscale: {error}", err=True)
+        if told_elsewhere(error):
+            time.sleep(SAID_GRACE_S)
+        else:
+            click.echo(f"ganscale: {error}", err=True)
         sys.stdout.flush()
         sys.stderr.flush()
         if not worker:

@@ -240,7 +240,8 @@ class StopSignals:
 
     def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
-        print(f"ganscale: {name} received; finishing this step, then checkpointing", file=sys.stderr, flush=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # a launcher passes the signal to each worker: said once a node
+            print(f"ganscale: {name} received; finishing this step, then checkpointing", file=sys.stderr, flush=True)
         self.on_signal(name)
 
     def __exit__(self, *exc) -> None:

@@ -30,7 +30,8 @@ from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
 from ganscale.finite import BufferSnapshot, refuse_non_finite
-from ganscale.fault import NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault, rank0_writes
+from ganscale.fault import (NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault, rank0_writes,
+                            told_by)
 from ganscale.models import build_networks, output_warning
 from ganscale.observe.fingerprints import fingerprints_for
 from ganscale.observe.profile import StepProfiler
@@ -310,9 +311,9 @@ class Trainer:
             # Both decisions below come from values every rank agreed on in _finish_step's collective.
             if self.consecutive_skips >= cfg.fault.max_consecutive_skips:
                 self.reporter.close(stopped="non-finite")  # collective
-                raise NonFiniteTraining(
+                raise told_by(0, NonFiniteTraining(  # agreed: every rank has it, rank 0 says it
                     f"{self.consecutive_skips} consecutive steps had non-finite losses or gradients{self._at_scale()} "
-                    f"(last: {self.reporter.record or self.stats}); {self._non_finite_fix()}")
+                    f"(last: {self.reporter.record or self.stats}); {self._non_finite_fix()}"))
             last_step = final or self.stop_agreed  # the last step this process trains: it saves
             if self.reporter.due(self.step, final) or self.checkpointer.due(self.step, last_step):
                 with self.phase(part="outputs"):  # entered only then: on CUDA timing synchronises
@@ -320,8 +321,9 @@ class Trainer:
                     self.checkpointer.save(self.step, last_step)  # collective when due
             if self.stop_agreed and not final:
                 self.reporter.close(stopped="preempted")  # collective
-                raise Preempted(f"stopped at step {self.step} on request ({self.stop_signal or 'another rank'}); "
-                                f"checkpoint written; continue with --resume auto")
+                requested = self.stop_signal or "another rank"
+                raise told_by(0, Preempted(f"stopped at step {self.step} on request ({requested}); checkpoint "
+                                           "written; continue with --resume auto"))
         self.profiler.close(self.step)
         return self.reporter.close()  # collective
 
