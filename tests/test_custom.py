@@ -390,6 +390,7 @@ def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not
     ("model.generator=Generator", "model.generator", "module:attribute"),
     ("model.generator_args={{z_dim: 8, depth: 3}}", "model.generator_args", "depth"),
     ("model.generator={pkg}.nets:WrongShape", "model.generator", "(2, 64)"),
+    ("model.z_dim=5", "model.generator", "latents of model.z_dim=5 (the size the trainer draws; generator_args"),
     ("model.discriminator={pkg}.nets:TwoLogits", "model.discriminator", "one logit per sample"),
     ("model.discriminator={pkg}.nets:NoDoubleBackward", "loss.r1_gamma", "double backward"),
     ("data.dataset_args={{scale: 3.0}}", "data.dataset", "[-1, 1]"),

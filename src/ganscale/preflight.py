@@ -534,7 +534,9 @@ def _check_user_networks(cfg: Config) -> None:
     images = torch.zeros(batch, *shape)
     real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
     fake = _run("model.generator", f"{m.generator} on {batch} latents",
-                lambda: task.generate(generator, real, torch.randn(batch, m.z_dim), labels), f"give G {g_call}")
+                lambda: task.generate(generator, real, torch.randn(batch, m.z_dim), labels),
+                f"give G {g_call}" + (f" for latents of model.z_dim={m.z_dim} (the size the trainer draws; "
+                                      "generator_args may build G for another)" if m.conditioning != "paired" else ""))
     if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (batch, *shape):
         got = f"shape {tuple(fake.shape)}" if isinstance(fake, torch.Tensor) else f"a {type(fake).__name__}"
         raise ConfigError("model.generator", f"{m.generator} returns {got} for {batch} latents of size {m.z_dim}, "
