@@ -157,6 +157,70 @@ def test_a_shipped_recipe_draws_nothing_from_the_rank_stream_in_its_first_step(t
     assert [r["rng_drawn"] for r in records if r["net"] != "after"] == [False] * 4
 
 
+BIASED_D_NETS = """
+from torch import nn
+
+
+class Generator(nn.Module):
+    def __init__(self, z_dim):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(z_dim, 32), nn.LeakyReLU(0.2), nn.Linear(32, 64), nn.Tanh())
+
+    def forward(self, z, labels=None):
+        return self.net(z).view(-1, 1, 8, 8)
+
+
+class Discriminator(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=bias), nn.BatchNorm2d(8), nn.LeakyReLU(0.2),
+                                 nn.Flatten(), nn.Linear(8 * 64, 1))
+
+    def forward(self, x, labels=None):
+        return self.net(x).squeeze(1)
+"""
+BIASED_D_CONFIG = """
+model: {{kind: custom, generator: "biased_d:Generator", generator_args: {{z_dim: 8}}, z_dim: 8,
+        discriminator: "biased_d:Discriminator", discriminator_args: {{bias: {bias}}}}}
+train: {{batch_size: 16}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bias, verdict", [(True, "DIFFERENT"), (False, "EQUAL")])
+def test_a_bias_before_batchnorm_is_named_as_rounding_noise_adam_scales_up(tmp_path, bias, verdict):
+    """A convolution with PyTorch's default bias before BatchNorm: the bias's gradient is zero up to rounding, Adam
+    moves it by up to lr either way, and the running statistics part; the cause is named, not "no known cause"."""
+    (tmp_path / "biased_d.py").write_text(BIASED_D_NETS)
+    (tmp_path / "config.yaml").write_text(BIASED_D_CONFIG.format(bias=str(bias).lower()))
+    result = verify("config.yaml", "--steps", "2", cwd=tmp_path)
+    assert result.returncode == (0 if verdict == "EQUAL" else 1), explain(result)
+    assert f"{verdict}: 2 processes" in result.stdout, explain(result)
+    if verdict == "DIFFERENT":
+        assert "probable cause: a gradient that is rounding noise, which Adam scales up: element " in result.stdout
+        assert "of D.net.0.bias's gradient in step 1 " in result.stdout and "bias=False" in result.stdout
+
+
+def test_rounding_noise_is_recognised_from_gradient_elements_that_differ():
+    from ganscale.observe.fingerprints import rounding_noise
+    from ganscale.verify import Evidence, probable_cause
+
+    recorded = rounding_noise({"w": torch.tensor([1.0, -2.0, 1e-8]), "b": torch.tensor([0.0, 3e-7, 0.5])})
+    assert recorded == {"w": [[2, pytest.approx(1e-8)]], "b": [[1, pytest.approx(3e-7)]]}  # zeros are not noise
+
+    def step(noise):
+        return {"step": 1, "net": "D", "rng_drawn": False, "grads": {}, "rounding_noise": noise}
+
+    one, agreeing, parting = [step({"b": [[1, 3e-7]]})], [step({"b": [[1, 3.1e-7]]})], [step({"b": [[1, -2e-7]]})]
+    cfg = config.load("digits", [])
+    assert probable_cause(Evidence(cfg, 2, agreeing, one, 1))[0] == "no known cause"
+    cause, problem, _ = probable_cause(Evidence(cfg, 2, parting, one, 1))
+    assert cause == "a gradient that is rounding noise, which Adam scales up"
+    assert "element 1 of D.b's gradient in step 1 is 3.0e-07 on one process and -2.0e-07 on N" in problem
+    assert probable_cause(Evidence(cfg, 2, [{**parting[0], "step": 3}], [{**one[0], "step": 3}], 2))[0] == (
+        "no known cause")  # after the runs parted: not what parted them
+
+
 def test_a_data_set_drawn_from_the_process_rng_is_recognised(monkeypatch):
     import ganscale.data
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -159,11 +159,29 @@ def compare_outputs(cfg: Config, one: Path, many: Path, step: int, tolerance: fl
 # ----------------------------------------------------------------------------------- causes
 @dataclass
 class Evidence:
-    """What the causes are recognised from: the config, the world size, both runs' fingerprints."""
+    """What the causes are recognised from: the config, the world size, both runs' fingerprints (N processes', one
+    process's) and the step at which the runs part (None: any)."""
 
     cfg: Config
     nproc: int
     many: list[dict]
+    one: list[dict] = field(default_factory=list)
+    parted_at: int | None = None
+
+    @cached_property
+    def rounding_noise(self) -> tuple[str, int, int, float, float] | None:
+        """(tensor, step, element, one process's value, N processes') of the first gradient element, up to the step
+        the runs part, that is rounding noise (fingerprints.ROUNDING_NOISE) and not the same in both runs."""
+        for a, b in zip(self.one, self.many):
+            if a["net"] == "after" or (self.parted_at is not None and a["step"] > self.parted_at):
+                continue
+            theirs = {(name, int(i)): v for name, elements in b.get("rounding_noise", {}).items() for i, v in elements}
+            for name, elements in a.get("rounding_noise", {}).items():
+                for i, mine in elements:
+                    other = theirs.get((name, int(i)))
+                    if other is not None and abs(mine - other) > max(abs(mine), abs(other)) / 10:
+                        return f"{a['net']}.{name}", a["step"], int(i), mine, other
+        return None
 
     @cached_property
     def batchnorm(self) -> str | None:
@@ -260,6 +278,15 @@ CAUSES = (
                      "dropout or another random op in forward): each rank draws other numbers than one process does",
                      "derive per-sample randomness from the sample's global position, e.g. from its latent (as "
                      "pix2pix's dropout does: ganscale.randomness's normal, uniform and dropout), or remove it")),
+    Cause("a gradient that is rounding noise, which Adam scales up",
+          lambda e: e.rounding_noise is not None,
+          lambda e: ("element {2} of {0}'s gradient in step {1} is {3:.1e} on one process and {4:.1e} on N: zero up to "
+                     "rounding (terms that cancel, summed in another order), and Adam divides a gradient by its running "
+                     "size, so that parameter moves by up to its learning rate either way; the runs part from there"
+                     .format(*e.rounding_noise),
+                     "a bias that feeds a normalisation layer has such a gradient: build that layer with bias=False; "
+                     "where a loss's terms cancel (hinge), the config is not at fault: the runs agree up to this "
+                     "rounding")),
     Cause("a strategy or precision whose tolerance was exceeded",
           lambda e: e.precision_or_strategy() is not None,
           lambda e: (f"{e.precision_or_strategy()} sums in another order than one process in fp32 does, and the "
@@ -366,7 +393,9 @@ def run(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, 
         records = [fingerprints.read(one), fingerprints.read(many)]
         differences = compare_steps(*records, tolerance)
         differences += compare_outputs(cfg, one, many, steps, tolerance.state)
-        verdict = report(differences, Evidence(cfg, nproc, records[1]), cfg, nproc, tolerance)
+        parted = next((d for d in differences if d.exceeds), None)
+        evidence = Evidence(cfg, nproc, records[1], records[0], parted.step if parted else None)
+        verdict = report(differences, evidence, cfg, nproc, tolerance)
         for line in verdict:
             say(line)
         return 1 if any(d.exceeds for d in differences) else 0

@@ -16,12 +16,29 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 FILE = "fingerprints.jsonl"
+# A gradient element below this share of its network's largest is zero up to fp32 rounding (terms that cancel):
+# N processes round it otherwise than one, and Adam scales it up to a step of the learning rate.
+ROUNDING_NOISE = 1e-6
+NOISE_ELEMENTS = 8  # recorded per tensor, the first by index
 
 
 def summary(tensor: Tensor) -> list[float]:
     """[L2 norm, sum] of a tensor, in float64."""
     values = tensor.detach().double()
     return [float(values.norm()), float(values.sum())]
+
+
+def rounding_noise(gradients: dict[str, Tensor]) -> dict[str, list[list[float]]]:
+    """Per tensor, its first NOISE_ELEMENTS nonzero gradient elements below ROUNDING_NOISE of the network's largest,
+    as [flat index, value] (tensors without any left out)."""
+    flats = {name: g.detach().flatten().double() for name, g in gradients.items() if g.numel()}
+    largest = max((float(flat.abs().max()) for flat in flats.values()), default=0.0)
+    found = {}
+    for name, flat in flats.items():
+        at = ((flat != 0) & (flat.abs() <= ROUNDING_NOISE * largest)).nonzero().flatten()[:NOISE_ELEMENTS]
+        if len(at):
+            found[name] = [[int(i), float(flat[i])] for i in at]
+    return found
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -47,8 +64,10 @@ class StepFingerprints:
         this rank drew from its own RNG stream since the last record (a network's randomness does)."""
         rng, self.rng = self.rng, _drawn_state(self.device)
         drawn = any(not torch.equal(a, b) for a, b in zip(rng, self.rng))
-        grads = {name: summary(_full(p.grad)) for name, p in gradients.named_parameters() if p.grad is not None}
-        self._write({"step": step + 1, "net": net, "losses": losses, "rng_drawn": drawn, "grads": grads})
+        full = {name: _full(p.grad) for name, p in gradients.named_parameters() if p.grad is not None}
+        grads = {name: summary(g) for name, g in full.items()}
+        self._write({"step": step + 1, "net": net, "losses": losses, "rng_drawn": drawn, "grads": grads,
+                     "rounding_noise": rounding_noise(full)})
 
     def after_step(self, step: int) -> None:
         """After iteration `step` (0-based), its EMA update included: every parameter and floating buffer."""
