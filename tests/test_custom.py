@@ -93,23 +93,24 @@ from torch.utils.data import Dataset
 
 
 class Blobs(Dataset):
-    """Deterministic 1x8x8 images in [-1, 1], with a class each."""
+    """Deterministic 1x8x8 images in [-1, 1], with a class each (`relabel`: {index: label} overrides some)."""
 
-    def __init__(self, size=96, labels=False, scale=1.0):
+    def __init__(self, size=96, labels=False, scale=1.0, classes=10, relabel=None):
         g = torch.Generator().manual_seed(0)
         self.images = (torch.rand(size, 1, 8, 8, generator=g) * 2 - 1) * scale
-        self.classes = torch.arange(size) % 10
-        self.labels = labels
+        self.classes = torch.arange(size) % classes
+        self.labels, self.relabel = labels, relabel or {}
 
     def __len__(self):
         return len(self.images)
 
     def __getitem__(self, i):
-        return (self.images[i], int(self.classes[i])) if self.labels else self.images[i]
+        label = self.relabel.get(i, int(self.classes[i]))
+        return (self.images[i], label) if self.labels else self.images[i]
 
 
-def make_dataset(size=96, labels=False, scale=1.0):
-    return Blobs(size, labels, scale)
+def make_dataset(size=96, labels=False, scale=1.0, classes=10, relabel=None):
+    return Blobs(size, labels, scale, classes, relabel)
 '''
 
 LOSSES = '''
@@ -419,6 +420,28 @@ def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, overr
     message = result.stderr.strip().splitlines()
     assert len(message) == 1 and f"'{key}'" in message[0] and said in message[0], explain(result)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("label, more", [
+    ("5", []),                                         # n_classes or more
+    ("-1", ["--set", "data.workers=1"]),               # negative, read by a DataLoader worker
+    ("2.5", ["--set", "data.workers=1", "--nproc", "2"]),  # not an integer, on one of two ranks
+], ids=["too-large", "negative-in-a-worker", "fraction-on-two-ranks"])
+def test_a_bad_label_found_while_training_exits_2_naming_the_item(tmp_path, label, more):
+    """Item 0 passes the preflight; item 5's label is outside [0, n_classes): read while training, it is one line
+    naming data.dataset, the item, its label and the classes (as a corrupt image is), not embedding's IndexError."""
+    package = f"bad_label_gan_{abs(hash(label)) % 10**8}"
+    recipe = write_user_gan(tmp_path, package)
+    classes = {**CLASSES, "model.n_classes": 4, "model.generator_args": "{z_dim: 8, n_classes: 4}",
+               "model.discriminator_args": "{n_classes: 4}",
+               "data.dataset_args": f"{{size: 8, labels: true, classes: 4, relabel: {{5: {label}}}}}"}
+    result = ganscale("train", str(recipe), *(f"--set={k}={v}" for k, v in classes.items()), "--set",
+                      "train.steps=1", *more, "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, explain(result)
+    assert "Traceback" not in result.stderr, explain(result)
+    said = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
+    assert len(said) == 1 and f"item 5's label is {label}, not an integer class in [0, 4)" in said[0], explain(result)
+    assert (tmp_path / "run" / "config.yaml").is_file()  # what the run wrote before it read item 5 stays
 
 
 def test_an_installed_nn_module_class_may_be_a_network_and_nothing_else_of_a_library():

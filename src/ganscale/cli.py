@@ -48,14 +48,15 @@ def _fail(error: Exception) -> None:
 
 
 def _known_failure(error: BaseException) -> tuple[str, int] | None:
-    """(one-line message, exit code) for failures a user can fix without a traceback: an image of the data set
-    that does not decode (bad input, exit 2), a checkpoint write or another file operation the system refused
-    (permissions, a full or read-only disk: exit 7). None for anything else."""
+    """(one-line message, exit code) for failures a user can fix without a traceback: an item of the data set found
+    bad while training reads it (an image that does not decode, a label outside the classes: bad input, exit 2), a
+    checkpoint write or another file operation the system refused (permissions, a full or read-only disk: exit 7).
+    None for anything else."""
     from ganscale.checkpoint import CheckpointWriteError
-    from ganscale.data.folder import UnreadableImage
+    from ganscale.data.folder import BadItem
 
-    if isinstance(error, UnreadableImage):
-        return f"ganscale: {ConfigError('data.path', error.problem(), 'remove or replace the file')}", EXIT_CONFIG
+    if isinstance(error, BadItem):
+        return f"ganscale: {ConfigError(error.key, error.problem(), error.fix)}", EXIT_CONFIG
     if isinstance(error, (CheckpointWriteError, NonFiniteTraining)):  # its own message names the file and the fix
         return f"ganscale: {error}", error.exit_code
     if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:

@@ -7,22 +7,50 @@ from torch.utils.data import Dataset
 
 from ganscale import usercode
 from ganscale.config import Config, ConfigError
+from ganscale.data.folder import BadItem
 
+LABEL_FIX = "return (image, class index) with every index in [0, model.n_classes), or set model.n_classes"
 ITEMS = {"unconditional": "an image tensor", "class-conditional": "(image, label)", "paired": "(input, target)"}
 
 
-class UserDataset(Dataset):
-    """The user's map-style data set, each item as a tuple of fields: (image,), (image, label) or (input, target)."""
+class BadLabel(BadItem):
+    """An item's label outside model.n_classes' classes, found while training reads it: embedding it would fail inside
+    G or D with torch's IndexError (a device-side assert on a GPU)."""
 
-    def __init__(self, items: Dataset):
-        self.items = items
+    key = "data.dataset"
+    fix = LABEL_FIX
+
+
+class UserDataset(Dataset):
+    """The user's map-style data set, each item as a tuple of fields: (image,), (image, label) or (input, target).
+    With `n_classes` (class-conditional), every item's label is checked as it is read, before it reaches a network."""
+
+    def __init__(self, items: Dataset, n_classes: int | None = None):
+        self.items, self.n_classes = items, n_classes
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple:
-        item = self.items[index]
-        return tuple(item) if isinstance(item, (tuple, list)) else (item,)
+        item = _fields(self.items[index])
+        if self.n_classes is not None:
+            problem = label_problem(item[1], index, self.n_classes)
+            if problem:
+                raise BadLabel(problem)
+        return item
+
+
+def _fields(item) -> tuple:
+    return tuple(item) if isinstance(item, (tuple, list)) else (item,)
+
+
+def label_problem(label, index: int, n_classes: int) -> str | None:
+    """What is wrong with item `index`'s label, or None for an integer class in [0, n_classes)."""
+    integer = isinstance(label, int) or (isinstance(label, torch.Tensor) and label.numel() == 1
+                                         and not label.is_floating_point())
+    if integer and 0 <= int(label) < n_classes:
+        return None
+    return f"item {index}'s label is {label!r}, not an integer class in [0, {n_classes})"
 
 
 def user_dataset(cfg: Config) -> UserDataset:
@@ -33,9 +61,9 @@ def user_dataset(cfg: Config) -> UserDataset:
                           "return a torch.utils.data.Dataset with __len__ and __getitem__")
     if len(items) == 0:
         raise ConfigError("data.dataset", f"{d.dataset} returned an empty data set", "return at least one item")
-    dataset = UserDataset(items)
-    _check_item(dataset[0], cfg)
-    return dataset
+    _check_item(_fields(items[0]), cfg)  # before the wrapper, whose label check is BadLabel, not a ConfigError
+    conditional = cfg.model.conditioning == "class-conditional"
+    return UserDataset(items, cfg.model.n_classes if conditional else None)
 
 
 def _check_item(item: tuple, cfg: Config) -> None:
@@ -55,13 +83,9 @@ def _check_item(item: tuple, cfg: Config) -> None:
         if image.numel() and not -1 <= float(image.min()) <= float(image.max()) <= 1:
             raise ConfigError("data.dataset", f"item 0 has values in [{float(image.min()):g}, {float(image.max()):g}]",
                               "scale images to [-1, 1] (x / 127.5 - 1 for bytes)")
-    if task == "class-conditional":
-        label = item[1]
-        value = int(label) if isinstance(label, int) or (isinstance(label, torch.Tensor) and label.numel() == 1
-                                                         and not label.is_floating_point()) else None
-        if value is None or not 0 <= value < cfg.model.n_classes:
-            raise ConfigError("data.dataset", f"item 0's label is {label!r}, not an integer class in "
-                              f"[0, {cfg.model.n_classes})", "return (image, class index), or set model.n_classes")
+    problem = label_problem(item[1], 0, cfg.model.n_classes) if task == "class-conditional" else None
+    if problem:
+        raise ConfigError("data.dataset", problem, LABEL_FIX)
 
 
 def _describe(item: tuple) -> str:

@@ -34,14 +34,21 @@ def in_mode(image: Image.Image, mode: str) -> Image.Image:
     return image.convert(mode)
 
 
-class UnreadableImage(OSError):
-    """An image of the data set that does not decode, found while training reads it (bad input: exit 2).
+class BadItem(Exception):
+    """An item of the data set found bad while training reads it (bad input: exit 2, one line naming `key`).
 
     One message argument, so a DataLoader worker can raise it again in the main process; its text is then
-    the worker's traceback, whose last line is the message."""
+    the worker's traceback, whose last line is the message. The key and the fix are the class's: they survive that."""
+
+    key = "data.path"
+    fix = "remove or replace the file"
 
     def problem(self) -> str:
         return str(self).strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1]
+
+
+class UnreadableImage(BadItem, OSError):
+    """An image of the data set that does not decode."""
 
 
 class ImageFolder(Dataset):
