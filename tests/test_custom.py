@@ -444,6 +444,33 @@ def test_a_bad_label_found_while_training_exits_2_naming_the_item(tmp_path, labe
     assert (tmp_path / "run" / "config.yaml").is_file()  # what the run wrote before it read item 5 stays
 
 
+SHIPPED_DATA = {"data.dataset": "null", "data.dataset_args": "{}"}  # data.dataset belongs to data.kind=custom
+
+
+@pytest.mark.parametrize("overrides, said", [
+    ({**CLASSES, **SHIPPED_DATA, "data.kind": "folder", "data.path": "."},  # the tester's: the model IS conditional
+     ["model.kind=custom with model.task=class-conditional is class-conditional", "data.kind=folder has no class labels",
+      "digits, mnist, zip with a dataset.json", "a data.kind=custom data set returning (image, label)",
+      "set model.task=unconditional"]),
+    ({**CLASSES, **SHIPPED_DATA, "data.kind": "digits"},
+     ["and data.labels=false", "use data.labels=true with a data kind that has"]),
+    ({**SHIPPED_DATA, "data.kind": "digits", "data.labels": "true"},
+     ["model.kind=custom with model.task=unconditional takes no class labels", "set model.task=class-conditional"]),
+    ({"data.labels": "true"}, ["data.kind=custom data set gives its labels itself", "set data.labels=false"]),
+], ids=["conditional-on-folder", "conditional-on-unlabelled-digits", "unconditional-on-labels", "labels-on-custom"])
+def test_class_labels_that_do_not_fit_a_user_model_exit_2_naming_its_task(tmp_path, overrides, said):
+    """The labels rule names model.task for a custom model, never the shipped models' switches (model.kind=biggan)."""
+    package = f"labels_user_gan_{abs(hash(str(overrides))) % 10**8}"
+    recipe = write_user_gan(tmp_path, package)
+    result = ganscale("train", str(recipe), *(f"--set={k}={v}" for k, v in overrides.items()),
+                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
+    message = result.stderr.strip().splitlines()
+    assert len(message) == 1 and "'data.labels'" in message[0], explain(result)
+    assert all(part in message[0] for part in said) and "biggan" not in message[0], explain(result)
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_installed_nn_module_class_may_be_a_network_and_nothing_else_of_a_library():
     from ganscale import usercode
     from ganscale.config import ConfigError

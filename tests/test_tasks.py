@@ -55,6 +55,32 @@ def test_model_data_and_loss_must_agree(overrides, key):
     assert info.value.key == key and info.value.fix
 
 
+@pytest.mark.parametrize("overrides, said", [
+    ({"model.kind": "biggan"}, ["model.kind=biggan is class-conditional", "and data.labels=false",
+                                "use data.labels=true", "or use an unconditional model.kind (dcgan, stylegan2)"]),
+    ({**TINY_BIGGAN, "data.kind": "folder", "data.path": "."}, ["data.kind=folder has no class labels"]),
+    ({"model.kind": "stylegan2", "model.conditional": "true", "data.resolution": 32},
+     ["model.kind=stylegan2 with model.conditional=true is class-conditional", "or set model.conditional=false"]),
+    ({"data.labels": "true"}, ["model.kind=dcgan takes no class labels",
+                               "set data.labels=false, or use model.kind=biggan (or stylegan2 with"]),
+    ({"model.kind": "stylegan2", "data.labels": "true", "data.resolution": 32},
+     ["set data.labels=false, or set model.conditional=true"]),
+], ids=["biggan-unlabelled", "biggan-on-folder", "conditional-stylegan2-unlabelled", "dcgan-labelled",
+        "stylegan2-labelled"])
+def test_class_labels_that_do_not_fit_a_shipped_model_name_its_own_switch(overrides, said):
+    """One rule for every model: each message names the model as configured and how it takes labels or not."""
+    with pytest.raises(ConfigError) as info:
+        build(overrides)
+    assert info.value.key == "data.labels" and all(part in str(info.value) for part in said), str(info.value)
+    assert "model.task" not in str(info.value)  # a custom model's option
+
+
+def test_a_pix2pix_given_labels_is_told_to_drop_them_only(facades):
+    with pytest.raises(ConfigError) as info:
+        build({**tiny_pix2pix(facades), "data.labels": "true"})
+    assert info.value.key == "data.labels" and info.value.fix == "set data.labels=false"
+
+
 def test_paired_load_size_below_crop_is_refused(facades):
     with pytest.raises(ConfigError) as info:
         build({**tiny_pix2pix(facades), "data.load_size": 30})

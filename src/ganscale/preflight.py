@@ -240,16 +240,7 @@ def _check_task(cfg: Config) -> None:
         raise ConfigError("model.kind", f"model.kind={m.kind} with data.kind={d.kind}: pix2pix translates paired "
                           "images and only pix2pix takes them",
                           "use model.kind=pix2pix with data.kind=paired, or neither")
-    if d.kind != "custom" and (task == "class-conditional") != d.labels:
-        raise ConfigError("data.labels", f"data.labels={d.labels} with model.kind={m.kind}: class labels are for the "
-                          "class-conditional models only",
-                          "use model.kind=biggan (or stylegan2 with model.conditional=true) with data.labels=true, "
-                          "or neither")
-    if d.labels and d.kind not in ("digits", "mnist", "zip"):
-        raise ConfigError("data.labels", f"data.kind={d.kind} has no class labels",
-                          "use data.kind=digits or mnist (10 classes), or zip (its dataset.json's)")
-    if d.labels and d.kind != "zip" and m.n_classes != 10:  # a zip's classes are checked against its labels
-        raise ConfigError("model.n_classes", f"{m.n_classes} classes, but the digits have 10", "set model.n_classes=10")
+    _check_labels(cfg)
     if loss.l1_weight > 0 and task != "paired":
         raise ConfigError("loss.l1_weight", f"an L1 term needs a target image; model.kind={m.kind} has none",
                           "set loss.l1_weight=0, or train model.kind=pix2pix on paired data")
@@ -265,6 +256,43 @@ def _check_task(cfg: Config) -> None:
     if d.kind == "paired" and d.load_size < d.resolution:
         raise ConfigError("data.load_size", f"{d.load_size} is smaller than the crop data.resolution={d.resolution}",
                           "set data.load_size >= data.resolution (pix2pix: 286 and 256)")
+
+
+LABELLED_KINDS = ("digits", "mnist", "zip")
+
+
+def _check_labels(cfg: Config) -> None:
+    """Class labels: a class-conditional model (biggan, stylegan2 with model.conditional, custom with
+    model.task=class-conditional) takes them from data that has them, any other model none. The one place for this
+    rule: each message names the model as configured and its own way into or out of class conditioning."""
+    m, d = cfg.model, cfg.data
+    conditional = m.conditioning == "class-conditional"
+    if m.kind == "custom":
+        model, into, out_of = (f"model.kind=custom with model.task={m.task}", "set model.task=class-conditional",
+                               "set model.task=unconditional")
+    elif m.kind == "stylegan2":
+        model = f"model.kind=stylegan2{' with model.conditional=true' if m.conditional else ''}"
+        into, out_of = "set model.conditional=true", "set model.conditional=false"
+    else:
+        model, into = f"model.kind={m.kind}", "use model.kind=biggan (or stylegan2 with model.conditional=true)"
+        out_of = "use an unconditional model.kind (dcgan, stylegan2)"
+    if d.labels and d.kind == "custom":
+        raise ConfigError("data.labels", "data.labels applies to digits, mnist and zip; a data.kind=custom data set "
+                          "gives its labels itself, as (image, label) items", "set data.labels=false")
+    if d.kind == "custom":
+        return  # its items' fields are checked against model.task (data/custom.py)
+    if d.labels and not conditional:
+        # A paired model has no class-conditional variant to switch to.
+        into = "" if m.conditioning == "paired" else f", or {into}"
+        raise ConfigError("data.labels", f"{model} takes no class labels", f"set data.labels=false{into}")
+    if conditional and not (d.labels and d.kind in LABELLED_KINDS):
+        missing = "data.labels=false" if d.kind in LABELLED_KINDS else f"data.kind={d.kind} has no class labels"
+        raise ConfigError("data.labels", f"{model} is class-conditional (G and D take each sample's class), and "
+                          f"{missing}", "use data.labels=true with a data kind that has them (digits, mnist, zip "
+                          "with a dataset.json), or use a data.kind=custom data set returning (image, label), "
+                          f"or {out_of}")
+    if d.labels and d.kind != "zip" and m.n_classes != 10:  # a zip's classes are checked against its labels
+        raise ConfigError("model.n_classes", f"{m.n_classes} classes, but the digits have 10", "set model.n_classes=10")
 
 
 def reuse_fake_conflict(cfg: Config, world_size: int) -> tuple[str, str] | None:
