@@ -508,3 +508,14 @@ def test_a_shipped_recipe_imports_no_file_of_the_current_directory(tmp_path):
                       "model.d_width=8", "--nproc", "2", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 0, explain(result)
     assert not marker.exists(), marker.read_text()
+
+
+def test_a_label_is_an_integer_class_of_any_integer_type_but_not_a_batch_of_one():
+    import numpy as np
+
+    from ganscale.data.custom import label_problem
+
+    for fine in (3, np.int64(3), np.uint8(0), torch.tensor(2)):
+        assert label_problem(fine, 0, 4) is None, fine
+    for bad in (4, np.int64(-1), 2.0, True, torch.tensor([2]), torch.tensor(1.0)):
+        assert label_problem(bad, 7, 4).startswith("item 7's label is "), bad

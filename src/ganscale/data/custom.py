@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch.utils.data import Dataset
 
@@ -46,8 +48,10 @@ def _fields(item) -> tuple:
 
 def label_problem(label, index: int, n_classes: int) -> str | None:
     """What is wrong with item `index`'s label, or None for an integer class in [0, n_classes)."""
-    integer = isinstance(label, int) or (isinstance(label, torch.Tensor) and label.numel() == 1
-                                         and not label.is_floating_point())
+    # numpy's integers count (labels read from an array); a tensor must be 0-d: a (1,) one batches to (B, 1)
+    integer = (isinstance(label, numbers.Integral) and not isinstance(label, bool)) or (
+        isinstance(label, torch.Tensor) and label.dim() == 0 and not label.is_floating_point()
+        and label.dtype != torch.bool)
     if integer and 0 <= int(label) < n_classes:
         return None
     return f"item {index}'s label is {label!r}, not an integer class in [0, {n_classes})"
