@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from test_cli import checkpoint_steps, clean_env, metrics
 
-from ganscale import checkpoint, runlock
+from ganscale import checkpoint, fault, runlock
 from ganscale.config import ConfigError
 
 ENDLESS = ["--set", "train.steps=100000", "--set", "train.batch_size=6", "--set", "log.every=1",
@@ -98,11 +100,13 @@ def test_a_resume_while_a_run_trains_is_refused_and_the_nproc_run_is_not_refused
     assert [r["step"] for r in metrics(run)][-1] == checkpoint_steps(run)[-1]  # its own outputs, to where it stopped
 
 
-def write_lock(run: Path, host: str, pid: int, age_s: float = 0.0, pid_start: int | None = None) -> bytes:
+def write_lock(run: Path, host: str, pid: int, age_s: float = 0.0, pid_start: int | None = None,
+               **fields) -> bytes:
+    """An owner record (an older ganscale's, without pid_ns, unless `fields` name it) with a lease `age_s` old."""
     run.mkdir(parents=True, exist_ok=True)
     lock = run / runlock.LOCK_NAME
     lock.write_text(json.dumps({"host": host, "pid": pid, "pid_start": pid_start, "token": "theirs",
-                                "started": "2026-11-24 20:31:05"}))
+                                "started": "2026-11-24 20:31:05", **fields}))
     os.utime(lock, (time.time() - age_s, time.time() - age_s))
     return lock.read_bytes()
 
@@ -174,3 +178,149 @@ def test_a_stale_lock_raced_for_by_several_processes_is_taken_by_one(tmp_path):
     taken, owner = results[0]
     assert [token for token in taken if token] == [owner]
     assert list(run.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ PID namespaces
+def can_unshare() -> bool:
+    """Whether this process may start one in a PID namespace of its own (root, or user namespaces allowed)."""
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_unshare(), reason="needs `unshare --pid --fork --mount-proc` (root or user namespaces)")
+def test_a_resume_from_another_pid_namespace_on_this_host_is_refused_while_the_run_trains(tmp_path):
+    """The outside tester's case: containers with host networking on a shared volume (one hostname, their own
+    pids). The holder's pid is not visible from the other namespace: only its lease says whether it lives."""
+    trains = start(*ENDLESS, "--run-dir", "R", cwd=tmp_path)
+    try:
+        wait_for(lambda: any((tmp_path / "R" / "checkpoints").glob("step-*.json")), "a checkpoint", [trains])
+        token = runlock.token_of(tmp_path / "R")
+        resumed = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "ganscale",
+                                    "train", *ENDLESS, "--run-dir", "R", "--resume", "auto"], cwd=tmp_path,
+                                   env=clean_env(), text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        line = refusal(resumed)
+        assert "'R' is in use by the run started " in line and f"(pid {trains.pid})" in line, line
+        assert runlock.token_of(tmp_path / "R") == token and trains.poll() is None  # still the holder's, training
+        stopped = stop(trains)
+    finally:
+        if trains.poll() is None:
+            trains.kill()
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert "no longer this run's" not in stopped.stderr
+
+
+def test_the_owner_record_names_its_pid_namespace(tmp_path):
+    held = runlock.hold(tmp_path / "run")
+    try:
+        owner = json.loads((tmp_path / "run" / runlock.LOCK_NAME).read_text())
+    finally:
+        held.release()
+    assert owner["pid_ns"] == (os.readlink("/proc/self/ns/pid") if Path("/proc/self/ns/pid").exists() else None)
+
+
+def test_a_lock_from_another_pid_namespace_on_this_host_is_judged_by_its_lease(tmp_path, monkeypatch):
+    """Its pid (dead, or another process, from here) says nothing: it is taken over only once its lease lapses."""
+    monkeypatch.setattr(runlock, "LEASE_S", 1.0)
+    run = tmp_path / "run"
+    before = write_lock(run, socket.gethostname(), a_dead_pid(), pid_ns="pid:[4026500000]")
+    with pytest.raises(ConfigError, match="is in use by the run started"):
+        runlock.hold(run)
+    assert (run / runlock.LOCK_NAME).read_bytes() == before
+    time.sleep(1.5)  # its lease lapses
+    held = runlock.hold(run)
+    assert json.loads((run / runlock.LOCK_NAME).read_text())["token"] == held.token
+    held.release()
+
+
+def test_a_dead_pid_in_this_pid_namespace_is_taken_over_at_once(tmp_path):
+    run = tmp_path / "run"
+    write_lock(run, socket.gethostname(), a_dead_pid(), pid_ns=runlock._pid_namespace())  # a fresh lease
+    held = runlock.hold(run)
+    assert json.loads((run / runlock.LOCK_NAME).read_text())["token"] == held.token
+    held.release()
+
+
+# ------------------------------------------------------------------------------ a lock taken over
+@pytest.mark.parametrize("stops_run", [False, True])
+def test_a_hold_taken_over_is_lost_no_longer_renewed_and_left_to_its_new_owner(tmp_path, monkeypatch, capsys,
+                                                                               stops_run):
+    """`stops_run`: a trainer stops on it and says so; else (the tensorflow engine) the hold warns by itself."""
+    monkeypatch.setattr(runlock, "RENEW_S", 0.05)
+    run = tmp_path / "run"
+    held = runlock.hold(run)
+    held.stops_run = stops_run
+    try:
+        time.sleep(0.3)
+        assert not held.lost.is_set() and held.verify()
+        theirs = write_lock(run, "another-host", 1234, age_s=30)  # the other run, as its renewals found it
+        deadline = time.time() + 10
+        while not held.lost.is_set():
+            assert time.time() < deadline, "the hold's thread did not find it lost"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert not held.verify() and time.time() - (run / runlock.LOCK_NAME).stat().st_mtime > 20  # not renewed
+    finally:
+        held.release()
+    assert (run / runlock.LOCK_NAME).read_bytes() == theirs
+    warned = f"ganscale: warning: the lock {run / runlock.LOCK_NAME} is no longer this run's"
+    assert (warned in capsys.readouterr().err) != stops_run
+
+
+def test_a_hold_moved_aside_for_an_instant_by_a_racing_takeover_is_not_lost(tmp_path, monkeypatch):
+    """`_take_over_if_stale` may move a fresh lock aside and put it back: that is not a takeover."""
+    monkeypatch.setattr(runlock, "CONFIRM_S", 0.5)
+    held = runlock.hold(tmp_path / "run")
+    lock, aside = tmp_path / "run" / runlock.LOCK_NAME, tmp_path / "run" / "aside"
+    try:
+        os.rename(lock, aside)
+        threading.Timer(0.1, lambda: os.link(aside, lock)).start()
+        assert held.verify() and not held.lost.is_set()
+    finally:
+        aside.unlink(missing_ok=True)
+        held.release()
+
+
+def everything_but_the_lock(run: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(run.rglob("*")) if p.is_file() and p.name != runlock.LOCK_NAME}
+
+
+# `python -m ganscale` whose hold is never checked by its thread (it would find a takeover within RENEW_S): only
+# the trainer's own look before an iteration that writes can find it.
+UNWATCHED = ("import sys; from ganscale import runlock; runlock.RENEW_S = 3600.0; from ganscale.cli import main; "
+             "sys.argv[0] = 'ganscale'; main()")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_a_run_whose_lock_another_run_took_over_stops_and_writes_nothing_more(tmp_path, nproc):
+    """Rank 0 pauses 3 s at the start of step 5 (checkpoint step-4 written); meanwhile another run takes the lock.
+    Every rank stops in that step's agreement: exit 9, one line naming the lock, nothing written since. One process:
+    found by the trainer's look before writing (the lock's thread is kept out). `--nproc`: the launcher holds the
+    lock, its workers' rank 0 watches it, and the launcher does not restart them."""
+    env = {**clean_env(), fault.INJECT_ENV: "sleep@0:4:3"}
+    python = [sys.executable, "-m", "ganscale"] if nproc else [sys.executable, "-c", UNWATCHED]
+    launched = ["--nproc", str(nproc), "--max-restarts", "1"] if nproc else []
+    trains = subprocess.Popen([*python, "train", *ENDLESS, *launched, "--run-dir", "R"],
+                              cwd=tmp_path, env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = tmp_path / "R"
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step-00000004.json").is_file(), "checkpoint 4", [trains])
+        time.sleep(0.3)  # what step 4 writes after its checkpoint (keep-k pruning) is done
+        theirs = write_lock(run, "another-host", 4321)  # taken over: another run's token, a fresh lease
+        written = everything_but_the_lock(run)
+        _, err = trains.communicate(timeout=120)
+    finally:
+        if trains.poll() is None:
+            trains.kill()
+    assert trains.returncode == fault.EXIT_TAKEN_OVER == 9, err[-3000:]
+    said = [line for line in err.splitlines() if "took over" in line]
+    assert said == [f"ganscale: another run took over the run directory R (the lock R/{runlock.LOCK_NAME} is that "
+                    "run's now): this run stopped at step 5 and wrote nothing more there, no checkpoint either"], err
+    assert "Traceback" not in err and "another rank failed first" not in err and "no longer this run's" not in err
+    if nproc:
+        assert "not restarting the workers: another run holding the run directory would stop them again" in err, err
+    assert everything_but_the_lock(run) == written and (run / runlock.LOCK_NAME).read_bytes() == theirs
+    assert checkpoint_steps(run)[-1] == 4 and not (run / "summary.json").exists()

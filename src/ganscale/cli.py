@@ -19,8 +19,8 @@ import click
 from ganscale import config as config_mod
 from ganscale.config import DIGIT_DATASETS, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
-                            NonFiniteTraining, Preempted, ReplicaDivergence, is_peer_failure, peer_failure_summary,
-                            told_elsewhere)
+                            NonFiniteTraining, Preempted, ReplicaDivergence, RunDirectoryTakenOver, is_peer_failure,
+                            peer_failure_summary, told_elsewhere)
 
 
 # A rank that leaves an error to another (told_by) exits this much later: a launcher stops every worker at the
@@ -134,7 +134,9 @@ def leave(error: Exception) -> NoReturn:
         _fail(error)
     if isinstance(error, WorkersFailed):  # they said why, and the launcher named the rank
         sys.exit(error.exit_code)
-    if isinstance(error, (Preempted, NonFiniteTraining, ReplicaDivergence)):  # every rank alike: one line, its code
+    if isinstance(error, (Preempted, NonFiniteTraining, ReplicaDivergence, RunDirectoryTakenOver)):
+        # Every rank alike: one line (rank 0's, `told_by`), its code; the others wait for it to be said (the
+        # launcher stops every worker at the first exit).
         if told_elsewhere(error):
             time.sleep(SAID_GRACE_S)
         else:

@@ -21,6 +21,7 @@ EXIT_HANG = 5         # a rank made no progress for fault.hang_timeout_s: diagno
 EXIT_PEER_FAILED = 6  # this rank stopped because another rank died first (its error is the one to read)
 EXIT_FILE_REFUSED = 7  # the system refused a file operation (permissions, a full or read-only disk): one line
 EXIT_REPLICAS_DIFFER = 8  # tensors every rank must hold identically differ at a checkpoint: it was not written
+EXIT_TAKEN_OVER = 9   # another run took the run directory's lock over: every rank stopped, writing nothing more
 
 # File operations the system refused: one line and exit 7 in every command (EEXIST: a file where a folder goes).
 REFUSED_FILE_OPERATION = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
@@ -69,6 +70,13 @@ class ReplicaDivergence(Exception):
     """Parameters or buffers differ across ranks where they must be identical (found by every rank at once)."""
 
     exit_code = EXIT_REPLICAS_DIFFER
+
+
+class RunDirectoryTakenOver(Exception):
+    """Another run took over this run's directory (run.lock holds its token now, runlock.LockWatch): every rank
+    stopped at the same step and wrote nothing more there, no checkpoint either (the other run's directory now)."""
+
+    exit_code = EXIT_TAKEN_OVER
 
 
 class CheckpointWriteError(OSError):

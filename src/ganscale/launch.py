@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ganscale import checkpoint, fault, runlock, versions
 from ganscale.config import Config, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_NON_FINITE, EXIT_PEER_FAILED,
-                           EXIT_PREEMPTED, EXIT_REPLICAS_DIFFER, RESTARTS_ENV)
+                           EXIT_PREEMPTED, EXIT_REPLICAS_DIFFER, EXIT_TAKEN_OVER, RESTARTS_ENV)
 from ganscale.rundir import AlreadyTrained, decide_run, resume_after_restart
 
 
@@ -50,10 +50,12 @@ def rank_from_environment() -> int:
 
 # A worker's exit that a restart cannot mend: a config, data or checkpoint error (the same again), a stop
 # request (the job is being ended), diverged training (the same again from the same checkpoint), a file
-# operation the system refused (the same write fails again, after redoing up to a checkpoint interval).
+# operation the system refused (the same write fails again, after redoing up to a checkpoint interval), a run
+# directory another run took over (it is that run's now).
 NOT_RESTARTED = {EXIT_CONFIG: "a config, data or checkpoint error", EXIT_PREEMPTED: "a stop request",
                  EXIT_NON_FINITE: "non-finite training",
-                 EXIT_FILE_REFUSED: "a file operation the system refused (permissions, a full disk)"}
+                 EXIT_FILE_REFUSED: "a file operation the system refused (permissions, a full disk)",
+                 EXIT_TAKEN_OVER: "another run holding the run directory"}
 
 # Set by launch_local for its workers: "PID:RUN_ID", the process they follow and the launch it made (a worker of
 # another launch, e.g. torchrun started from a process that once launched, inherits a stale value and ignores it).
@@ -154,6 +156,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     if held is not None:
         os.environ[runlock.TOKEN_ENV] = held.token
+        held.stops_run = True  # its workers' rank 0 watches it too, stops them and says so
     restart = 0
     try:
         while True:  # each pass ends in a return, or in a restart
@@ -240,7 +243,7 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     from ganscale import runtime as rt
     from ganscale.trainer import Trainer
 
-    from ganscale.fault import NonFiniteTraining, Preempted, ReplicaDivergence
+    from ganscale.fault import NonFiniteTraining, Preempted, ReplicaDivergence, RunDirectoryTakenOver
 
     follow_launcher()
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
@@ -256,13 +259,15 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
         run_path, resume_from, held = decide_run(cfg, run_dir, resume)
         if runtime.is_main and (said := slurm.start_line(resume_from)):
             print(said, flush=True)
-        summary = Trainer(cfg, runtime, run_path, resume_from).fit()
+        if held is None and runtime.is_main:  # an `--nproc` worker: the launcher holds it, rank 0 watches it
+            held = runlock.watch_parent_hold(run_path)
+        summary = Trainer(cfg, runtime, run_path, resume_from, run_lock=held).fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them
-    except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining, ReplicaDivergence):
+    except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining, ReplicaDivergence, RunDirectoryTakenOver):
         runtime.close()  # decisions every rank reached together: leave together
         raise
     finally:
-        if held is not None:  # rank 0's hold on the run directory: free once this run has left it
+        if held is not None:  # rank 0's hold on the run directory (or watch): free once this run has left it
             held.release()
     # Any other error is this rank's own: the group stays open until the process exits, so the peers'
     # collectives break only then and the launcher sees this rank fail first.

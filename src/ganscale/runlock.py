@@ -1,9 +1,13 @@
 """One run at a time in a run directory: a lock file, `RUN_DIR/run.lock`, held for the run's whole life.
 
-Made with O_CREAT|O_EXCL (atomic on local disks and on NFS); it holds its owner as JSON (host, pid, start time,
-a token). The owner renews it (its mtime, a lease) every RENEW_S seconds and removes it when it ends. A lock
-whose owner is gone is taken over: on the same host, when its pid is dead (or now another process); from another
-host, when its lease is LEASE_S old (the file system stamps the renewals; LEASE_S leaves room for clock skew).
+Made with O_CREAT|O_EXCL (atomic on local disks and on NFS); it holds its owner as JSON (host, PID namespace, pid,
+start time, a token). The owner renews it (its mtime, a lease) every RENEW_S seconds and removes it when it ends. A
+lock whose owner is gone is taken over: on the same host and in the same PID namespace, when its pid is dead (or now
+another process); otherwise (another host, or another container on this one, whose pids this process cannot see)
+when its lease is LEASE_S old (the file system stamps the renewals; LEASE_S leaves room for clock skew).
+
+A run whose lock was taken over anyway (its lease lapsed: a frozen or cut-off host) learns it from `LockWatch.lost`
+and stops without writing anything more (fault.RunDirectoryTakenOver, exit 9).
 """
 
 from __future__ import annotations
@@ -22,28 +26,77 @@ from ganscale.config import ConfigError
 LOCK_NAME = "run.lock"
 TOKEN_ENV = "GANSCALE_RUN_LOCK"  # the `--nproc` parent's token: its workers run under its hold
 RENEW_S = 5.0
-LEASE_S = 60.0  # a lock from another host not renewed for this long is its crashed (or cut off) owner's
+LEASE_S = 60.0  # a lock from another host (or PID namespace) not renewed for this long is its crashed owner's
+CONFIRM_S = 0.2  # a lock that looks taken over is read again this much later before the run stops
 
 
-class RunLock:
-    """This process's hold on a run directory (`hold`): renewed from a daemon thread until `release`."""
+class LockWatch:
+    """Whether the hold `token` on the lock `path` is still this run's: checked every RENEW_S seconds from a daemon
+    thread, and at once by `verify`. `lost` is set, for good, once another run holds it (or none does)."""
 
-    def __init__(self, path: Path, token: str, made: list[Path]):
-        self.path, self.token, self.made = path, token, made
+    renews = False  # a watcher (an `--nproc` worker's rank 0) only looks: its launcher renews the lease
+
+    def __init__(self, path: Path, token: str):
+        self.path, self.token = path, token
+        self.lost = threading.Event()
+        self.stops_run = False  # set by what stops the run on `lost` (the trainer, a launcher's workers): it says so
         self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew, name="ganscale-run-lock", daemon=True)
+        self._renewer = threading.Thread(target=self._watch, name="ganscale-run-lock", daemon=True)
         self._renewer.start()
 
-    def _renew(self) -> None:
+    def _watch(self) -> None:
         while not self._stop.wait(RENEW_S):
             try:
-                if (_owner(self.path) or {}).get("token") != self.token:
-                    print(f"ganscale: warning: the lock {self.path} is no longer this run's (its lease lapsed and "
-                          "another run took it over)", file=sys.stderr, flush=True)
+                if not self.verify():
+                    if not self.stops_run:  # e.g. the tensorflow engine's loop: nothing stops it, so say it
+                        print(f"ganscale: warning: the lock {self.path} is no longer this run's (its lease lapsed "
+                              "and another run took it over)", file=sys.stderr, flush=True)
                     return
-                os.utime(self.path)  # the file system's clock stamps the lease
+                if self.renews:
+                    os.utime(self.path)  # the file system's clock stamps the lease
             except OSError:  # a file system hiccup: the next renewal tries again, well within the lease
                 continue
+
+    def verify(self) -> bool:
+        """Whether the lock is still this run's, read now (a small file read; sets `lost` when not). OSError where
+        the lock cannot be read (a file system hiccup): that says nothing either way."""
+        if self.lost.is_set():
+            return False
+        if self._token_now() == self.token:
+            return True
+        # A takeover that raced another moves a fresh lock aside for an instant and puts it back: look again.
+        time.sleep(CONFIRM_S)
+        if self._token_now() == self.token:
+            return True
+        self.lost.set()
+        return False
+
+    def _token_now(self) -> str | None:
+        try:
+            owner = json.loads(self.path.read_text())
+        except (FileNotFoundError, ValueError):  # no lock, or another run writing its own: not ours either way
+            return None
+        return owner.get("token") if isinstance(owner, dict) else None
+
+    def release(self, abandon: bool = False) -> None:
+        """Stop watching (the lock is the launcher's to remove)."""
+        self._stop.set()
+
+    def __enter__(self) -> LockWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class RunLock(LockWatch):
+    """This process's hold on a run directory (`hold`): renewed from a daemon thread until `release`."""
+
+    renews = True
+
+    def __init__(self, path: Path, token: str, made: list[Path]):
+        self.made = made
+        super().__init__(path, token)
 
     def release(self, abandon: bool = False) -> None:
         """Stop renewing and remove the lock (if still ours); `abandon`: the run wrote nothing, so the folders
@@ -57,12 +110,6 @@ class RunLock:
             except OSError:  # not empty: something else is there now
                 break
 
-    def __enter__(self) -> RunLock:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 def hold(run_dir: Path) -> RunLock:
     """Take the run directory (made if missing) for this process, taking over a stale lock; a ConfigError naming
@@ -70,8 +117,8 @@ def hold(run_dir: Path) -> RunLock:
     made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
     run_dir.mkdir(parents=True, exist_ok=True)
     lock, token = run_dir / LOCK_NAME, uuid.uuid4().hex
-    owner = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
-             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "token": token}
+    owner = {"host": socket.gethostname(), "pid_ns": _pid_namespace(), "pid": os.getpid(),
+             "pid_start": _process_start(os.getpid()), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "token": token}
     for _ in range(3):  # a stale lock taken over, and lost to a third run: at most a few tries
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -84,6 +131,14 @@ def hold(run_dir: Path) -> RunLock:
     refuse_if_held(run_dir)
     raise ConfigError("--run-dir", f"'{run_dir}' is being taken by another run", "wait for it to start, or choose "
                       "another --run-dir")
+
+
+def watch_parent_hold(run_dir: Path) -> LockWatch | None:
+    """In a worker of the `--nproc` parent that holds `run_dir`: a watch on that hold (its rank 0 stops the run
+    when it is lost); None elsewhere."""
+    if not held_by_parent(run_dir):
+        return None
+    return LockWatch(run_dir / LOCK_NAME, os.environ[TOKEN_ENV])
 
 
 def held_by_parent(run_dir: Path) -> bool:
@@ -137,7 +192,10 @@ def _seen(lock: Path) -> tuple[dict | None, float, int] | None:
 
 
 def _stale(owner: dict | None, age_s: float, _mtime_ns: int) -> bool:
-    if owner and owner.get("host") == socket.gethostname():
+    # Its pid means something here only on this host and in this PID namespace: another container's pid looks dead
+    # (or is another process) from here. A record without pid_ns (an older ganscale's) counts as this namespace.
+    ours = _pid_namespace()
+    if owner and owner.get("host") == socket.gethostname() and owner.get("pid_ns", ours) == ours:
         pid = owner.get("pid")
         return not (isinstance(pid, int) and _process_start(pid) is not None
                     and _process_start(pid) == owner.get("pid_start"))
@@ -156,6 +214,14 @@ def _owner(lock: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return owner if isinstance(owner, dict) else None
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace ("pid:[4026531836]" on Linux); None where there is none to read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _process_start(pid: int) -> int | None:

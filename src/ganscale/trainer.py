@@ -2,9 +2,10 @@
 its global batch -> EMA -> logs, samples, checkpoints.
 
 Every rank runs exactly this control flow. The decisions taken from local data or events (skip a
-step with a non-finite loss or gradient, stop after a signal) are agreed in one all-reduce per
-optimizer step; everything else (penalty steps, logging, samples, checkpoints, the non-finite streak
-limit) is a function of the step counter and of agreed values, the same on every rank.
+step with a non-finite loss or gradient, stop after a signal, stop when another run took the run directory
+over) are agreed in one all-reduce per optimizer step; everything else (penalty steps, logging, samples,
+checkpoints, the non-finite streak limit) is a function of the step counter and of agreed values, the same on
+every rank.
 What rank 0 alone writes (config, log, samples, checkpoint) is agreed where it is written: one broadcast
 tells every rank whether it succeeded (`rank0_writes`), so a failed write stops all ranks with its error.
 The checkpointer (checkpointer.py) and the reporter (observe/reporter.py: metrics, samples, image scores, the
@@ -30,8 +31,8 @@ from ganscale.data import GlobalBatches, Slicing, build_dataset
 from ganscale.data.stream import Sample
 from ganscale.ema import EmaUpdate, ema_beta, make_ema
 from ganscale.finite import BufferSnapshot, refuse_non_finite
-from ganscale.fault import (NonFiniteTraining, Preempted, StopSignals, every_rank_or_none, injected_fault, rank0_writes,
-                            told_by)
+from ganscale.fault import (NonFiniteTraining, Preempted, RunDirectoryTakenOver, StopSignals, every_rank_or_none,
+                            injected_fault, rank0_writes, told_by)
 from ganscale.models import build_networks, output_warning
 from ganscale.observe.fingerprints import fingerprints_for
 from ganscale.observe.profile import StepProfiler
@@ -46,6 +47,7 @@ from ganscale.precision import Precision
 from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuses_fake
 from ganscale.randomness import normal, sample_seeds, seeds_from
 from ganscale.rundir import config_to_write
+from ganscale.runlock import LOCK_NAME, LockWatch
 from ganscale.runtime import Runtime, calm_gloo_polling, seed_rank_streams
 from ganscale.seeds import StepSeeds
 from ganscale.tasks import build_task
@@ -148,8 +150,14 @@ class Phase:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path, resume: Path | None = None):
+    def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path, resume: Path | None = None,
+                 run_lock: LockWatch | None = None):
+        """`run_lock`: rank 0's hold on the run directory (or its watch on the `--nproc` launcher's); the run stops
+        (RunDirectoryTakenOver) once it is lost."""
         self.cfg, self.runtime, self.run_dir = cfg, runtime, Path(run_dir)
+        self.run_lock = run_lock
+        if run_lock is not None:
+            run_lock.stops_run = True  # the stop says it: the lock's own warning would say it twice
         world, device = runtime.world, runtime.device
         data_ranks = cfg.data_ranks(world)  # a pipeline's stages share one slice of the batch
         self.slicing = Slicing(runtime.rank // (world // data_ranks), data_ranks, cfg.micro_batch(world),
@@ -199,6 +207,8 @@ class Trainer:
         self.non_finite_steps = 0  # skipped steps that fp16's loss scale backing off does not explain
         self.stop_signal: str | None = None  # set by a signal on this rank
         self.stop_agreed = False             # set when any rank had a stop signal (agreed in _finish_step)
+        self.taken_over = False              # set when rank 0 found the run directory's lock lost (agreed there too)
+        self._verify_lock = False            # whether this iteration ends in writes: rank 0 reads its lock first
         self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
         self.traffic = TrafficMeter()  # bytes communicated per step, measured on one step
         self.times = StepTimes(device, cfg.log.step_times)  # where each step's wall time goes
@@ -294,6 +304,8 @@ class Trainer:
             self._begin_step(step, start_step)
             for phase in phases.steps_at(self.phases, step):  # a function of the step: the same on every rank
                 self.stats.update(self.phase_steps[phase.computes][phase.network](phase, step))
+            if self.taken_over:  # agreed in _finish_step: every rank stops here, before anything of the step is written
+                raise self._taken_over_error(step + 1)
             self.precision.update()  # once per iteration, after both networks stepped
             self.consecutive_skips = self.consecutive_skips + 1 if self.non_finite_steps > counted_before else 0
             self.step = step + 1
@@ -338,7 +350,34 @@ class Trainer:
         factor = lr_factor(step, self.cfg.train.steps, self.cfg.optim.decay_start)  # a function of the step
         for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
             group["lr"] = group["initial_lr"] * factor
+        if self.run_lock is not None:
+            # Rank 0 reads its lock before an iteration that writes (metrics, samples, a checkpoint; a stop signal's
+            # checkpoint), not only every RENEW_S in the lock's thread: a run that lost it writes nothing more.
+            after, final = step + 1, step + 1 == self.cfg.train.steps
+            self._verify_lock = (final or after % self.cfg.log.every == 0 or self.reporter.due(after, final)
+                                 or self.checkpointer.due(after, False) or self.stop_signal is not None)
         self.inject_fault(step, self.runtime.rank)
+
+    def _stop_flags(self) -> list[float]:
+        """This rank's stop flags for the step's agreement: a stop signal, and its lock lost (rank 0 only)."""
+        return [float(self.stop_signal is not None), float(self._lock_lost())]
+
+    def _lock_lost(self) -> bool:
+        if self.run_lock is None:
+            return False
+        if not self._verify_lock:
+            return self.run_lock.lost.is_set()
+        try:
+            return not self.run_lock.verify()
+        except OSError:  # unreadable for a moment: says nothing; the lock's thread keeps looking
+            return self.run_lock.lost.is_set()
+
+    def _taken_over_error(self, step: int) -> RunDirectoryTakenOver:
+        lock = self.run_dir / LOCK_NAME
+        error = RunDirectoryTakenOver(
+            f"another run took over the run directory {self.run_dir} (the lock {lock} is that run's now): this run "
+            f"stopped at step {step} and wrote nothing more there, no checkpoint either")
+        return error if self.runtime.rank == 0 else told_by(0, error)  # rank 0 found it, and says it
 
     def phase(self, where: str | None = None, part: str | None = None, traffic: str | None = None) -> Phase:
         """One phase of a step, instrumented: the hang watchdog's mark (`where`, at this step), the step-time
@@ -605,9 +644,9 @@ class Trainer:
         return means.values
 
     def _agreement(self, terms: list[Tensor | None]) -> Tensor:
-        """What the ranks sum once per optimizer step: the loss terms the step has, and the stop flag."""
+        """What the ranks sum once per optimizer step: the loss terms the step has, and the stop flags."""
         present = [t for t in terms if t is not None]
-        return torch.stack([*present, present[0].new_tensor(float(self.stop_signal is not None))])
+        return torch.cat([torch.stack(present), present[0].new_tensor(self._stop_flags())])
 
     def _offer_agreement(self, net: Wrapped, terms: list[Tensor | None]) -> None:
         """Before the backward that reduces `net`'s gradients: under DDP, the step's agreement all-reduce
@@ -631,7 +670,7 @@ class Trainer:
             if self.runtime.world == 1:  # its values already are the global ones: one device-to-host copy, no gloo
                 present = [t.float() for t in terms if t is not None]
                 *sums, norm = torch.stack([*present, grad_norm.to(present[0].device, torch.float32)]).tolist()
-                norm_sum, sums = norm, [*sums, float(self.stop_signal is not None)]
+                norm_sum, sums = norm, [*sums, *self._stop_flags()]
             elif net.carrier is not None:  # DDP (a property of the strategy, the same on every rank):
                 norm = norm_sum = grad_norm.item()  # of gradients already averaged: the same on every rank
                 sums = net.carried()  # summed with the gradients in backward
@@ -643,9 +682,10 @@ class Trainer:
                 packed = torch.cat([self._agreement(terms), grad_norm.to(device=self.runtime.device).view(1)])
                 dist.all_reduce(packed)  # one collective: global mean losses, the skip and the stop decisions
                 *sums, norm_sum = packed.tolist()
-        *sums, stops = sums
+        *sums, stops, lost = sums
         skip = not all(math.isfinite(v) for v in (*sums, norm_sum))
         self.stop_agreed = self.stop_agreed or stops > 0
+        self.taken_over = self.taken_over or lost > 0
         present_sums = iter(sums)  # in the order of the terms the step has
         means = [0.0 if t is None else next(present_sums) / self.runtime.world for t in terms]
         self.fingerprints.optimizer_step(self.step, "G" if net is self.G else "D", net.module, means)
