@@ -478,6 +478,8 @@ def test_an_installed_nn_module_class_may_be_a_network_and_nothing_else_of_a_lib
     assert usercode.find("torch.nn:Linear", "model.generator", network=True) is torch.nn.Linear
     with pytest.raises(ConfigError, match="installed package"):
         usercode.find("torch.nn:Linear", "data.dataset")
+    with pytest.raises(ConfigError, match="does not import"):  # a relative name: one line, not a traceback
+        usercode.find(".nets:Generator", "model.generator", network=True)
     with pytest.raises(ConfigError, match="standard library"):  # refused before the module imports
         usercode.find("antigravity:geohash", "model.generator", network=True)
     assert "antigravity" not in sys.modules

@@ -43,7 +43,10 @@ def find(spec: str, key: str, code_path: Sequence[str] = (), network: bool = Fal
     if not module_name or not attribute:
         raise ConfigError(key, f"'{spec}' is not of the form module:attribute", "e.g. my_gan.nets:Generator")
     search(code_path)
-    top = importlib.util.find_spec(module_name.partition(".")[0])  # imports nothing
+    try:
+        top = importlib.util.find_spec(module_name.partition(".")[0])  # imports nothing
+    except (ImportError, ValueError):  # not a module name (".nets"): the import below says so
+        top = None
     if top is not None and _where(top.origin) == STDLIB:  # refused before it imports (antigravity opens a browser)
         raise _not_users_own(spec, key, f"a module of {STDLIB}")
     try:
