@@ -223,10 +223,10 @@ def _analytic_traffic(g: str, d: str, shapes: dict, world: int) -> dict[str, dic
                 out[kind] = out.get(kind, 0) + n
         return out
     def control(strategy):
-        # The agreement: the loss terms the step has (here no penalty, no reconstruction: one each) and the
-        # stop flag; with DDP they ride on the gradient all-reduce, else an all-reduce of their own adds the
-        # gradient norm.
-        return 2 * 4 if strategy in ("ddp", "zero1") else 3 * 4
+        # The agreement: the loss terms the step has (here no penalty, no reconstruction: one each) and the two
+        # stop flags (a signal, rank 0's lost run lock); with DDP they ride on the gradient all-reduce, else an
+        # all-reduce of their own adds the gradient norm.
+        return 3 * 4 if strategy in ("ddp", "zero1") else 4 * 4
     return {"d_step": total(forward_only(g, "G"), stepped(d, "D"), control=control(d)),
             "g_step": total(stepped(g, "G", gathered_already=g == "zero2"), frozen_through(d, "D"),
                             control=control(g))}

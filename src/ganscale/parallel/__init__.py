@@ -385,7 +385,7 @@ def _in_strides_of(param: Tensor, grad: Tensor) -> Tensor:
 class GradientCarrier:
     """DDP communication hook: DDP's gradient all-reduce, which can take a few more numbers along.
 
-    The trainer agrees on every optimizer step's losses and stop flag in an all-reduce. Under DDP that
+    The trainer agrees on every optimizer step's losses and stop flags in an all-reduce. Under DDP that
     would be a second collective per backward, and on a small model each costs as much as the gradients'
     own (waking gloo's threads, and waiting for the slower rank twice). Handed over before the backward,
     the values are appended to the last gradient bucket and summed with it instead: the same numbers,
