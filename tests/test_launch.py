@@ -105,7 +105,7 @@ def test_bench_scaling_s_ranks_and_their_store_listen_on_the_loopback_only():
 
     def watch() -> None:
         while not done.wait(0.05):
-            for pid in [os.getpid(), *children(os.getpid())]:
+            for pid in [os.getpid(), *worker_pids(os.getpid())]:
                 try:
                     seen.setdefault(pid, set()).update(listening_addresses(pid))
                 except OSError:  # ended meanwhile
@@ -124,19 +124,6 @@ def test_bench_scaling_s_ranks_and_their_store_listen_on_the_loopback_only():
     ranks = [pid for pid in seen if pid != os.getpid() and seen[pid]]
     assert seen[os.getpid()] and ranks, seen  # the bench's store, and the ranks' gloo sockets
     assert all(address.is_loopback for addresses in seen.values() for address in addresses), seen
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 @pytest.mark.skipif("launcher-grace" in versions.lacking(torch.__version__),
