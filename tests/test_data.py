@@ -297,6 +297,12 @@ def test_image_grid(channels):
     assert grid.max() == 255 and grid.min() == 0
 
 
+def test_a_grid_of_fewer_images_than_its_columns_has_no_blank_cells():
+    grid = image_grid(torch.ones(4, 1, 8, 8), cols=8)  # `sample --n 4` of a class-conditional G (8 classes a row)
+    assert grid.shape[:2] == image_grid(torch.ones(4, 1, 8, 8), cols=4).shape[:2]
+    assert (grid == 255).all(-1).sum() == 4 * 32 * 32
+
+
 def test_image_grid_two_channels_shows_grey_not_alpha():
     images = torch.stack([-torch.ones(4, 4), torch.ones(4, 4)])[None]  # black, opaque
     grid = image_grid(images)

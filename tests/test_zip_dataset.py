@@ -183,13 +183,13 @@ def test_dataset_create_refuses_bad_input_in_one_line_and_writes_nothing(tmp_pat
 
 # ------------------------------------------------------------------------------------ data.kind=zip
 def test_a_zip_laid_out_by_nvlabs_tool_reads_with_its_labels(tmp_path):
-    shades = [Image.new("L", (8, 8), 10 * i) for i in range(5)]
-    names = write_nvlabs_zip(tmp_path / "nv.zip", shades, labels=[3, 1, 4, 1, 5])
+    shades = [Image.new("L", (8, 8), 10 * i) for i in range(6)]
+    names = write_nvlabs_zip(tmp_path / "nv.zip", shades, labels=[3, 1, 4, 0, 5, 2])
     assert names[0] == "00000/img00000000.png"
     dataset = ImageZip(tmp_path / "nv.zip", 8, 1, classes=6)
-    for i, (image, label) in enumerate(dataset[i] for i in range(5)):
+    for i, (image, label) in enumerate(dataset[i] for i in range(6)):
         assert image.shape == (1, 8, 8) and torch.allclose(image, torch.full((1, 8, 8), 10 * i / 127.5 - 1))
-        assert label.dtype == torch.int64 and int(label) == [3, 1, 4, 1, 5][i]
+        assert label.dtype == torch.int64 and int(label) == [3, 1, 4, 0, 5, 2][i]
     assert len(ImageZip(tmp_path / "nv.zip", 8, 1)[0]) == 1  # unconditional: the image alone
     rgb = ImageZip(tmp_path / "nv.zip", 8, 3)[4][0]  # grey stored, RGB asked for: converted
     assert rgb.shape == (3, 8, 8) and torch.allclose(rgb, torch.full((3, 8, 8), 40 / 127.5 - 1))
@@ -272,7 +272,8 @@ def zip_with(path: Path, case: str) -> None:
         return
     sizes = {"mixed sizes": [(8, 8), (16, 16)], "not square": [(8, 4), (8, 4)], "resolution": [(16, 16)] * 2,
              "not a power of two": [(24, 24)] * 2}.get(case, [(8, 8)] * 2)
-    names = write_nvlabs_zip(path, [Image.new("RGB", size) for size in sizes], labels=[0, 1])
+    labels = [0, 2] if case == "a class missing" else [0, 1]
+    names = write_nvlabs_zip(path, [Image.new("RGB", size) for size in sizes], labels=labels)
     if case == "unreadable member":
         with zipfile.ZipFile(path, "a") as archive:
             archive.writestr("00000/img00000002.png", b"not a png")
@@ -314,12 +315,16 @@ def zip_with(path: Path, case: str) -> None:
     ("labels naming another file", "data.path", "a label for 00000/img00000009.png, which is not an image"),
     ("labels not classes", "data.path", "not all class indices"),
     ("too few classes", "model.n_classes", "has class 1, but model.n_classes=1"),
+    ("too many classes", "model.n_classes", "has no images of class 2 to 4 of model.n_classes=5, which G would be "
+                                            "trained to draw. Fix: set model.n_classes=2"),
+    ("a class missing", "model.n_classes", "has no images of class 1 of model.n_classes=3, which G would be trained "
+                                           "to draw. Fix: number the zip's classes 0 to 1 without gaps"),
 ])
 def test_a_bad_zip_exits_2_naming_it_before_anything_is_written(tmp_path, monkeypatch, case, key, said):
     zip_with(tmp_path / "bad.zip", case)
     monkeypatch.chdir(tmp_path)
     resolution = 24 if case == "not a power of two" else 8
-    classes = 1 if case == "too few classes" else 2
+    classes = {"too few classes": 1, "too many classes": 5, "a class missing": 3}.get(case, 2)
     before = files_under(tmp_path)
     result = cli("train", *TINY_STYLEGAN2, "--set", "data.kind=zip", "--set", "data.path=bad.zip",
                  "--set", f"data.resolution={resolution}", "--set", "data.channels=3", "--set", "data.labels=true",

@@ -103,6 +103,13 @@ def read_labels(archive: zipfile.ZipFile, path: Path, names: list[str]) -> list[
     return classes
 
 
+def _classes_named(classes: list[int]) -> str:
+    """'3', '3 and 4', '3 to 9' or '1, 4 and 6'."""
+    if len(classes) > 2 and classes == list(range(classes[0], classes[-1] + 1)):
+        return f"{classes[0]} to {classes[-1]}"
+    return str(classes[0]) if len(classes) == 1 else ", ".join(map(str, classes[:-1])) + f" and {classes[-1]}"
+
+
 class ImageZip(Dataset):
     """A StyleGAN data set zip: (image,) or, with `classes` (model.n_classes), (image, class). Images in [-1, 1],
     converted to `channels`. Everything is checked here, before training; each process (every DataLoader worker)
@@ -130,6 +137,13 @@ class ImageZip(Dataset):
         if max(labels) >= classes:
             raise ConfigError("model.n_classes", f"{self.path} has class {max(labels)}, but model.n_classes={classes}",
                               f"set model.n_classes={max(labels) + 1}")
+        # G draws every class uniformly: one without real images is a class D learns to call fake whatever G does.
+        missing = sorted(set(range(classes)) - set(labels))
+        if missing:
+            fix = (f"set model.n_classes={max(labels) + 1}" if missing[0] > max(labels) else
+                   f"number the zip's classes 0 to {len(set(labels)) - 1} without gaps (one sub-folder per class)")
+            raise ConfigError("model.n_classes", f"{self.path} has no images of class {_classes_named(missing)} of "
+                              f"model.n_classes={classes}, which G would be trained to draw", fix)
         return torch.tensor(labels, dtype=torch.int64)
 
     def __getstate__(self) -> dict:  # a spawned worker gets no open file; it opens its own

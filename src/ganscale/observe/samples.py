@@ -31,7 +31,8 @@ def image_grid(images: torch.Tensor, min_cell: int = 32, cols: int | None = None
 def _layout(shape: torch.Size, cols: int | None, min_cell: int) -> tuple[int, int, int]:
     """(columns, rows, zoom) of the grid of `shape` (N, C, H, W) images."""
     n, _, h, w = shape
-    cols = cols or math.ceil(math.sqrt(n))
+    # Never wider than its images: 4 samples of a class-conditional G (8 a row) are one row of 4, not 4 blank cells.
+    cols = min(cols or math.ceil(math.sqrt(n)), max(n, 1))
     return cols, math.ceil(n / cols), max(1, math.ceil(min_cell / max(h, w)))
 
 
