@@ -512,6 +512,28 @@ def test_export_reads_a_sharded_checkpoint_folder_named_by_checkpoint(tmp_path):
         assert f.metadata()["step"] == "1" and any(k.startswith("G_ema.") for k in f.keys())
 
 
+def test_export_of_another_runs_checkpoint_says_whose_config_it_exports_with(tmp_path):
+    from safetensors import safe_open
+
+    runs = {}
+    for name, width in (("A", 8), ("B", 16)):
+        runs[name] = tmp_path / name
+        trained = ganscale("train", "ring8", "--set", "train.steps=1", "--set", f"model.g_width={width}",
+                           "--set", "model.d_width=8", "--run-dir", name, cwd=tmp_path)
+        assert trained.returncode == 0, explain(trained)
+    a_checkpoint = runs["A"] / "checkpoints" / "step-00000001.pt"
+    result = ganscale("export", "B", "--out", "W.safetensors", "--checkpoint", str(a_checkpoint), cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert (f"note: {a_checkpoint} is not a checkpoint of B; written by a 'ring8' run with another config than its "
+            "own, it is exported with the config it was written with") in result.stderr
+    with safe_open(str(tmp_path / "W.safetensors"), "pt") as f:
+        assert yaml.safe_load(f.metadata()["config"])["model"]["g_width"] == 8  # A's weights with A's config
+    shutil.copy(a_checkpoint, tmp_path / "copy.pt")  # the same run's checkpoint moved elsewhere: nothing to say
+    shutil.copy(a_checkpoint.with_suffix(".json"), tmp_path / "copy.json")  # with its completion marker
+    result = ganscale("export", "A", "--out", "V.safetensors", "--checkpoint", "copy.pt", cwd=tmp_path)
+    assert result.returncode == 0 and "note:" not in result.stderr, explain(result)
+
+
 @pytest.mark.slow
 def test_export_writes_g_and_g_ema(trained_run, tmp_path):
     from safetensors import safe_open

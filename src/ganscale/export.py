@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import yaml
 from safetensors.torch import save_file
 
 from ganscale import checkpoint
 from ganscale.evaluate import fitted_generator, run_config
 from ganscale.finite import refuse_non_finite_checkpoint
 from ganscale.outputs import write_output
+from ganscale.rundir import config_at
 
 EXPORTED = checkpoint.GENERATOR_KEYS  # what an export reads of a checkpoint
 
@@ -25,7 +28,24 @@ def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Pa
     refuse_non_finite_checkpoint(state, ("G", "G_ema"), source, fix)
     if run_config(run_dir, source, state):  # refused where sample, eval and a resume of the run refuse it
         fitted_generator(run_dir, source, state, nets=("G", "G_ema"))
+    else:
+        note = foreign_checkpoint(run_dir, source, state)
+        if note:
+            print(f"ganscale: note: {note}", file=sys.stderr, flush=True)
     tensors = {f"{net}.{key}": value.detach().contiguous().clone()
                for net in ("G", "G_ema") for key, value in state[net].items()}
     metadata = {"step": str(state["step"]), "config": state["config"]}
     return write_output(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def foreign_checkpoint(run_dir: Path, source: Path, state: dict) -> str | None:
+    """What to tell of a --checkpoint outside RUN_DIR's checkpoints/ that another config wrote: it is exported with
+    the config it was written with, not RUN_DIR's. None when it is RUN_DIR's config (a checkpoint copied elsewhere)."""
+    own = config_at(run_dir, int(state["step"]))
+    written = yaml.safe_load(state["config"])
+    if own is not None and yaml.safe_load(own.read_text()) == written:
+        return None
+    by = f"a '{written.get('name')}' run" if isinstance(written, dict) else "another run"
+    unlike = "with another config than its own" if own else f"({run_dir} has no config file)"
+    return (f"{source} is not a checkpoint of {run_dir}; written by {by} {unlike}, it is exported with the config it "
+            "was written with")
