@@ -93,24 +93,33 @@ from torch.utils.data import Dataset
 
 
 class Blobs(Dataset):
-    """Deterministic 1x8x8 images in [-1, 1], with a class each (`relabel`: {index: label} overrides some)."""
+    """Deterministic 1x8x8 images in [-1, 1], with a class each (`relabel`: {index: label} overrides some;
+    `spoil`: {index: how} makes some unlike item 0: an extra field, a smaller image, or values out of range)."""
 
-    def __init__(self, size=96, labels=False, scale=1.0, classes=10, relabel=None):
+    def __init__(self, size=96, labels=False, scale=1.0, classes=10, relabel=None, spoil=None):
         g = torch.Generator().manual_seed(0)
         self.images = (torch.rand(size, 1, 8, 8, generator=g) * 2 - 1) * scale
         self.classes = torch.arange(size) % classes
-        self.labels, self.relabel = labels, relabel or {}
+        self.labels, self.relabel, self.spoil = labels, relabel or {}, spoil or {}
 
     def __len__(self):
         return len(self.images)
 
     def __getitem__(self, i):
         label = self.relabel.get(i, int(self.classes[i]))
-        return (self.images[i], label) if self.labels else self.images[i]
+        item = (self.images[i], label) if self.labels else (self.images[i],)
+        how = self.spoil.get(i)
+        if how == "extra field":
+            item = item + (i,)
+        elif how == "smaller":
+            item = (item[0][:, :4, :4],) + item[1:]
+        elif how == "bright":
+            item = (item[0] * 255,) + item[1:]
+        return item if self.labels else item[0] if len(item) == 1 else item
 
 
-def make_dataset(size=96, labels=False, scale=1.0, classes=10, relabel=None):
-    return Blobs(size, labels, scale, classes, relabel)
+def make_dataset(size=96, labels=False, scale=1.0, classes=10, relabel=None, spoil=None):
+    return Blobs(size, labels, scale, classes, relabel, spoil)
 '''
 
 LOSSES = '''
@@ -442,6 +451,25 @@ def test_a_bad_label_found_while_training_exits_2_naming_the_item(tmp_path, labe
     said = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
     assert len(said) == 1 and f"item 5's label is {label}, not an integer class in [0, 4)" in said[0], explain(result)
     assert (tmp_path / "run" / "config.yaml").is_file()  # what the run wrote before it read item 5 stays
+
+
+@pytest.mark.parametrize("spoil, said", [
+    ("extra field", "item 5 is (tensor(1, 8, 8), int); model task unconditional takes an image tensor"),
+    ("smaller", "item 5 holds a torch.float32 tensor of shape (1, 4, 4), not (1, 8, 8)"),
+    ("bright", "item 5 has values in [-2"),
+])
+def test_an_item_unlike_item_0_found_while_training_exits_2_naming_it(tmp_path, spoil, said):
+    """Only item 0 is checked before training; item 5, read by a DataLoader worker on one of two ranks, is said in one
+    line naming data.dataset and the item (not torch's collate error, and never trained on out of range)."""
+    package = f"spoiled_item_gan_{abs(hash(spoil)) % 10**8}"
+    recipe = write_user_gan(tmp_path, package)
+    result = ganscale("train", str(recipe), f"--set=data.dataset_args={{size: 8, spoil: {{5: {spoil}}}}}", "--set",
+                      "train.steps=2", "--set", "data.workers=1", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                      cwd=tmp_path, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
+    lines = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
+    assert len(lines) == 1 and said in lines[0] and "Fix: return from every item the fields" in lines[0], \
+        explain(result)
 
 
 SHIPPED_DATA = {"data.dataset": "null", "data.dataset_args": "{}"}  # data.dataset belongs to data.kind=custom

@@ -23,22 +23,30 @@ class BadLabel(BadItem):
     fix = LABEL_FIX
 
 
+class BadUserItem(BadItem):
+    """An item unlike the one the preflight checked (other fields, shape or range), found while training reads it:
+    batching it would fail with torch's collate error, or it would train silently out of range."""
+
+    key = "data.dataset"
+    fix = "return from every item the fields, shape and [-1, 1] range that item 0 has (item 0 is checked before " \
+          "training, the others as training reads them)"
+
+
 class UserDataset(Dataset):
     """The user's map-style data set, each item as a tuple of fields: (image,), (image, label) or (input, target).
-    With `n_classes` (class-conditional), every item's label is checked as it is read, before it reaches a network."""
+    Every item is checked as it is read, before it reaches a batch: its fields, their shapes and range, its label."""
 
-    def __init__(self, items: Dataset, n_classes: int | None = None):
-        self.items, self.n_classes = items, n_classes
+    def __init__(self, items: Dataset, task: str, shape: tuple[int, ...], n_classes: int):
+        self.items, self.task, self.shape, self.n_classes = items, task, shape, n_classes
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple:
         item = _fields(self.items[index])
-        if self.n_classes is not None:
-            problem = label_problem(item[1], index, self.n_classes)
-            if problem:
-                raise BadLabel(problem)
+        problem = item_problem(item, index, self.task, self.shape, self.n_classes)
+        if problem:
+            raise (BadLabel if problem[1] == LABEL_FIX else BadUserItem)(problem[0])
         return item
 
 
@@ -65,31 +73,32 @@ def user_dataset(cfg: Config) -> UserDataset:
                           "return a torch.utils.data.Dataset with __len__ and __getitem__")
     if len(items) == 0:
         raise ConfigError("data.dataset", f"{d.dataset} returned an empty data set", "return at least one item")
-    _check_item(_fields(items[0]), cfg)  # before the wrapper, whose label check is BadLabel, not a ConfigError
-    conditional = cfg.model.conditioning == "class-conditional"
-    return UserDataset(items, cfg.model.n_classes if conditional else None)
+    task, shape = cfg.model.conditioning, tuple(cfg.data.sample_shape)
+    problem = item_problem(_fields(items[0]), 0, task, shape, cfg.model.n_classes)
+    if problem:  # before training: a config error (a later item's is a BadItem, said as training reads it)
+        raise ConfigError("data.dataset", *problem)
+    return UserDataset(items, task, shape, cfg.model.n_classes)
 
 
-def _check_item(item: tuple, cfg: Config) -> None:
-    """The first item has the fields the task takes, each of the sample's shape and in [-1, 1]."""
-    task, shape = cfg.model.conditioning, cfg.data.sample_shape
-    expected = f"{ITEMS[task]}, each image a float tensor of shape {tuple(shape)} in [-1, 1]"
+def item_problem(item: tuple, index: int, task: str, shape: tuple[int, ...], n_classes: int
+                 ) -> tuple[str, str] | None:
+    """(problem, fix) when item `index` lacks the fields the task takes, each of the sample's shape and in [-1, 1],
+    or (a class-conditional task's) an integer label in [0, n_classes); None when it is fine."""
+    expected = f"{ITEMS[task]}, each image a float tensor of shape {shape} in [-1, 1]"
     fields = 1 if task == "unconditional" else 2
     images = item if task == "paired" else item[:1]
     if len(item) != fields or not all(isinstance(image, torch.Tensor) for image in images):
-        raise ConfigError("data.dataset", f"item 0 is {_describe(item)}; model task {task} takes {expected}",
-                          f"return {ITEMS[task]} from __getitem__, or change model.task")
+        return (f"item {index} is {_describe(item)}; model task {task} takes {expected}",
+                f"return {ITEMS[task]} from __getitem__, or change model.task")
     for image in images:
-        if not image.is_floating_point() or tuple(image.shape) != tuple(shape):
-            raise ConfigError("data.dataset", f"item 0 holds a {image.dtype} tensor of shape {tuple(image.shape)}, "
-                              f"not {tuple(shape)}", "return float images, or set data.channels and data.resolution "
-                              "to the data's shape")
+        if not image.is_floating_point() or tuple(image.shape) != shape:
+            return (f"item {index} holds a {image.dtype} tensor of shape {tuple(image.shape)}, not {shape}",
+                    "return float images, or set data.channels and data.resolution to the data's shape")
         if image.numel() and not -1 <= float(image.min()) <= float(image.max()) <= 1:
-            raise ConfigError("data.dataset", f"item 0 has values in [{float(image.min()):g}, {float(image.max()):g}]",
-                              "scale images to [-1, 1] (x / 127.5 - 1 for bytes)")
-    problem = label_problem(item[1], 0, cfg.model.n_classes) if task == "class-conditional" else None
-    if problem:
-        raise ConfigError("data.dataset", problem, LABEL_FIX)
+            return (f"item {index} has values in [{float(image.min()):g}, {float(image.max()):g}]",
+                    "scale images to [-1, 1] (x / 127.5 - 1 for bytes)")
+    problem = label_problem(item[1], index, n_classes) if task == "class-conditional" else None
+    return (problem, LABEL_FIX) if problem else None
 
 
 def _describe(item: tuple) -> str:
