@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +162,43 @@ def test_workers_refuse_nproc_the_torch_engine_and_open_servers_not_agreed_to(tm
     torch_engine = CliRunner().invoke(main, ["train", "digits", "--workers", "2", "--run-dir", str(tmp_path / "run")])
     assert torch_engine.exit_code == 2 and "config error at '--workers'" in torch_engine.output, torch_engine.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [None, 2])
+def test_a_run_whose_lock_another_run_took_over_stops_and_writes_nothing_more(tmp_path, workers):
+    """As the torch engine's (test_runlock): once another run holds the run directory's lock, every worker stops in
+    the step's agreement, before anything of the step is written: exit 9, one line. One process: found by the loop's
+    look before a step that writes (the lock's thread is kept out). `--workers 2`: the launcher holds the lock and
+    the chief watches it (nothing did: the run went on writing)."""
+    from test_runlock import UNWATCHED, everything_but_the_lock, wait_for, write_lock
+
+    from ganscale import fault, runlock
+
+    python = [sys.executable, "-m", "ganscale"] if workers else [sys.executable, "-c", UNWATCHED]
+    launched = ["--workers", str(workers), "--set", "parallel.tf_open_servers=true"] if workers else []
+    settings = [*TINY_DCGAN, "train.steps=100000", "log.every=300", "checkpoint.every=300", "log.sample_every=0"]
+    trains = subprocess.Popen([*python, "train", "digits", *_sets(*settings), *launched, "--run-dir", "R"],
+                              cwd=tmp_path, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = tmp_path / "R"
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step-00000300.json").is_file(), "checkpoint 300", [trains])
+        time.sleep(0.3)  # what step 300 writes after its checkpoint is done
+        theirs = write_lock(run, "another-host", 4321)  # taken over: another run's token, a fresh lease
+        written = everything_but_the_lock(run)
+        _, err = trains.communicate(timeout=120)
+    finally:
+        if trains.poll() is None:
+            trains.kill()
+    assert trains.returncode == fault.EXIT_TAKEN_OVER == 9, err[-3000:]
+    said = [line for line in err.splitlines() if "took over" in line]
+    assert len(said) == 1 and re.fullmatch(
+        rf"ganscale: another run took over the run directory R \(the lock R/{runlock.LOCK_NAME} is that run's now\): "
+        r"this run stopped at step \d+ and wrote nothing more there, no checkpoint either", said[0]), err[-3000:]
+    assert "Traceback" not in err and "no longer this run's" not in err, err[-3000:]
+    assert everything_but_the_lock(run) == written and (run / runlock.LOCK_NAME).read_bytes() == theirs
+    assert not (run / "summary.json").exists()
 
 
 # ----------------------------------------------------------------------------------------------- (3) accumulation

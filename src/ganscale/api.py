@@ -182,7 +182,7 @@ def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str],
 
         strategy, path, source, held, chief = tf_workers.join(cfg, run_dir, resume)
         try:
-            return path, loop.train(cfg, strategy, path, source, chief)
+            return path, loop.train(cfg, strategy, path, source, chief, held)
         finally:
             if held is not None:
                 held.release()
@@ -190,7 +190,7 @@ def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str],
     preflight.check(cfg, strategy.num_replicas_in_sync, devices.on_gpus(strategy))
     path, source, held = rundir.claim_run(cfg, run_dir, resume)
     with held or contextlib.nullcontext():
-        return path, loop.train(cfg, strategy, path, source)
+        return path, loop.train(cfg, strategy, path, source, run_lock=held)
 
 
 def own_config(recipe: str | None, run_dir: str | None, resume: str | None, worker: bool,

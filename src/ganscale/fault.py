@@ -13,6 +13,7 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 EXIT_CONFIG = 2       # bad config, data or checkpoint: nothing was written
 EXIT_PREEMPTED = 3    # SIGTERM/SIGINT: the current step finished, a checkpoint was written; --resume auto
@@ -77,6 +78,12 @@ class RunDirectoryTakenOver(Exception):
     stopped at the same step and wrote nothing more there, no checkpoint either (the other run's directory now)."""
 
     exit_code = EXIT_TAKEN_OVER
+
+    @classmethod
+    def at(cls, run_dir: Path, lock: Path, step: int) -> RunDirectoryTakenOver:
+        """The stop of a run whose `lock` in `run_dir` another run holds now, found at `step` (either engine)."""
+        return cls(f"another run took over the run directory {run_dir} (the lock {lock} is that run's now): this run "
+                   f"stopped at step {step} and wrote nothing more there, no checkpoint either")
 
 
 class CheckpointWriteError(OSError):

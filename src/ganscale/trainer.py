@@ -373,10 +373,7 @@ class Trainer:
             return self.run_lock.lost.is_set()
 
     def _taken_over_error(self, step: int) -> RunDirectoryTakenOver:
-        lock = self.run_dir / LOCK_NAME
-        error = RunDirectoryTakenOver(
-            f"another run took over the run directory {self.run_dir} (the lock {lock} is that run's now): this run "
-            f"stopped at step {step} and wrote nothing more there, no checkpoint either")
+        error = RunDirectoryTakenOver.at(self.run_dir, self.run_dir / LOCK_NAME, step)
         return error if self.runtime.rank == 0 else told_by(0, error)  # rank 0 found it, and says it
 
     def phase(self, where: str | None = None, part: str | None = None, traffic: str | None = None) -> Phase:

@@ -21,11 +21,12 @@ import tensorflow as tf
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.ema import ema_beta
-from ganscale.fault import NonFiniteTraining, Preempted, StopSignals
+from ganscale.fault import NonFiniteTraining, Preempted, RunDirectoryTakenOver, StopSignals, told_by
 from ganscale.observe import RunLog
 from ganscale.outputs import write_output
 from ganscale.preflight import cross_rank_batchnorm
 from ganscale.rundir import config_to_write
+from ganscale.runlock import LOCK_NAME, LockWatch
 from ganscale.tf.feed import Feed, training_data
 from ganscale.tf.models import build_discriminator, build_generator
 from ganscale.tf.step import Steps, adam
@@ -38,8 +39,11 @@ class Training:
     """G, D, G_ema and their optimizers on the replicas of `strategy`, at `self.step`."""
 
     def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, run_dir: Path, resume: Path | None = None,
-                 chief: bool = True):
+                 chief: bool = True, run_lock: LockWatch | None = None):
         self.cfg, self.strategy, self.run_dir, self.chief = cfg, strategy, Path(run_dir), chief
+        self.run_lock = run_lock  # the chief's hold on the run directory (or its watch of the launcher's)
+        if run_lock is not None:
+            run_lock.stops_run = True  # the stop says it: the lock's own warning would say it twice
         self.replicas = strategy.num_replicas_in_sync
         self.multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         self.global_batch = cfg.train.batch_size
@@ -106,16 +110,26 @@ class Training:
         for ema, buffer in self._ema_buffers:
             ema.assign(buffer)
 
-    def stop_agreed(self) -> bool:
-        """Whether any worker was asked to stop: one all-reduce across the workers (one process decides alone)."""
-        asked = float(self.stop_signal is not None)
-        if not self.multi_worker:
-            return bool(asked)
-        return float(self._agree(tf.constant(asked))) > 0
+    def stops_agreed(self, writes: bool) -> tuple[bool, bool]:
+        """(whether any worker was asked to stop, whether the chief's lock on the run directory is another run's):
+        one all-reduce across the workers (one process decides alone). `writes`: this iteration writes to the run
+        directory, so the chief reads its lock now rather than trusting the lock's thread (every RENEW_S)."""
+        flags = [float(self.stop_signal is not None), float(self._lock_lost(writes))]
+        if self.multi_worker:
+            flags = self._agree(tf.constant(flags)).numpy().tolist()
+        return flags[0] > 0, flags[1] > 0
+
+    def _lock_lost(self, read_now: bool) -> bool:
+        if self.run_lock is None:
+            return False
+        try:
+            return not self.run_lock.verify() if read_now else self.run_lock.lost.is_set()
+        except OSError:  # unreadable for a moment: says nothing; the lock's thread keeps looking
+            return self.run_lock.lost.is_set()
 
     @tf.function
-    def _agree(self, asked: tf.Tensor) -> tf.Tensor:
-        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(lambda: asked), axis=None)
+    def _agree(self, flags: tf.Tensor) -> tf.Tensor:
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(lambda: flags), axis=None)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self) -> Path | None:
@@ -146,10 +160,11 @@ class Training:
 
 
 def train(cfg: Config, strategy: tf.distribute.Strategy, run_dir: Path, resume: Path | None,
-          chief: bool = True) -> dict:
+          chief: bool = True, run_lock: LockWatch | None = None) -> dict:
     """Train to train.steps on the replicas of `strategy`: this process's (`devices.strategy`), or every worker's
-    (`devices.multi_worker`, where only the chief writes the run directory); the summary."""
-    training = Training(cfg, strategy, run_dir, resume, chief)
+    (`devices.multi_worker`, where only the chief writes the run directory); the summary. `run_lock`: the chief's
+    hold on the run directory: once another run holds it, every worker stops (RunDirectoryTakenOver)."""
+    training = Training(cfg, strategy, run_dir, resume, chief, run_lock)
     if chief:
         _write_config(training)
     outputs = Outputs(training)
@@ -171,15 +186,22 @@ def _fit(training: Training, outputs: Outputs) -> dict:
     while training.step < cfg.train.steps:
         training.iteration()
         final = training.step == cfg.train.steps
+        checkpoint_due = bool(cfg.checkpoint.every and training.step % cfg.checkpoint.every == 0)
+        writes = (final or checkpoint_due or outputs.log_due(final) or outputs.sample_due(final)
+                  or training.stop_signal is not None)
+        # Agreed before anything of the step is written: a run whose directory another run took writes nothing more.
+        stopping, taken_over = training.stops_agreed(writes)
+        if taken_over:
+            error = RunDirectoryTakenOver.at(training.run_dir, training.run_dir / LOCK_NAME, training.step)
+            raise error if training.chief else told_by(0, error)
         outputs.log_metrics(final)
         if training.consecutive_skips >= cfg.fault.max_consecutive_skips:
             outputs.close("non-finite")
             raise NonFiniteTraining(f"{training.consecutive_skips} consecutive steps had non-finite losses or "
                                     f"gradients (last: {training.stats}); lower optim.*.lr or set train.grad_clip")
-        stopping = training.stop_agreed()
         if outputs.sample_due(final) and training.chief:
             outputs.write_samples()
-        if final or stopping or (cfg.checkpoint.every and training.step % cfg.checkpoint.every == 0):
+        if final or stopping or checkpoint_due:
             training.save()
         if stopping and not final:
             outputs.close("preempted")
@@ -201,10 +223,13 @@ class Outputs:
     def begin(self) -> None:
         self.start_step, self.started = self.training.step, time.perf_counter()
 
+    def log_due(self, final: bool) -> bool:
+        return final or self.training.step % self.cfg.log.every == 0
+
     def log_metrics(self, final: bool) -> None:
         training = self.training
         self.run_log.advance()
-        if training.step % self.cfg.log.every == 0 or final:
+        if self.log_due(final):
             values = {**training.stats, "skipped_steps": training.skipped_steps}
             self.record = self.run_log.log(training.step, values, training.global_batch)
 

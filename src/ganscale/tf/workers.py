@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ganscale import preflight
+from ganscale import preflight, runlock
 from ganscale import runtime as rt
 from ganscale.config import Config, ConfigError
 from ganscale.rundir import decide_run
@@ -63,6 +63,8 @@ def join(cfg: Config, run_dir: str | None, resume: str | None):
     gpus = devices.worker_gpus(cfg.train.device)
     preflight.check(cfg, control.world * max(gpus, 1), gpus > 0)  # the same verdict on every worker
     path, source, held = decide_run(cfg, run_dir, resume)
+    if held is None and control.rank == 0:  # the `--workers` launcher holds it: the chief watches its hold
+        held = runlock.watch_parent_hold(Path(path))
     addresses: list = [None] * control.world
     dist.all_gather_object(addresses, own_address())  # one collective: every worker's server, in rank order
     os.environ["TF_CONFIG"] = json.dumps(tf_config(addresses, control.rank))
