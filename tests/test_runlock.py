@@ -246,7 +246,7 @@ def test_a_dead_pid_in_this_pid_namespace_is_taken_over_at_once(tmp_path):
 @pytest.mark.parametrize("stops_run", [False, True])
 def test_a_hold_taken_over_is_lost_no_longer_renewed_and_left_to_its_new_owner(tmp_path, monkeypatch, capsys,
                                                                                stops_run):
-    """`stops_run`: a trainer stops on it and says so; else (the tensorflow engine) the hold warns by itself."""
+    """`stops_run`: a training loop stops on it and says so; else the hold warns by itself."""
     monkeypatch.setattr(runlock, "RENEW_S", 0.05)
     run = tmp_path / "run"
     held = runlock.hold(run)

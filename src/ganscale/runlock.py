@@ -48,7 +48,7 @@ class LockWatch:
         while not self._stop.wait(RENEW_S):
             try:
                 if not self.verify():
-                    if not self.stops_run:  # e.g. the tensorflow engine's loop: nothing stops it, so say it
+                    if not self.stops_run:  # a holder with no loop to stop on it: say it
                         print(f"ganscale: warning: the lock {self.path} is no longer this run's (its lease lapsed "
                               "and another run took it over)", file=sys.stderr, flush=True)
                     return
