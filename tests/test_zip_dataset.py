@@ -334,6 +334,26 @@ def test_a_bad_zip_exits_2_naming_it_before_anything_is_written(tmp_path, monkey
     assert files_under(tmp_path) == before  # no run directory
 
 
+@pytest.mark.parametrize("max_images", [None, 6, 9])
+def test_the_preflight_reads_a_zips_headers_once_with_eval_every(tmp_path, monkeypatch, max_images):
+    """Every header of a zip is read to check it; eval.every's reference count and data.max_images reuse that read."""
+    from ganscale import config, preflight
+    from ganscale.data import archive
+
+    write_nvlabs_zip(tmp_path / "set.zip", [Image.new("RGB", (8, 8), (i, 0, 0)) for i in range(8)])
+    opened = []
+    monkeypatch.setattr(archive, "open_zip", lambda path, real=archive.open_zip: opened.append(path) or real(path))
+    sets = [a for a in TINY_STYLEGAN2 if a != "--set"] + [
+        f"data.path={tmp_path / 'set.zip'}", "data.kind=zip", "data.resolution=8", "data.channels=3",
+        "eval.every=2", "eval.features=digits", "eval.samples=10", f"data.max_images={max_images or 'null'}"]
+    if max_images == 9:
+        with pytest.raises(ConfigError, match="9 is more than the 8 items"):
+            preflight.check(config.load("digits", sets), 1, False)
+    else:
+        preflight.check(config.load("digits", sets), 1, False)
+    assert opened == [tmp_path / "set.zip"]
+
+
 def test_training_on_a_zip_with_labels_on_two_ranks_with_workers(tmp_path):
     images = [Image.new("RGB", (8, 8), (30 * i, 255 - 30 * i, 128)) for i in range(8)]
     write_nvlabs_zip(tmp_path / "set.zip", images, labels=[i % 2 for i in range(8)])

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from ganscale import augment, objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
-from ganscale.data import build_dataset
+from ganscale.data import build_dataset, subset
 from ganscale.data.mnist import mnist_file
 from ganscale.metrics.images import FEWEST_REFERENCES, check_reference_count
 from ganscale.models import biggan, build_networks, meta_networks, stylegan2
@@ -93,11 +94,15 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
                           "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
     _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
     _check_augment(cfg)
-    _check_stylegan2(cfg, micro)
     check_model_resolution(cfg.model.kind, cfg.data.resolution)
+    _check_stylegan2(cfg, micro)
+    source = None
     if cfg.data.kind == "zip" or cfg.data.max_images:  # after the model's own resolution rules
-        build_dataset(cfg)  # a zip: every image's header and dataset.json; data.max_images against the source
-    _check_eval_references(cfg)  # after the zip's own checks
+        # a zip: every image's header and dataset.json (read once); data.max_images against the source
+        source = build_dataset(cfg, whole=True)
+        if cfg.data.max_images:
+            subset(source, cfg.data.max_images, cfg.data.kind)  # refused when the source holds fewer
+    _check_eval_references(cfg, source)  # after the zip's own checks
 
 
 def check_model_resolution(kind: str, resolution: int) -> None:
@@ -221,7 +226,6 @@ def _check_stylegan2(cfg: Config, micro: int) -> None:
     _check_path_length(cfg, micro)
     if m.kind != "stylegan2":
         return
-    stylegan2.check_resolution(cfg.data.resolution)
     # Groups of consecutive samples within a rank's micro-batch are consecutive in the global batch (Slicing),
     # so D sees the same groups on any number of ranks only when they do not straddle two micro-batches.
     if micro % m.mbstd_group:
@@ -463,13 +467,15 @@ def _check_eval(cfg: Config) -> None:
                           "(or torch-fidelity's), or eval.every=0")
 
 
-def _check_eval_references(cfg: Config) -> None:
-    """eval.every scores against the whole data source: enough images for the k-NN radii (the shipped digit sets
-    hold thousands, and MNIST is not read here)."""
+def _check_eval_references(cfg: Config, source: Dataset | None) -> None:
+    """eval.every scores against the whole data `source` (built here when None): enough images for the k-NN radii
+    (the shipped digit sets hold thousands, and MNIST is not read here)."""
     if not cfg.eval.every or cfg.data.kind in ("digits", "mnist", "ring8", "grid25", "paired"):
         return
-    with torch.random.fork_rng(devices=[]):  # a user's data set may draw from the global RNG
-        count = len(build_dataset(cfg, whole=True))
+    if source is None:
+        with torch.random.fork_rng(devices=[]):  # a user's data set may draw from the global RNG
+            source = build_dataset(cfg, whole=True)
+    count = len(source)
     check_reference_count(cfg, count, f"use data of at least {FEWEST_REFERENCES} images (thousands for stable "
                           "numbers), or set eval.every=0")
 
