@@ -458,18 +458,33 @@ def test_a_bad_label_found_while_training_exits_2_naming_the_item(tmp_path, labe
     ("smaller", "item 5 holds a torch.float32 tensor of shape (1, 4, 4), not (1, 8, 8)"),
     ("bright", "item 5 has values in [-2"),
 ])
-def test_an_item_unlike_item_0_found_while_training_exits_2_naming_it(tmp_path, spoil, said):
-    """Only item 0 is checked before training; item 5, read by a DataLoader worker on one of two ranks, is said in one
-    line naming data.dataset and the item (not torch's collate error, and never trained on out of range)."""
+def test_an_item_unlike_item_0_is_refused_when_it_is_read(tmp_path, spoil, said):
+    """Only item 0 is checked before training; a later one with an extra field (trained on silently), a smaller
+    image (torch's collate error) or values out of range (trained on silently) is refused as training reads it."""
+    from ganscale import config as config_mod
+    from ganscale.data.custom import BadUserItem, user_dataset
+
     package = f"spoiled_item_gan_{abs(hash(spoil)) % 10**8}"
-    recipe = write_user_gan(tmp_path, package)
-    result = ganscale("train", str(recipe), f"--set=data.dataset_args={{size: 8, spoil: {{5: {spoil}}}}}", "--set",
+    cfg = config_mod.load(str(write_user_gan(tmp_path, package)),
+                          [f"data.dataset_args={{size: 8, spoil: {{5: {spoil}}}}}"])
+    items = user_dataset(cfg)
+    assert all(len(items[i]) == 1 for i in (0, 4, 6))
+    with pytest.raises(BadUserItem) as refused:
+        items[5]
+    assert said in refused.value.problem() and refused.value.key == "data.dataset"
+
+
+def test_an_item_unlike_item_0_found_while_training_exits_2_naming_it(tmp_path):
+    """Read by a DataLoader worker on one of two ranks: one line naming data.dataset and the item, not torch's
+    collate error."""
+    recipe = write_user_gan(tmp_path, "smaller_item_gan")
+    result = ganscale("train", str(recipe), "--set=data.dataset_args={size: 8, spoil: {5: smaller}}", "--set",
                       "train.steps=2", "--set", "data.workers=1", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
                       cwd=tmp_path, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
     lines = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
-    assert len(lines) == 1 and said in lines[0] and "Fix: return from every item the fields" in lines[0], \
-        explain(result)
+    assert len(lines) == 1 and "item 5 holds a torch.float32 tensor of shape (1, 4, 4)" in lines[0], explain(result)
+    assert "Fix: return from every item the fields" in lines[0], explain(result)
 
 
 SHIPPED_DATA = {"data.dataset": "null", "data.dataset_args": "{}"}  # data.dataset belongs to data.kind=custom
