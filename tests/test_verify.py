@@ -248,3 +248,24 @@ def test_the_noise_fault_draws_from_the_rank_stream_from_its_step_on():
         for key, hook in list(module_hooks._global_forward_hooks.items()):
             if hook is _per_rank_noise:
                 del module_hooks._global_forward_hooks[key]
+
+
+def test_a_resume_keeps_the_fingerprints_of_the_steps_before_its_checkpoint(tmp_path):
+    """fingerprints.jsonl is cut back to the resumed step, as metrics.jsonl is: what the stopped run recorded up to
+    its checkpoint stays, what it recorded after (redone by the resume) is replaced."""
+    from ganscale.observe.fingerprints import read
+
+    common = [*SMALL_RING8, "--set", "log.fingerprints=true", "--set", "checkpoint.every=2", "--run-dir", "run"]
+    first = ganscale("train", "ring8", "--set", "train.steps=4", *common, cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    before = (tmp_path / "run" / "fingerprints.jsonl").read_text()
+    assert sorted({record["step"] for record in read(tmp_path / "run")}) == [1, 2, 3, 4]
+    with open(tmp_path / "run" / "fingerprints.jsonl", "a") as f:  # a record written after the checkpoint
+        f.write(json.dumps({"step": 5, "net": "after", "parameters": {}, "buffers": {}}) + "\n")
+    resumed = ganscale("train", "--resume", "auto", "--set", "train.steps=6", *common, cwd=tmp_path)
+    assert resumed.returncode == 0, explain(resumed)
+    after = (tmp_path / "run" / "fingerprints.jsonl").read_text()
+    assert after.startswith(before)
+    records = read(tmp_path / "run")
+    assert [r["step"] for r in records if r["net"] == "after"] == [1, 2, 3, 4, 5, 6]
+    assert all(r["parameters"] for r in records if r["net"] == "after")  # the step-5 stand-in was replaced

@@ -247,7 +247,7 @@ class Trainer:
                     write_output(written, lambda tmp: tmp.write_text(resolved), "--run-dir")
             self.reporter.open()
         self.fingerprints = fingerprints_for(cfg.log.fingerprints, self.run_dir, runtime.is_main, device,
-                                             {"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema})
+                                             {"G": self.G.module, "D": self.D.module, "G_ema": self.G_ema}, self.step)
 
     @staticmethod
     def _adam(net: Wrapped, opt_cfg, fused: bool) -> torch.optim.Optimizer:

@@ -50,7 +50,7 @@ class RunLog:
             return
         metrics_file = self.run_dir / "metrics.jsonl"
         if metrics_file.exists():  # steps logged after the checkpoint (after step 0: a failed start) are redone
-            _drop_records_after(metrics_file, start_step)
+            drop_records_after(metrics_file, start_step)
         self.metrics = open(metrics_file, "a", buffering=1)
         if tensorboard:
             self.writer = _summary_writer(self.run_dir / "tensorboard")
@@ -116,7 +116,7 @@ class RunLog:
         write_output(self.run_dir / "summary.json", lambda tmp: tmp.write_text(text), "--run-dir")
 
 
-def _drop_records_after(path: Path, step: int) -> None:
+def drop_records_after(path: Path, step: int) -> None:
     """Keep the records up to `step`; one cut short by a failed write (a full disk) is dropped as well."""
     kept = []
     for line in path.read_text(errors="replace").splitlines():

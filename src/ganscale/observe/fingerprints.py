@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from ganscale.observe import drop_records_after
+
 FILE = "fingerprints.jsonl"
 # A gradient element below this share of its network's largest is zero up to fp32 rounding (terms that cancel):
 # N processes round it otherwise than one, and Adam scales it up to a step of the learning rate.
@@ -54,8 +56,10 @@ class StepFingerprints:
     """Writes the fingerprints of every step of a run. Every rank calls it (gathering a sharded tensor is a
     collective); rank 0 writes."""
 
-    def __init__(self, run_dir: Path, is_main: bool, device: torch.device, networks: dict[str, nn.Module]):
+    def __init__(self, run_dir: Path, is_main: bool, device: torch.device, networks: dict[str, nn.Module],
+                 start_step: int = 0):
         self.path, self.is_main, self.device, self.networks = Path(run_dir) / FILE, is_main, device, networks
+        self.start_step = start_step
         self.rng = _drawn_state(device)
         self.file = None
 
@@ -80,8 +84,10 @@ class StepFingerprints:
     def _write(self, record: dict) -> None:
         if not self.is_main:
             return
-        if self.file is None:  # each start of a run writes it anew (verify trains from the first step)
-            self.file = open(self.path, "w", buffering=1)
+        if self.file is None:
+            if self.path.exists():  # as metrics.jsonl: a resume redoes the steps after its checkpoint, keeps the rest
+                drop_records_after(self.path, self.start_step)
+            self.file = open(self.path, "a", buffering=1)
         self.file.write(json.dumps(record) + "\n")
 
 
@@ -96,8 +102,8 @@ class NoFingerprints:
 
 
 def fingerprints_for(enabled: bool, run_dir: Path, is_main: bool, device: torch.device,
-                     networks: dict[str, nn.Module]) -> StepFingerprints | NoFingerprints:
-    return StepFingerprints(run_dir, is_main, device, networks) if enabled else NoFingerprints()
+                     networks: dict[str, nn.Module], start_step: int) -> StepFingerprints | NoFingerprints:
+    return StepFingerprints(run_dir, is_main, device, networks, start_step) if enabled else NoFingerprints()
 
 
 def read(run_dir: Path) -> list[dict]:
