@@ -496,6 +496,25 @@ def test_a_resume_without_a_recipe_continues_with_the_run_s_own_config(tmp_path)
     assert yaml.safe_load((tmp_path / "RUN" / "config.resumed-00000005.yaml").read_text())["optim"]["g"]["lr"] == 0.0002
 
 
+def test_a_resume_without_a_recipe_of_a_run_missing_its_config_file_is_refused(tmp_path):
+    """Not the default recipe in its place (a misfit error that blamed the missing file, or another training): one
+    line naming it; the run's RECIPE given, the resume goes on."""
+    first = ganscale("train", "ring8", "--set", "model.g_width=24", "--set", "train.steps=2", "--set",
+                     "log.tensorboard=false", "--run-dir", "RUN", cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    (tmp_path / "RUN" / "config.yaml").unlink()
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "RUN").rglob("*")}
+    for resume in ("auto", "RUN/checkpoints/step-00000002.pt"):
+        refused = ganscale("train", "--run-dir", "RUN", "--resume", resume, "--set", "train.steps=3", cwd=tmp_path)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, explain(refused)
+        assert ("config error at '--resume': the checkpoint of step 2 has no config file to continue with "
+                "(RUN/config.yaml is missing). Fix: give the recipe") in refused.stderr, explain(refused)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "RUN").rglob("*")} == before
+    given = ganscale("train", "ring8", "--set", "model.g_width=24", "--run-dir", "RUN", "--resume", "auto", "--set",
+                     "train.steps=3", cwd=tmp_path)
+    assert given.returncode == 0, explain(given)
+
+
 def test_export_reads_a_sharded_checkpoint_folder_named_by_checkpoint(tmp_path):
     from safetensors import safe_open
 

@@ -81,8 +81,8 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None, report: bo
 def own_config(run_dir: str | None, resume: str | None) -> Path | None:
     """The config a resume without a RECIPE continues with: the one the run it resumes (the run holding
     `--resume PATH`, or `--run-dir` with `--resume auto`) was training with at the checkpoint's step
-    (`config_at`). None when there is no such file (`--resume auto` without `--run-dir` looks for the default
-    recipe's runs)."""
+    (`config_at`). None when there is nothing to resume (`--resume auto` without `--run-dir` looks for the default
+    recipe's runs). A checkpoint whose run has no config file is refused: the default recipe is no guess for it."""
     try:
         if resume not in (None, "auto"):
             source = Path(resume)
@@ -95,9 +95,14 @@ def own_config(run_dir: str | None, resume: str | None) -> Path | None:
             step = _newest_step(run)
         else:
             return None
-        return config_at(run, step) if step is not None else None
+        found = config_at(run, step) if step is not None else None
     except OSError:  # a path the system refuses (too long, unreadable): resolve_run names it, on rank 0
         return None
+    if step is not None and found is None:
+        raise ConfigError("--resume", f"the checkpoint of step {step} has no config file to continue with "
+                          f"({run / 'config.yaml'} is missing)", "give the recipe or YAML file the run was trained "
+                          "with: ganscale train RECIPE --resume ...")
+    return found
 
 
 def _newest_step(run: Path) -> int | None:
