@@ -103,6 +103,11 @@ def test_a_broken_manifest_fails_the_schema(tmp_path, validator, break_it):
     (["--nodes", "2", "--volume", "c:/p"], "--image"),
     (["--nodes", "5", "--gpus-per-node", "1", "--image", "i", "--volume", "c:/p"], "train.batch_size"),
     (["--image", "i", "--set", "train.steps=-1"], "train.steps"),
+    (["--nodes", "1000000001", "--image", "i", "--volume", "c:/p"], "--nodes"),  # pod names past 63 characters
+    (["--image", "example/ganscale:1\nkind: Secret"], "--image"),
+    (["--image", "i", "--namespace", "My Team"], "--namespace"),
+    (["--nodes", "2", "--image", "i", "--volume", "c:/p\tq"], "--volume"),
+    (["--nodes", "2", "--image", "i", "--volume", "c:/mnt/$(GANSCALE_NODE_RANK)"], "--volume"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option):
     result = ganscale("k8s", *args, "--run-dir", "run", cwd=tmp_path)
@@ -111,6 +116,58 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option)
     assert not (tmp_path / "run").exists()
     if option == "train.batch_size":
         assert "(--nodes 5 x --gpus-per-node 1)" in result.stderr
+
+
+@pytest.mark.parametrize("run_dir", ["/", "runs/lr$(GANSCALE_NODE_RANK)", "runs/a$$b", "runs/a\nb", "runs/a\rb"])
+def test_a_run_directory_the_pods_cannot_share_is_refused(tmp_path, run_dir):
+    """No folder name (the root), or one Kubernetes rewrites in the pods' command ($(VAR): each pod's own value;
+    $$: $) or that would break a line: one line naming --run-dir, nothing written."""
+    out = tmp_path / "job.yaml"  # not RUN_DIR/k8s/job.yaml: with `/` that is /k8s/job.yaml
+    result = ganscale("k8s", "--image", "i", "--run-dir", run_dir, "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "'--run-dir'" in result.stderr, result.stderr
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_each_run_directory_gets_its_own_names_within_kubernetes_limits(tmp_path, validator):
+    """Names were cut to 40 characters and lower-cased: two runs of a sweep, or exp_1 and exp.1, shared one
+    ConfigMap and JobSet, and applying the second replaced the first's config. A name Kubernetes takes is kept."""
+    from ganscale import config
+    from ganscale.k8s import MAX_NODES, Layout, job_name, manifest
+
+    cfg = config.load("digits", (), files_here=False)
+    layout = Layout(MAX_NODES, 1, "i", "default", "runs:/mnt/runs", 0)  # the longest pod index allowed
+    sweep = "digits-dcgan-sweep-batch64-width32-seed0"
+    folders = [f"{sweep}-lr0.0001", f"{sweep}-lr0.0002", "exp_1", "exp.1", "Exp-1", "0run", "___"]
+    names = set()
+    for folder in folders:
+        config_map, jobset = manifest(cfg, layout, tmp_path / folder)
+        validator.validate(jobset)
+        name = jobset["metadata"]["name"]
+        assert config_map["metadata"]["name"] == f"{name}-config"
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 40, name
+        longest_pod = f"{name}-node-0-{layout.nodes - 1}-abcde"  # JobSet's check: the Job's 5-character suffix too
+        assert len(longest_pod) <= 63, longest_pod
+        pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        command = pod["containers"][0]["command"]
+        assert command[command.index("--run-dir") + 1] == f"/mnt/runs/{folder}"  # the folder as named
+        names.add(name)
+    assert len(names) == len(folders), names
+    assert job_name("exp_1") == "exp-1-dd8fdeed"  # the same in every process and release: a rerun updates its job
+    assert [job_name(n) for n in ("run", "exp1", "a--b", "x" * 40)] == ["run", "exp1", "a--b", "x" * 40]
+
+
+def test_the_run_directory_is_resolved_before_its_name_is_taken(tmp_path):
+    """`--run-dir .` trained in the whole volume (/mnt/runs/) under the name gan; `runs/x/..` in /mnt/runs/..."""
+    (tmp_path / "exp2" / "runs").mkdir(parents=True)
+    for run_dir, folder in [(".", "exp2"), ("runs/x/..", "runs")]:
+        result = ganscale("k8s", *LAYOUT, "--run-dir", run_dir, "--out", f"{folder}.yaml", cwd=tmp_path / "exp2")
+        assert result.returncode == 0, result.stderr
+        _, jobset = yaml.safe_load_all((tmp_path / "exp2" / f"{folder}.yaml").read_text())
+        pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        command = pod["containers"][0]["command"]
+        assert command[command.index("--run-dir") + 1] == f"/mnt/runs/{folder}"
+        assert jobset["metadata"]["name"] == folder
 
 
 def test_an_existing_manifest_is_kept_unless_forced(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import unicodedata
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -27,6 +28,16 @@ class ConfigError(ValueError):
 
     def __reduce__(self):  # picklable (sent between processes) although its arguments are not its message
         return ConfigError, (self.key, self.problem, self.fix)
+
+
+def refuse_control_characters(option: str, value: str | None) -> None:
+    """A ConfigError at `option` when `value` holds a control character (newline, CR, tab, NUL, ...): written into
+    a job script or manifest it would end or split the line it is on (in an sbatch script the rest of a value
+    after a newline is a command bash runs). The value is shown escaped, so the message stays one line."""
+    bad = next((c for c in value or "" if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise ConfigError(option, f"{value!r} holds the control character {bad!r}",
+                          f"pass {option} without control characters (newline, carriage return, tab, ...)")
 
 
 MAX_STEPS = 10**9

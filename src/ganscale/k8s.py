@@ -8,6 +8,7 @@ volume, and a failed pod restarts the whole group (failurePolicy.maxRestarts), w
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import yaml
 
 from ganscale import config as config_mod
 from ganscale import outputs, preflight, rundir
-from ganscale.config import Config, ConfigError
+from ganscale.config import Config, ConfigError, refuse_control_characters
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "node"
@@ -26,7 +27,16 @@ CONFIG_MOUNT = "/etc/ganscale"
 SCRATCH_MOUNT = "/runs"  # the run volume's mount point without --volume (one node only)
 # Set by the Job controller on each pod of an Indexed Job; read through the downward API.
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-NAME_LIMIT = 40  # pod host names are <name>-node-0-<index>, which Kubernetes caps at 63 characters
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # RFC 1123, as a namespace's name
+DNS_LABEL_LIMIT = 63
+# JobSet's webhook requires its longest pod name, <name>-node-0-<index>-<5 random characters>, to be a DNS label:
+# a name of at most 40 characters leaves the index 9 digits, so --nodes may reach 10**9.
+NAME_LIMIT = 40
+MAX_NODES = 10 ** (DNS_LABEL_LIMIT - len("-abcde") - NAME_LIMIT - len(f"-{REPLICATED_JOB}-0-"))
+NAME_HASH_CHARS = 8  # 32 bits: two of 1000 changed names share a hash with odds of about 1 in 10,000
+# Kubernetes rewrites these in a container's command: $(VAR) becomes the variable's value (GANSCALE_NODE_RANK
+# differs per pod, so would the run directory), and $$ becomes $.
+EXPANDED = ("$(", "$$")
 
 
 class _Manifest(yaml.SafeDumper):
@@ -66,12 +76,20 @@ def check_layout(layout: Layout) -> Volume:
     """The run volume, once the layout is one Kubernetes can give; else a ConfigError naming the option."""
     if layout.nodes < 1:
         raise ConfigError("--nodes", f"{layout.nodes} nodes cannot run anything", "pass --nodes 1 or more")
+    if layout.nodes > MAX_NODES:
+        raise ConfigError("--nodes", f"{layout.nodes} pods would have names longer than Kubernetes allows",
+                          f"pass --nodes {MAX_NODES} or fewer")
     if layout.gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", f"{layout.gpus_per_node} GPUs per node start no worker",
                           "pass --gpus-per-node 1 or more")
     if not layout.image:
         raise ConfigError("--image", "the pods need a container image with ganscale installed",
                           "pass --image REGISTRY/IMAGE:TAG")
+    refuse_control_characters("--image", layout.image)
+    if not (DNS_LABEL.fullmatch(layout.namespace) and len(layout.namespace) <= DNS_LABEL_LIMIT):
+        raise ConfigError("--namespace", f"{layout.namespace!r} is not a Kubernetes namespace name",
+                          "pass at most 63 lower-case letters, digits and '-', starting and ending with a letter or "
+                          "digit")
     if layout.max_restarts < 0:
         raise ConfigError("--max-restarts", f"{layout.max_restarts} is negative", "pass --max-restarts 0 or more")
     if layout.volume is None:
@@ -79,17 +97,43 @@ def check_layout(layout: Layout) -> Volume:
             raise ConfigError("--volume", "the nodes of a multi-node run must share its run directory",
                               "pass --volume CLAIM:/path (a ReadWriteMany PersistentVolumeClaim)")
         return Volume(None, SCRATCH_MOUNT)
+    refuse_control_characters("--volume", layout.volume)
     claim, _, mount = layout.volume.partition(":")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", claim) or not mount.startswith("/"):
         raise ConfigError("--volume", f"'{layout.volume}' is not CLAIM:/path",
                           "pass a PersistentVolumeClaim's name and an absolute mount path, e.g. --volume runs:/runs")
+    if any(sequence in mount for sequence in EXPANDED):
+        raise ConfigError("--volume", f"the mount path '{mount}' holds $( or $$, which Kubernetes rewrites in the "
+                          "pods' command", "choose a mount path without them")
     return Volume(claim, mount.rstrip("/") or "/")
 
 
-def job_name(run_dir: Path) -> str:
-    """A Kubernetes name (a DNS label) from the run directory's name."""
-    name = re.sub(r"[^a-z0-9-]+", "-", run_dir.name.lower())[:NAME_LIMIT].strip("-")
-    return name if name and name[0].isalpha() else f"gan-{name}".rstrip("-")
+def run_folder(run_dir: Path) -> str:
+    """The run directory's own name, once resolved (`.` is the current folder, `runs/x/..` is `runs`): the folder
+    on the pods' volume and the source of the resources' names. A ConfigError at --run-dir where it cannot be."""
+    folder = run_dir.resolve().name
+    if not folder:
+        raise ConfigError("--run-dir", f"{str(run_dir)!r} is the file system's root, which names no run folder",
+                          "pass --run-dir with a folder name, e.g. runs/exp1")
+    refuse_control_characters("--run-dir", folder)
+    if any(sequence in folder for sequence in EXPANDED):
+        raise ConfigError("--run-dir", f"the folder name '{folder}' holds $( or $$, which Kubernetes rewrites in the "
+                          "pods' command (each pod could train in another folder)", "choose a name without them")
+    return folder
+
+
+def job_name(folder: str) -> str:
+    """The JobSet's name (and its ConfigMap's, with -config) for a run folder: a DNS-1035 label of at most
+    NAME_LIMIT characters. A folder name that already is one is the name; any other is made one (lower-cased,
+    other characters '-', a leading 'gan-' where it does not start with a letter, cut) and ends in a hash of the
+    folder name, so two folders never share a name (exp_1 and exp.1, or two long names with the same start)."""
+    if re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", folder) and len(folder) <= NAME_LIMIT:
+        return folder
+    stem = re.sub(r"[^a-z0-9-]+", "-", folder.lower()).strip("-")
+    if not stem[:1].isalpha():
+        stem = f"gan-{stem}"
+    digest = hashlib.sha256(folder.encode()).hexdigest()[:NAME_HASH_CHARS]
+    return f"{stem[:NAME_LIMIT - NAME_HASH_CHARS - 1].rstrip('-')}-{digest}"
 
 
 def worker_command(layout: Layout, name: str, pod_run_dir: str) -> list[str]:
@@ -127,8 +171,9 @@ def _pod_spec(layout: Layout, volume: Volume, name: str, pod_run_dir: str) -> di
 def manifest(cfg: Config, layout: Layout, run_dir: Path) -> list[dict]:
     """The ConfigMap holding the resolved config, and the JobSet that trains it."""
     volume = check_layout(layout)
-    name = job_name(run_dir)
-    pod_run_dir = f"{volume.mount.rstrip('/')}/{run_dir.name}"
+    folder = run_folder(run_dir)
+    name = job_name(folder)
+    pod_run_dir = f"{volume.mount.rstrip('/')}/{folder}"
     meta = {"name": name, "namespace": layout.namespace, "labels": {"app.kubernetes.io/name": "ganscale"}}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{name}-config"},
                   "data": {"config.yaml": config_mod.to_yaml(cfg)}}
@@ -159,6 +204,7 @@ def write(recipe: str | None, overrides: tuple[str, ...], layout: Layout, run_di
         raise ConfigError(e.key, f"{e.problem} (--nodes {layout.nodes} x --gpus-per-node {layout.gpus_per_node})",
                           f"{e.fix}, or change --nodes or --gpus-per-node") from None
     run = Path(run_dir) if run_dir else rundir.resolve_run(cfg, None, None)[0]
+    run_folder(run)  # refused before check_output makes the manifest's folder
     path = outputs.check_output(out or str(run / "k8s" / "job.yaml"), force)
     text = yaml.dump_all(manifest(cfg, layout, run), Dumper=_Manifest, sort_keys=False)
     return outputs.write_output(path, lambda tmp: tmp.write_text(text))
