@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import stat
 import subprocess
@@ -110,6 +111,20 @@ def test_bad_input_exits_2_submits_and_writes_nothing(tmp_path):
         _refused(slurm(*args, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), option)
     _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, system_path=False), "sbatch")  # not on PATH
     assert not (tmp_path / "run").exists() and not (bin_dir / "sbatch.calls").exists()
+
+
+def test_a_percent_in_the_run_directory_stays_a_percent_in_the_log_paths(tmp_path):
+    """#SBATCH --output/--error are Slurm filename patterns (%j: the job id, %%: a %): a run directory's own %
+    (lr5%u) was read as %u, the user name, and the job failed with its log nowhere while ganscale said submitted.
+    (tests/test_slurm_real.py runs a job in such a folder.)"""
+    result = slurm(*CPU_JOB, "--run-dir", "lr5%u it's", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    run = f"{tmp_path}/lr5%u it's"
+    pattern = run.replace("%", "%%") + "/slurm/%j"
+    expected = [f"#SBATCH --output={shlex.quote(pattern + '.out')}",
+                f"#SBATCH --error={shlex.quote(pattern + '.err')}", f"RUN_DIR={shlex.quote(run)}"]  # bash: % as it is
+    for line in expected:
+        assert line in result.stdout.splitlines(), line
 
 
 def test_sbatch_refusal_is_one_line(tmp_path):

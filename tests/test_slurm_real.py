@@ -93,14 +93,18 @@ def _assert_same(x, y, where: str) -> None:
 
 
 def test_ganscale_slurm_trains_as_ganscale_train_does(slurm_cluster, tmp_path):  # noqa: F811
+    """In a run directory whose name holds a space, a quote and a % (which sbatch reads as a pattern in #SBATCH
+    --output/--error): the job's log and the run are in it, as named."""
     settings = [*TINY, "--set", "train.steps=3"]
-    job = _submit(slurm_cluster, tmp_path, tmp_path / "slurm-run", settings)
+    run = tmp_path / "slurm-run 5%u it's"
+    job = _submit(slurm_cluster, tmp_path, run, settings)
     state = _wait_job(slurm_cluster, job, timeout_s=300)
-    assert "JobState=COMPLETED" in state, f"{state}\n{_job_log(tmp_path / 'slurm-run')}"
-    summary = json.loads((tmp_path / "slurm-run" / "summary.json").read_text())
+    assert "JobState=COMPLETED" in state, f"{state}\n{_job_log(run)}"
+    assert f"ganscale: job {job}," in (run / "slurm" / f"{job}.out").read_text()
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3 and summary["requeues"] == 0, summary
     _train(tmp_path, tmp_path / "local-run", settings)
-    _assert_same_final_checkpoint(tmp_path / "slurm-run", tmp_path / "local-run", 3)
+    _assert_same_final_checkpoint(run, tmp_path / "local-run", 3)
 
 
 def test_a_signalled_job_checkpoints_requeues_itself_and_resumes_to_the_same_result(slurm_cluster, tmp_path):  # noqa: F811

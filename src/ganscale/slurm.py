@@ -117,7 +117,10 @@ def script(job: Job, python: str = sys.executable) -> str:
     """The sbatch script: readable and complete, so it can be edited and resubmitted by hand."""
     q = shlex.quote
     run_dir = q(str(job.run_dir))
-    logs = f"{job.run_dir}/slurm"
+    # --output/--error are Slurm filename patterns, where %j is the job id and %% a literal %: a % of the run
+    # directory's own (lr5%u) would be replaced, and the job would fail with its log nowhere. Nothing else here
+    # expands % (srun has no --output; torchrun's --log-dir and ganscale's --run-dir take the path as it is).
+    log_pattern = str(job.run_dir).replace("%", "%%") + "/slurm"
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={q(job.name)}",
              f"#SBATCH --nodes={job.layout.nodes}",
@@ -133,8 +136,8 @@ def script(job: Job, python: str = sys.executable) -> str:
     lines += [f"#SBATCH --signal=B:USR1@{job.signal_lead_s}  # to this shell, before the time limit",
               "#SBATCH --requeue" if job.requeue else "#SBATCH --no-requeue",
               "#SBATCH --open-mode=append  # a requeued job adds to its logs",
-              f"#SBATCH --output={q(logs + '/%j.out')}",
-              f"#SBATCH --error={q(logs + '/%j.err')}",
+              f"#SBATCH --output={q(log_pattern + '/%j.out')}",
+              f"#SBATCH --error={q(log_pattern + '/%j.err')}",
               "",
               "set -u",
               f"RUN_DIR={run_dir}",
