@@ -127,6 +127,31 @@ def test_a_percent_in_the_run_directory_stays_a_percent_in_the_log_paths(tmp_pat
         assert line in result.stdout.splitlines(), line
 
 
+def test_a_value_that_would_break_a_line_of_the_script_is_refused_before_anything_is_written(tmp_path):
+    """A newline in a value ended its #SBATCH line, and the rest was a command the batch shell ran (and sbatch read
+    no #SBATCH line after it); a backslash in an #SBATCH value is dropped by sbatch. Refused with one line naming the
+    option: nothing written, nothing submitted."""
+    bin_dir = fake_sbatch(tmp_path / "bin")
+    cases = [
+        ([*CPU_JOB, "--partition", "gpu\necho a command"], "--partition"),
+        ([*CPU_JOB, "--account", "lab\rx"], "--account"),
+        ([*CPU_JOB, "--time", "01:00:00\n"], "--time"),
+        ([*CPU_JOB, "--set", "train.steps=4\n"], "--set"),
+        (["digits\n", *CPU_JOB[1:]], "RECIPE"),
+        ([*CPU_JOB, "--partition", "gpu\\x"], "--partition"),
+    ]
+    for args, option in cases:
+        _refused(slurm(*args, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), f"'{option}'")
+    for run_dir in ["run\nx", "back\\slash"]:
+        _refused(slurm(*CPU_JOB, "--run-dir", run_dir, cwd=tmp_path, path_dirs=(bin_dir,)), "'--run-dir'")
+    # The working directory is part of a relative run directory's path, which the script holds.
+    odd = tmp_path / "a\nb"
+    odd.mkdir()
+    _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=odd, path_dirs=(bin_dir,)), "'--run-dir'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a\nb", "bin"] and not list(odd.iterdir())
+    assert not (bin_dir / "sbatch.calls").exists()
+
+
 def test_sbatch_refusal_is_one_line(tmp_path):
     bin_dir = tool(tmp_path / "bin", "sbatch", 'echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1').parent
     _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), "invalid partition")

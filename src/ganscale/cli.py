@@ -197,6 +197,7 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
     from ganscale import slurm as slurming
 
     try:
+        slurming.check_inputs(recipe, overrides, time_limit, partition, account, run_dir)
         shape = slurming.layout(nodes, gpus_per_node, procs_per_node)
         slurming.check_time(time_limit)
         cfg = config_mod.load(recipe, overrides)
@@ -208,6 +209,7 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         slurming.check_signal_lead(time_limit, signal_lead)
         job = slurming.Job(shape, f"ganscale-{cfg.name}", target.resolve(), slurming.train_args(recipe, overrides),
                            time_limit, partition, account, requeue, signal_lead)
+        slurming.check_job(job)
         text = slurming.script(job)
         if dry_run:
             click.echo(text, nl=False)

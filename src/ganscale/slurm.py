@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ganscale.config import Config, ConfigError
+from ganscale.config import Config, ConfigError, refuse_control_characters
 from ganscale.fault import EXIT_PREEMPTED, stop_grace_s
 
 TIME = re.compile(r"^(?:(\d+)-)?(\d{1,2}):([0-5]\d):([0-5]\d)$")  # [D-]HH:MM:SS, one of sbatch's forms
@@ -71,8 +71,35 @@ def layout(nodes: int, gpus_per_node: int, procs_per_node: int | None) -> Layout
     return Layout(nodes, gpus_per_node, procs_per_node)
 
 
+def check_inputs(recipe: str | None, overrides: tuple[str, ...], time_limit: str | None, partition: str | None,
+                 account: str | None, run_dir: str | None) -> None:
+    """Every value the script will hold, as given, before anything reads it: no control characters (a newline in
+    an #SBATCH line ends it, and the rest is a command the batch shell runs)."""
+    values = [("RECIPE", recipe), *(("--set", override) for override in overrides), ("--time", time_limit),
+              ("--partition", partition), ("--account", account), ("--run-dir", run_dir)]
+    for option, value in values:
+        refuse_control_characters(option, value)
+
+
+def check_job(job: Job, python: str = sys.executable) -> None:
+    """Every value the script holds, as written: with this machine's paths (the working directory a relative
+    --run-dir or recipe file is resolved in, this Python), no control characters; and no backslash in an #SBATCH
+    value, which sbatch reads as an escape even inside quotes and drops (a/b\\c is read a/bc)."""
+    args = job.train_args
+    train_values = [("--set" if i and args[i - 1] == "--set" else "RECIPE", arg)
+                    for i, arg in enumerate(args) if arg != "--set"]
+    sbatch_values = [("--run-dir", str(job.run_dir)), ("--partition", job.partition), ("--account", job.account),
+                     ("name", job.name)]
+    for option, value in [*sbatch_values, ("--time", job.time), *train_values, ("python", python)]:
+        refuse_control_characters(option, value)
+    for option, value in sbatch_values:
+        if value and "\\" in value:
+            raise ConfigError(option, f"'{value}' holds a backslash, which sbatch drops from #SBATCH lines",
+                              f"pass {option} without a backslash")
+
+
 def check_time(value: str | None) -> None:
-    if value is not None and not TIME.match(value):
+    if value is not None and not TIME.fullmatch(value):  # fullmatch: `$` alone lets a trailing newline through
         raise ConfigError("--time", f"'{value}' is not a time limit Slurm reads here",
                           "write HH:MM:SS or D-HH:MM:SS, e.g. --time 04:00:00")
 
