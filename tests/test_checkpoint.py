@@ -299,6 +299,144 @@ def test_an_intact_file_that_is_not_a_ganscale_checkpoint_is_named(tmp_path, sta
     assert raised.value.key == str(path)
 
 
+def _resume_state(step: int) -> dict:
+    """What a resume reads, as the Checkpointer writes it (two ranks, fp16's scaler, ADA, Adam's state by name)."""
+    from ganscale.precision import Precision
+
+    net = torch.nn.Linear(2, 1)
+    adam = torch.optim.Adam(net.parameters())
+    net(torch.ones(1, 2)).sum().backward()
+    adam.step()
+    names, saved = [name for name, _ in net.named_parameters()], adam.state_dict()
+    by_name = {"state": {names[i]: moments for i, moments in saved["state"].items()},
+               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                for group in saved["param_groups"]]}
+    return {**_state(step), "data_position": 2 * step, "skipped_steps": 1, "consecutive_skips": 0, "pl_mean": 0.5,
+            "world_size": 2, "opt_g": by_name, "opt_d": by_name,
+            "scaler": Precision("fp16", torch.device("cpu")).state_dict(),
+            "augment": {"p": 0.2, "sign_sum": 1.5, "d_steps": 3}, "rng": [checkpoint.rng_state()] * 2}
+
+
+def _rng_with(part: str, **changed) -> list[dict]:
+    state = checkpoint.rng_state()
+    return [state, {**state, part: {**state[part], **changed} if part == "numpy" else changed["value"]}]
+
+
+# The outside tester's cases (a field changed, the completion marker rewritten to match) and more of each kind.
+TAMPERED = [
+    ("rng", [None], "'rng' is not every rank's RNG state: rank 0's state is None, not a dict of 'torch' and 'numpy'"),
+    ("rng", {}, "'rng' is a dict, not a list of every rank's RNG state"),
+    ("rng", [checkpoint.rng_state()], "'rng' holds 1 rank(s)' RNG states, but 'world_size' is 2"),
+    ("rng", _rng_with("torch", value=torch.zeros(3, dtype=torch.uint8)), "'rng' is not every rank's RNG state: "
+     "rank 1's state is not a dict of 'torch' and 'numpy' states: its 'torch' is a uint8 tensor of shape (3,)"),
+    ("rng", _rng_with("cuda", value=torch.zeros(16)), "rank 1's state is not a dict of 'torch' and 'numpy' states: "
+     "its 'cuda' is a float32 tensor of shape (16,)"),
+    ("rng", _rng_with("numpy", keys=torch.zeros(3, dtype=torch.int64)), "rank 1's 'numpy' state is not numpy's "
+     "MT19937 state: its 'keys' is an int64 tensor of shape (3,)"),
+    ("rng", _rng_with("numpy", pos=700), "rank 1's 'numpy' state is not numpy's MT19937 state: its 'pos' is 700"),
+    ("skipped_steps", None, "'skipped_steps' is None, not a count (an int >= 0)"),
+    ("consecutive_skips", -1, "'consecutive_skips' is -1, not a count"),
+    ("scaler", 5, "'scaler' is 5, not fp16's loss scaler state"),
+    ("scaler", {"scale": 1.0}, "'scaler' is not fp16's loss scaler state: it has no 'growth_factor'"),
+    ("step", 2, "'step' is 2, but its name says step 4"),
+    ("data_position", "x", "'data_position' is 'x', not a count"),
+    ("data_position", 5, "'data_position' is 5, not a multiple of its step 4 (step x loss.n_critic)"),
+    ("pl_mean", float("nan"), "'pl_mean' is nan, not a finite number"),
+    ("augment", {"p": 2.0, "sign_sum": 0.0, "d_steps": 0}, "'augment' is not ADA's state: its 'p' is 2.0"),
+    ("world_size", "2", "'world_size' is '2', not a number of ranks"),
+    ("opt_g", 5, "'opt_g' is 5, not an optimizer state by parameter name"),
+    ("opt_d", {"state": {}, "param_groups": [{"params": ["weight"], "eps": "x"}]},
+     "'opt_d' is not an optimizer state by parameter name: a parameter group's 'eps' is 'x'"),
+    ("config", "x: [", "'config' is not YAML text (while parsing"),
+    ("config", "- 1", "'config' is YAML of a list, not of a config"),
+]
+
+
+def test_a_checkpoint_as_the_checkpointer_writes_it_passes_every_check(tmp_path):
+    path = checkpoint.save(_resume_state(4), tmp_path, 4, keep=3)
+    assert checkpoint.load(path, require=checkpoint.RESUME_KEYS)["augment"]["p"] == 0.2
+    with _one_rank(tmp_path):
+        sharded = checkpoint.save_sharded(_SHARDS, _resume_state(6), tmp_path, 6, keep=3)
+    assert checkpoint.load_meta(sharded)["step"] == 6
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("key, value, what", TAMPERED, ids=[f"{key}-{i}" for i, (key, _, _) in enumerate(TAMPERED)])
+def test_a_tampered_field_under_a_matching_marker_is_refused_naming_the_file_and_the_field(tmp_path, sharded, key,
+                                                                                          value, what):
+    """Was a TypeError traceback (rng, skipped_steps, scaler), a silent reseed (rng={}), or blamed loss.n_critic."""
+    state = {**_resume_state(4), key: value}
+    if sharded:
+        if key in ("opt_g", "opt_d"):
+            pytest.skip("a sharded checkpoint's optimizer state is in its shards, read into the run's own structure")
+        with _one_rank(tmp_path):
+            path = checkpoint.save_sharded(_SHARDS, state, tmp_path, 4, keep=3)
+    else:
+        path = checkpoint.save(state, tmp_path, 4, keep=3)  # its marker matches: only its content says it
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.load_meta(path) if sharded else checkpoint.load(path, checkpoint.RESUME_KEYS, checkpoint.RESUME_FIX)
+    assert refused.value.key == str(path) and "\n" not in str(refused.value)
+    assert refused.value.problem.startswith("this is not a ganscale checkpoint: '") and what in refused.value.problem, \
+        refused.value.problem
+    assert refused.value.fix == checkpoint.RESUME_FIX
+
+
+def test_export_sample_and_eval_refuse_a_step_or_config_they_cannot_use_and_read_nothing_else(tmp_path):
+    for step, config, what in ((4, "x: [", "'config' is not YAML text"),
+                               (4, "7", "'config' is YAML of 7, not of a config"),
+                               ("4", "name: test\n", "'step' is '4', not a count")):
+        path = checkpoint.save({**_state(4), "step": step, "config": config}, tmp_path / str(len(what)), 4, keep=3)
+        with pytest.raises(ConfigError, match="this is not a ganscale checkpoint: " + what.replace("(", r"\(")):
+            checkpoint.load(path, require=checkpoint.GENERATOR_KEYS)
+    best = tmp_path / "best.pt"  # a copy renamed with its marker: the marker tells its step
+    torch.save(_state(3), best)
+    checkpoint.manifest_path(best).write_text(json.dumps(checkpoint._manifest(best, 4)))
+    with pytest.raises(ConfigError, match="'step' is 3, but its completion marker says step 4"):
+        checkpoint.load(best)
+    path = checkpoint.save({**_resume_state(4), "rng": None}, tmp_path / "rng", 4, keep=3)  # only a resume reads it
+    assert checkpoint.load(path, require=checkpoint.GENERATOR_KEYS)["step"] == 4
+    with pytest.raises(ConfigError, match="'rng' is None, not a list"):
+        checkpoint.load(path, require=checkpoint.RESUME_KEYS)
+
+
+@pytest.fixture(scope="module")
+def trained_two_steps(tmp_path_factory):
+    from dist_helpers import train_in_process
+    from test_distributed import SMALL_DCGAN
+
+    from ganscale import config
+
+    run = tmp_path_factory.mktemp("trained")
+    settings = {**SMALL_DCGAN, "train.steps": 2, "checkpoint.every": 2}
+    train_in_process(config.load(None, [f"{k}={v}" for k, v in settings.items()]), run)
+    return run, {**settings, "train.steps": 4}
+
+
+@pytest.mark.parametrize("key, value", [("rng", [None]), ("skipped_steps", None), ("scaler", 5), ("rng", {}),
+                                        ("step", 1), ("data_position", "x")])
+def test_a_resume_from_a_tampered_checkpoint_is_refused_before_anything_is_restored(tmp_path, trained_two_steps,
+                                                                                  key, value):
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    trained, settings = trained_two_steps
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (path,) = checkpoint.list_checkpoints(run)
+    torch.save({**torch.load(path, weights_only=True), key: value}, path)
+    _remark(path)
+    before = _files_under(run)
+    runtime = start("cpu")
+    try:
+        with pytest.raises(ConfigError) as refused:
+            Trainer(config.load(None, [f"{k}={v}" for k, v in settings.items()]), runtime, run, path)
+    finally:
+        runtime.close()
+    assert refused.value.key == str(path) and f"this is not a ganscale checkpoint: {key!r} is" in str(refused.value)
+    assert _files_under(run) == before
+
+
 def test_fix_texts_fit_the_command(tmp_path):
     folder = _two_checkpoints(tmp_path)
     newest = folder / "step-00000020.pt"
@@ -752,9 +890,11 @@ def test_a_newest_checkpoint_of_another_recipe_is_refused_by_every_command_as_by
     for recipe, run in (("digits", "RUN"), ("ring8", "RING")):
         trained = ganscale("train", recipe, *SHORT_RUN, "--run-dir", run, cwd=tmp_path)
         assert trained.returncode == 0, explain(trained)
-    copied = checkpoint.checkpoint_dir(tmp_path / "RUN") / "step-00000030.pt"  # renamed with its marker: intact
-    shutil.copy(tmp_path / "RING" / "checkpoints" / "step-00000020.pt", copied)
-    shutil.copy(tmp_path / "RING" / "checkpoints" / "step-00000020.json", checkpoint.manifest_path(copied))
+    # Newer than RUN's own, at the step its name says (a step-20 file named step-30 is refused for that alone).
+    copied = checkpoint.checkpoint_dir(tmp_path / "RUN") / "step-00000030.pt"
+    foreign = torch.load(tmp_path / "RING" / "checkpoints" / "step-00000020.pt", weights_only=True)
+    torch.save({**foreign, "step": 30, "data_position": 30}, copied)
+    _remark(copied)
     before = _files_under(tmp_path)
     for command in (["export", "--out", "g.safetensors"], ["sample", "--out", "g.png"], ["eval", "--samples", "10"],
                     ["train", "--resume", "auto", "--set", "train.steps=40"]):

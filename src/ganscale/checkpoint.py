@@ -50,6 +50,7 @@ GENERATOR_KEYS = ("G", "G_ema", "step", "config")  # what export, eval and sampl
 CORE_KEYS = (*NETWORKS, "step", "config")  # in every ganscale checkpoint (sharded: meta.pt and the shards)
 META_KEYS = ("step", "data_position", "skipped_steps", "scaler", "rng", "config")  # what a resume reads of meta.pt
 RESUME_KEYS = (*NETWORKS, "opt_g", "opt_d", *META_KEYS)  # what a resume reads of a full checkpoint
+RESUME_OPTIONAL = ("consecutive_skips", "pl_mean", "augment", "world_size")  # read where present: older ones lack them
 RESUME_FIX = "resume from an intact one with --resume PATH, or start a new --run-dir"
 LOAD_FIX = "use an intact checkpoint written by `ganscale train` (RUN_DIR/checkpoints/step-N.pt or step-N.dcp)"
 
@@ -685,7 +686,10 @@ def _check_intact(path: Path, fix: str, content: bool = True) -> None:
 
 
 def _check_contents(path: Path, state, require: tuple[str, ...], fix: str) -> None:
-    """A file that is intact but not what ganscale writes (another program's, or edited) is named, not a KeyError."""
+    """A file that is intact but not what ganscale writes (another program's, or edited and its marker rewritten) is
+    named with the field that is wrong, not a KeyError or TypeError where it is used: every field its reader reads
+    (`require`, and for a resume RESUME_OPTIONAL where present) has the type and structure ganscale writes, checked
+    here once, when the checkpoint is loaded."""
     def refuse(what: str) -> None:
         raise ConfigError(str(path), f"this is not a ganscale checkpoint: {what}", fix)
 
@@ -695,15 +699,157 @@ def _check_contents(path: Path, state, require: tuple[str, ...], fix: str) -> No
                or (key in NETWORKS and isinstance(state[key], dict) and not state[key])]  # sharded: no such shards
     if missing:
         refuse("no " + ", ".join(repr(key) for key in missing))
-    for key in require:
-        value = state[key]
-        tensors = isinstance(value, dict) and all(isinstance(t, torch.Tensor) for t in value.values())
-        if key in NETWORKS and not tensors:
-            refuse(f"{key!r} is a {type(value).__name__}, not a dict of tensors")
-        if key == "step" and type(value) is not int:
-            refuse(f"'step' is a {type(value).__name__}, not an int")
-        if key == "config" and not isinstance(value, str):
-            refuse(f"'config' is a {type(value).__name__}, not YAML text")
+    read = [*require, *(key for key in RESUME_OPTIONAL if "rng" in require and key in state)]
+    for key in read:
+        wrong = FIELDS[key](state[key]) if key in FIELDS else None
+        if wrong is not None:
+            refuse(f"{key!r} {wrong}")
+    named = step_of(Path(path))
+    if "step" in read and named is not None and state["step"] != named:
+        where = "name" if PATTERN.match(Path(path).name) else "completion marker"
+        refuse(f"'step' is {state['step']}, but its {where} says step {named}")
+    if "data_position" in read:  # ganscale writes step * loss.n_critic (>= 1): a resume checks the n_critic
+        step, position = state["step"], state["data_position"]
+        if (position != 0) if step == 0 else (position < step or position % step):
+            refuse(f"'data_position' is {position}, not a multiple of its step {step} (step x loss.n_critic)")
+    if "world_size" in read and len(state["rng"]) != state["world_size"]:
+        refuse(f"'rng' holds {len(state['rng'])} rank(s)' RNG states, but 'world_size' is {state['world_size']}")
+
+
+def _a(value) -> str:
+    """`value` as a message shows it: a scalar itself, a container or tensor by its kind."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+    kind = (f"{str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor) else type(value).__name__)
+    return f"{'an' if kind[:1] in 'aeio' else 'a'} {kind}"  # a uint8 tensor
+
+
+def _is_count(value, least: int = 0) -> bool:
+    return type(value) is int and value >= least
+
+
+def _is_number(value) -> bool:
+    return type(value) is int or (type(value) is float and np.isfinite(value))  # an int of any size: no float
+
+
+def _count(value) -> str | None:
+    return None if _is_count(value) else f"is {_a(value)}, not a count (an int >= 0)"
+
+
+def _number(value) -> str | None:
+    return None if _is_number(value) else f"is {_a(value)}, not a finite number"
+
+
+def _tensors(value) -> str | None:
+    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in value.items()):
+        return None
+    return f"is {_a(value)}, not a dict of tensors"
+
+
+def _config(value) -> str | None:
+    if not isinstance(value, str):
+        return f"is {_a(value)}, not YAML text"
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        return f"is not YAML text ({' '.join(str(e).split())[:120]})"
+    return None if isinstance(parsed, dict) else f"is YAML of {_a(parsed)}, not of a config"
+
+
+def _fields(value, wanted: dict[str, Callable[[object], bool]], what: str, empty_ok: bool = False) -> str | None:
+    """None when `value` is a dict holding every key of `wanted`, each passing its check (or, `empty_ok`, is {});
+    else what is wrong, as a predicate ("is not fp16's loss scaler state: its 'scale' is None")."""
+    if not isinstance(value, dict):
+        return f"is {_a(value)}, not {what}"
+    if empty_ok and not value:
+        return None
+    for key, ok in wanted.items():
+        if key not in value:
+            return f"is not {what}: it has no {key!r}"
+        if not ok(value[key]):
+            return f"is not {what}: its {key!r} is {_a(value[key])}"
+    return None
+
+
+def _scaler(value) -> str | None:  # {} unless fp16 (precision.Precision.state_dict)
+    positive = lambda v: _is_number(v) and v > 0  # noqa: E731
+    return _fields(value, {"scale": positive, "growth_factor": positive, "backoff_factor": positive,
+                           "growth_interval": lambda v: _is_count(v, 1), "_growth_tracker": _is_count},
+                   "fp16's loss scaler state", empty_ok=True)
+
+
+def _augment(value) -> str | None:  # {} unless augment.kind=ada (augment.AdaptiveAugmentation.state_dict)
+    return _fields(value, {"p": lambda v: _is_number(v) and 0 <= v <= 1, "sign_sum": _is_number,
+                           "d_steps": _is_count}, "ADA's state", empty_ok=True)
+
+
+def _optimizer(value) -> str | None:
+    """An optimizer state by parameter name (parallel.Wrapped.optimizer_state). Which parameters it holds and the
+    shapes of their moments are torch's load_state_dict's to check: a misfit of the config (`Checkpointer`)."""
+    def setting(v) -> bool:  # Adam's hyperparameters: numbers, flags, betas, None
+        return v is None or type(v) is bool or _is_number(v) or isinstance(v, torch.Tensor) or (
+            isinstance(v, (tuple, list)) and all(_is_number(x) for x in v))
+
+    what = "an optimizer state by parameter name"
+    wrong = _fields(value, {"state": lambda v: isinstance(v, dict),
+                            "param_groups": lambda v: isinstance(v, list) and bool(v)}, what)
+    if wrong is not None:
+        return wrong
+    for name, moments in value["state"].items():
+        if not (isinstance(name, str) and isinstance(moments, dict)
+                and all(isinstance(m, torch.Tensor) or _is_number(m) for m in moments.values())):
+            return f"is not {what}: its state of {_a(name)} is {str(moments)[:80]}"
+    for group in value["param_groups"]:
+        if not (isinstance(group, dict) and isinstance(group.get("params"), list)
+                and all(isinstance(n, str) for n in group["params"])):
+            return f"is not {what}: a parameter group is {_a(group)} without a list of parameter names"
+        wrong = next((key for key, v in group.items() if key != "params" and not setting(v)), None)
+        if wrong is not None:
+            return f"is not {what}: a parameter group's {wrong!r} is {_a(group[wrong])}"
+    return None
+
+
+CUDA_STATE_BYTES = 16  # torch.cuda.get_rng_state(): Philox's seed and offset, 8 bytes each
+NUMPY_STATE = {  # np.random.get_state()'s MT19937 fields, its keys as int64 (`rng_state`)
+    "keys": lambda k: (isinstance(k, torch.Tensor) and k.dtype == torch.int64 and tuple(k.shape) == (624,)
+                       and bool(((k >= 0) & (k < 2**32)).all())),
+    "pos": lambda p: type(p) is int and 0 <= p <= 624, "has_gauss": lambda g: type(g) is int and g in (0, 1),
+    "gauss": _is_number}
+
+
+def _is_bytes(value, count: int) -> bool:
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and tuple(value.shape) == (count,)
+            and value.device.type == "cpu")
+
+
+def _rng(value) -> str | None:
+    """Every rank's `rng_state()`, in rank order, as torch's and numpy's set_state take them."""
+    what = "every rank's RNG state"
+    if not isinstance(value, list) or not value:
+        return f"is {_a(value)}, not a list of {what}"
+    cpu_bytes = torch.get_rng_state().numel()
+    for rank, state in enumerate(value):
+        wanted = {"torch": lambda t: _is_bytes(t, cpu_bytes), "numpy": lambda n: isinstance(n, dict),
+                  **({"cuda": lambda t: _is_bytes(t, CUDA_STATE_BYTES)} if isinstance(state, dict)
+                     and "cuda" in state else {})}  # only where the writer's CUDA generator had started
+        wrong = _fields(state, wanted, "a dict of 'torch' and 'numpy' states")
+        if wrong is not None:
+            return f"is not {what}: rank {rank}'s state {wrong}"
+        wrong = _fields(state["numpy"], NUMPY_STATE, "numpy's MT19937 state")
+        if wrong is not None:
+            return f"is not {what}: rank {rank}'s 'numpy' state {wrong}"
+    return None
+
+
+# What a reader may read of a checkpoint, and why each would not be one ganscale wrote (None: it is).
+FIELDS: dict[str, Callable[[object], str | None]] = {
+    **dict.fromkeys(NETWORKS, _tensors), "opt_g": _optimizer, "opt_d": _optimizer,
+    "step": _count, "data_position": _count, "skipped_steps": _count, "consecutive_skips": _count,
+    "world_size": lambda v: None if _is_count(v, 1) else f"is {_a(v)}, not a number of ranks",
+    "pl_mean": _number, "scaler": _scaler, "augment": _augment, "rng": _rng, "config": _config}
 
 
 # ------------------------------------------------------------------------------ earlier checkpoints

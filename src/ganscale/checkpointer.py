@@ -81,7 +81,8 @@ class Checkpointer:
         """Load the training state of checkpoint `path`; returns its per-rank RNG states, restored last
         (`restore_rank_streams`)."""
         training = self.training
-        # Checked first (ConfigError naming the file: not intact, not a ganscale checkpoint, keys missing). Rank 0
+        # Checked first (ConfigError naming the file: not intact, not a ganscale checkpoint, a field missing or not as
+        # ganscale writes it: `checkpoint._check_contents`). Rank 0
         # verifies its content; the others, reading the same file, check only that they see all of it. A rank that
         # cannot (a run directory on a disk its node does not share) stops every rank, naming itself.
         sharded, verify = checkpoint.is_sharded(path), training.runtime.is_main
@@ -98,8 +99,9 @@ class Checkpointer:
         training.consecutive_skips = int(state.get("consecutive_skips", 0))  # older checkpoints lack it
         training.pl_mean = float(state.get("pl_mean", 0.0))  # likewise
         training.augment.load_state_dict(state.get("augment", {}))  # ADA's p; older checkpoints lack it
-        if state["data_position"] != training.step * training.cfg.loss.n_critic:
-            raise ConfigError("loss.n_critic", f"checkpoint {path} was written with another value",
+        if state["data_position"] != training.step * training.cfg.loss.n_critic:  # a multiple of step (checked)
+            raise ConfigError("loss.n_critic", f"checkpoint {path} was written with loss.n_critic="
+                              f"{state['data_position'] // training.step}, not {training.cfg.loss.n_critic}",
                               "resume with the loss.n_critic the checkpoint was written with")
         return state["rng"]
 
