@@ -4,6 +4,7 @@ several processes."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -149,6 +150,83 @@ def test_a_live_lock_is_refused_naming_its_holder_and_left_as_it_is(tmp_path, ow
     assert refused.value.problem == (f"'{run}' is in use by the run started 2026-11-24 20:31:05 on host {host} "
                                      f"(pid {pid})")
     assert [p.name for p in run.iterdir()] == [runlock.LOCK_NAME] and (run / runlock.LOCK_NAME).read_bytes() == before
+
+
+class _FullDiskOs:
+    """runlock's `os`, whose fdopen gives a file that a full disk refuses to write (`then` runs first)."""
+
+    def __init__(self, then=lambda: None):
+        self.then = then
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def fdopen(self, fd, *args, **kwargs):
+        real, then = os.fdopen(fd, *args, **kwargs), self.then
+
+        class Refused:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                real.close()
+
+            def write(self, text):
+                then()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return Refused()
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_lock_that_cannot_be_written_is_removed_and_named(tmp_path, monkeypatch, existing):
+    """A full disk left an empty run.lock ("a run that is starting") that refused every later run, and the error
+    named no file."""
+    run = tmp_path / "full" / "run"
+    if existing:
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.setattr(runlock, "os", _FullDiskOs())
+    with pytest.raises(OSError) as refused:
+        runlock.hold(run)
+    assert refused.value.errno == errno.ENOSPC and refused.value.filename == str(run / runlock.LOCK_NAME)
+    if existing:  # the run's own files are kept; only the lock it made goes
+        assert [p.name for p in run.iterdir()] == ["metrics.jsonl"]
+    else:  # the folders it made go too
+        assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()  # space freed
+    held = runlock.hold(run)
+    assert runlock.token_of(run) == held.token
+    held.release()
+
+
+def test_a_failed_lock_write_leaves_a_lock_that_is_not_its_own(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / runlock.LOCK_NAME
+
+    def replaced():  # another run's, in its place (not possible within LEASE_S, but never removed)
+        lock.unlink()
+        lock.write_text("theirs")
+
+    monkeypatch.setattr(runlock, "os", _FullDiskOs(then=replaced))
+    with pytest.raises(OSError, match="No space left on device"):
+        runlock.hold(run)
+    assert lock.read_text() == "theirs"
+
+
+def test_train_whose_lock_cannot_be_written_exits_7_naming_it(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runlock, "os", _FullDiskOs())
+    result = CliRunner().invoke(main, ["train", "--set", "train.steps=2", "--run-dir", "full/run"])
+    assert result.exit_code == 7, result.output
+    assert result.output.splitlines() == [f"ganscale: No space left on device: {Path('full/run') / 'run.lock'}. Fix: "
+                                          "check that path's permissions and free space, or choose another location "
+                                          "(--run-dir, --out)"], result.output
+    assert list(tmp_path.iterdir()) == []
 
 
 def _take_stale_lock(rank, world, run):

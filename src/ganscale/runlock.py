@@ -125,12 +125,40 @@ def hold(run_dir: Path) -> RunLock:
         except FileExistsError:
             _take_over_if_stale(run_dir)
             continue
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(owner))
+        created = None
+        try:
+            created = os.fstat(fd)  # which file is ours: the only one a failed write below may remove
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(owner))
+        except BaseException as e:
+            if created is None:
+                os.close(fd)
+            _abandon(lock, created, made)
+            if isinstance(e, OSError):  # the write's error names no file (a full disk): name the lock's
+                raise OSError(e.errno, e.strerror or str(e), str(lock)) from e
+            raise
         return RunLock(lock, token, made)
     refuse_if_held(run_dir)
     raise ConfigError("--run-dir", f"'{run_dir}' is being taken by another run", "wait for it to start, or choose "
                       "another --run-dir")
+
+
+def _abandon(lock: Path, created: os.stat_result | None, made: list[Path]) -> None:
+    """After a failed write of the lock `hold` created (a full disk): remove it, as its owner record is missing or cut
+    short, which reads as a run that is starting and refuses every later one; then the folders `hold` made. Only the
+    file it created (`created`, its stat): an empty lock is not stale for LEASE_S, so no other run has replaced it
+    yet, but a file that is not ours is never removed."""
+    try:
+        now = lock.stat()
+        if created is None or (now.st_dev, now.st_ino) == (created.st_dev, created.st_ino):
+            lock.unlink()
+    except OSError:  # gone already, or the disk refuses this too: nothing more to do here
+        pass
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: something else is there now
+            break
 
 
 def watch_parent_hold(run_dir: Path) -> LockWatch | None:
