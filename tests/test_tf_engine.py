@@ -543,6 +543,8 @@ REFUSED = [
     ("eval.every=10", "eval.every"),
     ("log.profile_steps=2", "log.profile_steps"),
     ("train.cudnn_benchmark=false", "train.cudnn_benchmark"),
+    ("fault.hang_timeout_s=600", "fault.hang_timeout_s"),
+    ("fault.exit_timeout_s=10", "fault.exit_timeout_s"),
 ]
 
 
