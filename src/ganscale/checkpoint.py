@@ -812,7 +812,6 @@ def _optimizer(value) -> str | None:
     return None
 
 
-CUDA_STATE_BYTES = 16  # torch.cuda.get_rng_state(): Philox's seed and offset, 8 bytes each
 NUMPY_STATE = {  # np.random.get_state()'s MT19937 fields, its keys as int64 (`rng_state`)
     "keys": lambda k: (isinstance(k, torch.Tensor) and k.dtype == torch.int64 and tuple(k.shape) == (624,)
                        and bool(((k >= 0) & (k < 2**32)).all())),
@@ -820,9 +819,16 @@ NUMPY_STATE = {  # np.random.get_state()'s MT19937 fields, its keys as int64 (`r
     "gauss": _is_number}
 
 
-def _is_bytes(value, count: int) -> bool:
-    return (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and tuple(value.shape) == (count,)
-            and value.device.type == "cpu")
+def _is_bytes(value, count: int | None) -> bool:
+    """A CPU byte tensor of `count` bytes (None: any number but 0)."""
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+            and value.device.type == "cpu" and (value.numel() == count if count is not None else value.numel() > 0))
+
+
+def _cuda_state_bytes() -> int | None:
+    """The size of torch's CUDA RNG state where this process already uses CUDA (a resume on a GPU, whose
+    set_rng_state then takes it); None elsewhere, where it is not read and starting CUDA to ask would cost."""
+    return torch.cuda.get_rng_state().numel() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 def _rng(value) -> str | None:
@@ -833,7 +839,7 @@ def _rng(value) -> str | None:
     cpu_bytes = torch.get_rng_state().numel()
     for rank, state in enumerate(value):
         wanted = {"torch": lambda t: _is_bytes(t, cpu_bytes), "numpy": lambda n: isinstance(n, dict),
-                  **({"cuda": lambda t: _is_bytes(t, CUDA_STATE_BYTES)} if isinstance(state, dict)
+                  **({"cuda": lambda t: _is_bytes(t, _cuda_state_bytes())} if isinstance(state, dict)
                      and "cuda" in state else {})}  # only where the writer's CUDA generator had started
         wrong = _fields(state, wanted, "a dict of 'torch' and 'numpy' states")
         if wrong is not None:
