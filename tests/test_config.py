@@ -157,6 +157,41 @@ def test_dcgan_model_with_2d_data_is_rejected():
     assert info.value.key == "model.kind"
 
 
+@pytest.mark.parametrize("recipe, overrides, key, said", [
+    ("digits-stylegan2", ["model.d_spectral_norm=true"], "model.d_spectral_norm", "not model.kind=stylegan2"),
+    ("digits-biggan", ["model.d_spectral_norm=true"], "model.d_spectral_norm", "not model.kind=biggan"),
+    ("digits-stylegan2", ["model.g_width=32"], "model.g_width", "model.channel_base"),
+    ("digits-stylegan2", ["model.g_batchnorm=false"], "model.g_batchnorm", "model.kind=dcgan or mlp"),
+    ("digits-stylegan2", ["model.g_layers=2"], "model.g_layers", "mlp networks only"),
+    ("digits", ["model.norm=instance"], "model.norm", "pix2pix only"),
+    ("digits", ["model.channel_base=64"], "model.channel_base", "stylegan2 only"),
+    ("digits", ["model.attn_resolution=4"], "model.attn_resolution", "biggan only"),
+    ("digits", ["augment.kind=ada", "augment.policy=[color]"], "augment.policy", "augment.kind=diffaugment only"),
+    ("digits", ["augment.kind=diffaugment", "augment.ada_ops=[xflip]"], "augment.ada_ops", "augment.kind=ada only"),
+    ("digits", ["augment.kind=diffaugment", "augment.p=0.5"], "augment.p", "not augment.kind=diffaugment"),
+    ("digits", ["augment.p=0.5"], "augment.p", "not augment.kind=none"),
+    ("digits", ["loss.gp_weight=5"], "loss.gp_weight", "the gradient penalty only"),
+])
+def test_an_option_nothing_reads_in_this_config_is_refused_naming_it(recipe, overrides, key, said):
+    """A value other than the default of an option that this model, augmentation or loss never reads."""
+    with pytest.raises(ConfigError) as info:
+        preflight.check(config.load(recipe, overrides), 1, False)
+    assert info.value.key == key and said in str(info.value), str(info.value)
+    assert f"set {key}=" in info.value.fix
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("digits", ["model.d_spectral_norm=true", "model.g_batchnorm=false"]),  # DCGAN reads both
+    ("digits", ["augment.kind=ada", "augment.p=0.5", "augment.ada_ops=[xflip]"]),
+    ("digits", ["augment.kind=diffaugment", "augment.policy=[color]"]),
+    ("digits", ["loss.kind=wgan-gp", "loss.gp_weight=5"]),
+    ("digits", ["loss.gradient_penalty=true", "loss.gp_weight=5"]),
+    ("digits-stylegan2", ["model.g_width=64", "model.norm=batch"]),  # defaults, even where nothing reads them
+])
+def test_options_the_config_reads_or_left_at_their_default_pass(recipe, overrides):
+    preflight.check(config.load(recipe, overrides), 1, False)
+
+
 def test_batchnorm_with_one_sample_per_rank_is_rejected_unless_sync_bn():
     cfg = config.load(None, ["train.batch_size=2", "parallel.sync_bn=false"])
     with pytest.raises(ConfigError) as info:

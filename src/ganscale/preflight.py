@@ -92,6 +92,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.model.kind != "custom" and cfg.data.kind != "custom" and is_2d != (cfg.model.kind == "mlp"):
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
                           "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
+    _check_scoped_options(cfg)  # after model.kind vs data.kind, as below
     _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
     _check_augment(cfg)
     check_model_resolution(cfg.model.kind, cfg.data.resolution)
@@ -129,12 +130,71 @@ def _check_data_source(cfg: Config) -> None:
         mnist_file()
 
 
+def _kinds(*kinds: str):
+    return lambda cfg: cfg.model.kind in kinds
+
+
+_STYLEGAN2 = ("stylegan2 only", _kinds("stylegan2"), "use model.kind=stylegan2")
+_MLP = ("the mlp networks only", _kinds("mlp"), "use model.kind=mlp (ring8/grid25)")
+_ADA = ("augment.kind=ada only", lambda cfg: cfg.augment.kind == "ada", "set augment.kind=ada")
+# Options that only some models, augmentations or losses read: key -> (where it applies, whether this config is
+# there, how to get there). Elsewhere nothing reads them, so a value other than the field's default is refused.
+# As the recipes carry only their own model's options, a default comparison suffices (a recipe's value that
+# equals the default is not the user's choice, and a non-default one sits under the model that reads it).
+SCOPED_OPTIONS = {
+    "model.g_width": ("dcgan, mlp, biggan and pix2pix", _kinds("dcgan", "mlp", "biggan", "pix2pix"),
+                      "use model.channel_base and model.channel_max for stylegan2's widths"),
+    "model.d_width": ("dcgan, mlp, biggan and pix2pix", _kinds("dcgan", "mlp", "biggan", "pix2pix"),
+                      "use model.channel_base and model.channel_max for stylegan2's widths"),
+    "model.g_layers": _MLP,
+    "model.d_layers": _MLP,
+    "model.pack": ("the mlp discriminator only", _kinds("mlp"), "use model.kind=mlp (ring8/grid25)"),
+    "model.d_maxout": ("the mlp discriminator only", _kinds("mlp"), "use model.kind=mlp (ring8/grid25)"),
+    "model.g_batchnorm": ("dcgan and mlp", _kinds("dcgan", "mlp"),
+                          "use model.kind=dcgan or mlp (biggan's G always has BatchNorm, pix2pix's is model.norm)"),
+    "model.d_spectral_norm": ("dcgan and mlp", _kinds("dcgan", "mlp"),
+                              "use model.kind=dcgan or mlp (biggan's D always is)"),
+    "model.shared_dim": ("biggan only", _kinds("biggan"), "use model.kind=biggan"),
+    "model.attn_resolution": ("biggan only", _kinds("biggan"), "use model.kind=biggan"),
+    "model.mapping_layers": _STYLEGAN2,
+    "model.channel_base": _STYLEGAN2,
+    "model.channel_max": _STYLEGAN2,
+    "model.style_mixing": _STYLEGAN2,
+    "model.mbstd_group": _STYLEGAN2,
+    "model.g_output": _STYLEGAN2,
+    "model.norm": ("pix2pix only", _kinds("pix2pix"), "use model.kind=pix2pix"),
+    "augment.p": _ADA,
+    "augment.target": _ADA,
+    "augment.interval": _ADA,
+    "augment.speed_images": _ADA,
+    "augment.ada_ops": _ADA,
+    "augment.policy": ("augment.kind=diffaugment only", lambda cfg: cfg.augment.kind == "diffaugment",
+                       "set augment.kind=diffaugment"),
+    "loss.gp_weight": ("the gradient penalty only", lambda cfg: cfg.loss.with_gradient_penalty,
+                       "use loss.kind=wgan-gp or loss.gradient_penalty=true"),
+}
+
+
+def _setting(cfg: Config, key: str) -> str:
+    return {"model": f"model.kind={cfg.model.kind}", "augment": f"augment.kind={cfg.augment.kind}",
+            "loss": f"loss.kind={cfg.loss.kind} without a gradient penalty"}[key.split(".")[0]]
+
+
+def _check_scoped_options(cfg: Config) -> None:
+    """Each option in SCOPED_OPTIONS left at its default outside the configs that read it."""
+    for key, (where, applies, how) in SCOPED_OPTIONS.items():
+        section, name = key.split(".")
+        part = getattr(cfg, section)
+        value, default = getattr(part, name), type(part).model_fields[name].default
+        if value != default and not applies(cfg):
+            shown = str(value).lower() if isinstance(value, bool) else value
+            shown_default = str(default).lower() if isinstance(default, bool) else default
+            raise ConfigError(key, f"{key}={shown} applies to {where}, not {_setting(cfg, key)}: nothing reads it",
+                              f"set {key}={shown_default} (or remove it), or {how}")
+
+
 def _check_mlp_discriminator(cfg: Config, micro: int) -> None:
     m = cfg.model
-    for key, value, default in (("model.pack", m.pack, 1), ("model.d_maxout", m.d_maxout, 0)):
-        if value != default and m.kind != "mlp":
-            raise ConfigError(key, f"{key}={value} applies to the mlp discriminator only, not model.kind={m.kind}",
-                              f"set {key}={default}, or use model.kind=mlp (ring8/grid25)")
     if m.d_maxout == 1:
         raise ConfigError("model.d_maxout", "maxout with 1 piece is no non-linearity (a linear D)",
                           "set model.d_maxout=0 (LeakyReLU) or 2 or more pieces (PacGAN: 5)")
