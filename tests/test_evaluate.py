@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,3 +153,58 @@ def test_sample_and_eval_commands(ring_run, digits_run, tmp_path):
     not_png = subprocess.run([sys.executable, "-m", "ganscale", "sample", str(run), "--out", str(tmp_path / "grid.txt")],
                              env=clean_env(), capture_output=True, text=True, timeout=120)
     assert not_png.returncode == 2 and "--out" in not_png.stderr and "Traceback" not in not_png.stderr
+
+
+@pytest.fixture(scope="module")
+def pix2pix_run(tmp_path_factory):
+    from ganscale.data.synthetic import write_synthetic_facades
+
+    pairs = write_synthetic_facades(tmp_path_factory.mktemp("facades") / "pairs", 5, 0, (64, 32))
+    run = tmp_path_factory.mktemp("pix2pix")
+    _train(run, "pix2pix", [f"data.path={pairs}", "data.resolution=32", "data.load_size=32", "model.g_width=4",
+                            "model.d_width=4", "train.batch_size=1", "data.workers=0", "checkpoint.every=4"])
+    return run
+
+
+def test_pix2pix_sample_draws_n_pairs_chosen_by_the_seed(pix2pix_run, tmp_path):
+    """--n is the number of input | output | target rows, --seed chooses which of the data's pairs they show."""
+    def rows(n, seed, name):
+        picture = np.asarray(Image.open(sample_picture(pix2pix_run, n, tmp_path / name, seed)))
+        return picture, (picture.shape[0] - 2) // 34  # 32 px cells, 2 px apart
+
+    one, count = rows(1, 0, "one.png")
+    assert count == 1
+    everything, count = rows(None, 0, "all.png")
+    assert count == 5  # the default: all pairs, as there are fewer than 64
+    chosen, count = rows(3, 5, "seed5.png")
+    assert count == 3 and np.array_equal(chosen, rows(3, 5, "again.png")[0])
+    assert not np.array_equal(chosen, rows(3, 6, "seed6.png")[0])
+    with pytest.raises(ConfigError, match="--n") as info:
+        sample_picture(pix2pix_run, 6, tmp_path / "six.png")
+    assert "holds 5" in info.value.problem and "--n 5" in info.value.fix and not (tmp_path / "six.png").exists()
+
+
+@pytest.mark.parametrize("run, options, refused", [
+    ("digits", {"inception_weights": "garbage.pth"}, "--inception-weights"),
+    ("digits", {"inception_preprocess": "torch-fidelity"}, "--inception-preprocess"),
+    ("digits", {"pairs": "."}, "--pairs"),
+    ("ring", {"pairs": "."}, "--pairs"),
+    ("ring", {"inception_weights": "garbage.pth"}, "--inception-weights"),
+    ("pix2pix", {"features": "inception"}, "--features"),
+    ("pix2pix", {"samples": 3}, "--samples"),
+    ("pix2pix", {"seed": 1}, "--seed"),
+    ("pix2pix", {"inception_weights": "fake.pth"}, "--inception-weights"),
+])
+def test_eval_options_the_run_is_not_scored_with_are_refused_naming_them(request, run, options, refused):
+    run_dir = request.getfixturevalue(f"{run}_run")
+    run_dir = run_dir if run == "pix2pix" else run_dir[0]
+    (run_dir / "eval.json").unlink(missing_ok=True)
+    with pytest.raises(ConfigError) as info:
+        evaluate(run_dir, **{k: Path(v) if k in ("pairs", "inception_weights") else v for k, v in options.items()})
+    assert info.value.key == refused and f"drop {refused}" in info.value.fix
+    assert not (run_dir / "eval.json").exists()
+
+
+def test_pix2pix_eval_scores_every_pair(pix2pix_run):
+    result = evaluate(pix2pix_run)
+    assert result["pairs"] == 5 and result["l1"] > 0 and "seed" not in result

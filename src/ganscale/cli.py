@@ -314,13 +314,15 @@ def _out_named(out: str, force: bool, suffix: str) -> Path:
 
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--n", "count", type=click.IntRange(min=1), default=64, show_default=True, help="Samples to draw.")
+@click.option("--n", "count", type=click.IntRange(min=1), default=None,
+              help="Samples to draw; pix2pix: pairs (rows of input | output | target), chosen by --seed  "
+                   "[default: 64; pix2pix: all pairs if fewer]")
 @click.option("--out", required=True, help="Output PNG.")
 @FORCE
 @SEED
 @TRUNCATION
 @CLASS
-def sample(run_dir: str, count: int, out: str, force: bool, seed: int, psi: float, label: int | None) -> None:
+def sample(run_dir: str, count: int | None, out: str, force: bool, seed: int, psi: float, label: int | None) -> None:
     """Draw from a run's G_ema into a PNG grid (a scatter plot for 2D data)."""
     from ganscale.evaluate import sample_picture
 
@@ -383,19 +385,22 @@ def style_mix(run_dir: str, out: str, force: bool, rows: int, cols: int, crossov
 
 @main.command(name="eval")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--samples", type=click.IntRange(min=1), default=2500, show_default=True)
-@click.option("--seed", type=SEED_RANGE, default=0, show_default=True, help="Noise seed.")
+@click.option("--samples", type=click.IntRange(min=1), default=None,
+              help="2D and image runs: generated samples scored  [default: 2500]")
+@click.option("--seed", type=SEED_RANGE, default=None, help="2D and image runs: noise seed  [default: 0]")
 @click.option("--features", type=click.Choice([*DIGIT_DATASETS, "inception"]), default=None,
               help="Image runs: feature extractor (default: digits or mnist for those data.kind, else inception).")
 @click.option("--inception-weights", type=click.Path(dir_okay=False), default=None,
-              help="Local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never downloaded.")
+              help="Inception features: local Inception-v3 weights file (pytorch-fid's or torch-fidelity's); never "
+                   "downloaded.")
 @click.option("--inception-preprocess", type=click.Choice(["pytorch-fid", "torch-fidelity"]), default=None,
-              help="pytorch-fid's resize and scaling, or torch-fidelity's (= TensorFlow FID's); default: the run's "
+              help="Inception features: pytorch-fid's resize and scaling, or torch-fidelity's (= TensorFlow FID's); "
+                   "default: the run's "
                    "eval.inception_preprocess.")
 @click.option("--pairs", type=click.Path(exists=True, file_okay=False), default=None,
               help="pix2pix runs: a folder of held-out A|B pairs (default: the run's data.path).")
-def evaluate_run(run_dir: str, samples: int, seed: int, features: str | None, inception_weights: str | None,
-                 inception_preprocess: str | None, pairs: str | None) -> None:
+def evaluate_run(run_dir: str, samples: int | None, seed: int | None, features: str | None,
+                 inception_weights: str | None, inception_preprocess: str | None, pairs: str | None) -> None:
     """Score a run's G_ema; writes RUN_DIR/eval.json.
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall,

@@ -87,12 +87,21 @@ def draw(generator: nn.Module, z_dim: int, n: int, seed: int) -> torch.Tensor:
     return generator(z).float()
 
 
-def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int | None = None,
+SAMPLES = 64  # `ganscale sample`'s default --n (pix2pix: at most the pairs there are)
+
+
+def sample_picture(run_dir: Path, n: int | None, out: Path, seed: int = 0, label: int | None = None,
                    psi: float = 1.0) -> Path:
-    """A grid of n samples (one class per row for a class-conditional G, or all of class `label`;
-    input | output | target rows for pix2pix), or a scatter plot for 2D data; StyleGAN2 at truncation `psi`."""
+    """A grid of n (default SAMPLES) samples (one class per row for a class-conditional G, or all of class
+    `label`; for pix2pix, input | output | target rows of n pairs of the run's data, chosen by `seed`), or a
+    scatter plot for 2D data; StyleGAN2 at truncation `psi`."""
     cfg, generator, _ = load_generator(run_dir)
-    task = build_task(cfg)
+    if cfg.model.conditioning == "paired":
+        # G_ema translates in eval mode (its dropout off): the seed can only choose the pairs shown.
+        task = build_task(cfg, choose=lambda count: chosen_pairs(count, n, seed))
+        n = len(task.preview_pairs)
+    else:
+        n, task = n or SAMPLES, build_task(cfg)
     check_class(task, label)
     check_truncation(psi, cfg)
     note = check_sampling(cfg, lambda net, z: task.preview(truncated(net, psi), z, label), n, task.grid_columns)
@@ -106,31 +115,59 @@ def sample_picture(run_dir: Path, n: int, out: Path, seed: int = 0, label: int |
     return write_output(out, lambda tmp: write_png(picture, tmp))
 
 
-def evaluate(run_dir: Path, samples: int = PROTOCOL_SAMPLES, seed: int = 0, features: str | None = None,
+def chosen_pairs(count: int, n: int | None, seed: int) -> list[int]:
+    """`sample`'s pix2pix rows: n (default: SAMPLES, or all `count` pairs if fewer) of the `count` pairs, a seeded
+    random choice in a seeded order."""
+    if n is not None and n > count:
+        raise ConfigError("--n", f"{n} pairs asked for, and the run's data holds {count}",
+                          f"use --n {count} at most (each row is one pair: input | output | target)")
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    return order[:min(n or SAMPLES, count)].tolist()
+
+
+def evaluate(run_dir: Path, samples: int | None = None, seed: int | None = None, features: str | None = None,
              inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT,
              pairs: Path | None = None, inception_preprocess: str | None = None) -> dict:
     """Score G_ema; writes RUN_DIR/eval.json and returns the same dict.
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall and
-    density/coverage of `samples` generated images against (at most `reference_limit`, a seeded random
-    subset of) the run's training images, on `features` (default: digits or mnist for those runs, else inception).
+    density/coverage of `samples` (default PROTOCOL_SAMPLES) generated images against (at most `reference_limit`, a
+    seeded random subset of) the run's training images, on `features` (default: digits or mnist for those runs, else
+    inception). pix2pix: L1 over the run's pairs or `pairs`. An option (not None) the run's scoring does not read is
+    refused, naming it.
     """
     cfg, generator, step = load_generator(run_dir)
-    result: dict = {"step": step, "data": cfg.data.kind, "seed": seed}
+    options = {"--samples": samples, "--seed": seed, "--features": features, "--inception-weights": inception_weights,
+               "--inception-preprocess": inception_preprocess, "--pairs": pairs}
+    samples, seed = PROTOCOL_SAMPLES if samples is None else samples, seed or 0
     if cfg.data.kind in MIXTURE_MODES:
-        if features is not None:
-            raise ConfigError("--features", "2D mixture runs are scored by modes captured, not image features",
-                              "drop --features")
-        result.update(score_named(cfg.data.kind, draw(generator, cfg.model.z_dim, samples, seed)).as_dict())
+        _refuse_unread(options, ("--samples", "--seed"), "2D mixture runs are scored by modes captured")
+        result = {"step": step, "data": cfg.data.kind, "seed": seed,
+                  **score_named(cfg.data.kind, draw(generator, cfg.model.z_dim, samples, seed)).as_dict()}
     elif cfg.data.kind == "paired":
-        result.update(score_pairs(cfg, generator, pairs))
+        # G_ema translates in eval mode (no dropout): nothing is drawn, so neither a count nor a seed applies.
+        _refuse_unread(options, ("--pairs",), "pix2pix runs are scored by the L1 of G_ema's translation of every pair")
+        result = {"step": step, "data": cfg.data.kind, **score_pairs(cfg, generator, pairs)}
     else:
-        result.update(score_images(cfg, generator, samples, seed, features or auto_features(cfg.data.kind),
-                                   inception_weights, reference_limit,
-                                   inception_preprocess or cfg.eval.inception_preprocess))
+        features = features or auto_features(cfg.data.kind)
+        reads = ("--samples", "--seed", "--features")
+        if features == "inception":
+            reads += ("--inception-weights", "--inception-preprocess")
+        _refuse_unread(options, reads, f"image runs are scored on {features} features of generated samples",
+                       "" if features == "inception" else ", or add --features inception")
+        result = {"step": step, "data": cfg.data.kind, "seed": seed,
+                  **score_images(cfg, generator, samples, seed, features, inception_weights, reference_limit,
+                                 inception_preprocess or cfg.eval.inception_preprocess)}
     text = json.dumps(result, indent=2) + "\n"
     write_output(Path(run_dir) / "eval.json", lambda tmp: tmp.write_text(text), "RUN_DIR")  # whole or not at all
     return result
+
+
+def _refuse_unread(options: dict, reads: tuple[str, ...], scored: str, other_fix: str = "") -> None:
+    """The first given option (not None) of `options` that this run's scoring does not `read`, refused by name."""
+    for option, value in options.items():
+        if value is not None and option not in reads:
+            raise ConfigError(option, f"{scored}, which does not read {option}", f"drop {option}{other_fix}")
 
 
 def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, features: str,

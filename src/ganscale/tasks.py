@@ -7,6 +7,8 @@ Every method here is a pure function of its arguments (no communication).
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -130,8 +132,11 @@ class Paired(Unconditional):
         return torch.stack([inputs, outputs, targets], dim=1).flatten(0, 1)
 
 
-def build_task(cfg: Config, previews: bool = True) -> Unconditional:
-    """The config's task; `previews=False`: without reading pix2pix's fixed preview pairs from the data."""
+def build_task(cfg: Config, previews: bool = True,
+               choose: Callable[[int], Sequence[int]] | None = None) -> Unconditional:
+    """The config's task; `previews=False`: without reading pix2pix's fixed preview pairs from the data.
+    `choose`: given the number of un-augmented pairs, the indices of those pix2pix previews (default: the first
+    log.samples // 3, the training-time grid)."""
     task = cfg.model.conditioning
     if task == "class-conditional":
         return ClassConditional(cfg.model.n_classes)
@@ -144,6 +149,6 @@ def build_task(cfg: Config, previews: bool = True) -> Unconditional:
         d = cfg.data
         fixed = build_dataset(cfg) if d.kind == "custom" else PairedImages(
             d.path, d.load_size, d.resolution, d.direction, augment=False, channels=d.channels)
-        count = min(len(fixed), max(1, cfg.log.samples // 3))
-        return Paired(cfg.loss.l1_weight, [fixed[i] for i in range(count)])
+        indices = choose(len(fixed)) if choose else range(min(len(fixed), max(1, cfg.log.samples // 3)))
+        return Paired(cfg.loss.l1_weight, [fixed[i] for i in indices])
     return Unconditional()
