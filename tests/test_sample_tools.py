@@ -348,3 +348,17 @@ def test_a_grid_pillow_would_refuse_to_open_is_refused_naming_the_n_that_fits(dc
     grown = CliRunner().invoke(main, [command, str(dcgan_run), "--out", str(tmp_path / f"more-{out}"),
                                       "--n", str(most + 1)])
     assert grown.exit_code == 2 and "config error at '--n'" in grown.output
+
+
+@pytest.mark.parametrize("error", [MemoryError(), ValueError("")])
+def test_a_writer_error_without_a_message_is_named_by_its_type(tmp_path, error):
+    """str(MemoryError()) is empty: taking its first line was an IndexError and a traceback."""
+    from ganscale.outputs import write_output
+
+    def fail(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise error
+
+    with pytest.raises(config.ConfigError, match=f"could not write .*: {type(error).__name__}"):
+        write_output(tmp_path / "s.png", fail)
+    assert list(tmp_path.iterdir()) == []

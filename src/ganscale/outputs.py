@@ -59,6 +59,12 @@ def check_output(out: str, force: bool, option: str = "--out") -> Path:
     return path
 
 
+def _first_line(error: BaseException) -> str:
+    """The first line of `error`'s message, or its type's name when it has none (Pillow raises a bare MemoryError())."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def write_output(out: Path, write: Callable[[Path], None], option: str = "--out") -> Path:
     """`write(temporary)` writes the file beside `out`, which is then renamed into place (with the permissions of
     any new file). A refused write is an OSError naming `out` (the CLI's one line and exit 7); another failure a
@@ -81,7 +87,7 @@ def write_output(out: Path, write: Callable[[Path], None], option: str = "--out"
         cause = checkpoint.os_error_behind(e)
         if cause is not None and cause.errno in REFUSED_FILE_OPERATION:  # shown as every command shows it: exit 7
             raise OSError(cause.errno, os.strerror(cause.errno), str(out)) from None
-        reason = checkpoint.os_reason(cause) if cause is not None else str(e).splitlines()[0]
+        reason = checkpoint.os_reason(cause) if cause is not None else _first_line(e)
         raise ConfigError(option, f"could not write {out}: {reason}",
                           f"choose another {option}, or make room on its disk") from None
     return out
