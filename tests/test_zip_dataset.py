@@ -119,6 +119,51 @@ def test_16_bit_grey_images_are_scaled_into_8_bits_where_every_reader_reads_them
     assert [round(float(folder[i][0].mean()), 3) for i in range(3)] == [-1.0, round(128 / 127.5 - 1, 3), 1.0]
 
 
+@pytest.mark.parametrize("mode", ["I;16B", "I;16"])  # Pillow opens a little-endian one (I;16L) as I;16
+def test_16_bit_grey_tiffs_of_either_byte_order_stay_grey_and_scale_into_8_bits(tmp_path, mode):
+    """I;16B (big-endian) was not among the grey modes: such a data set was written as RGB."""
+    (tmp_path / "src").mkdir()
+    for i, level in enumerate([0, 32896, 65535]):  # 0, 128 and 255 in 8 bits
+        data = np.full((6, 6), level, dtype=">u2" if mode == "I;16B" else "<u2").tobytes()
+        Image.frombytes(mode, (6, 6), data).save(tmp_path / "src" / f"{i}.tif")
+    with Image.open(tmp_path / "src" / "2.tif") as image:
+        assert image.mode == mode
+    assert cli("dataset", "create", str(tmp_path / "src"), str(tmp_path / "w.zip"), "--resolution", "4").exit_code == 0
+    images, _ = nvlabs_read(tmp_path / "w.zip")
+    assert [image.shape for image in images] == [(4, 4)] * 3
+    assert [int(image.mean()) for image in images] == [0, 128, 255]
+
+
+@pytest.mark.parametrize("error", ["memory", "sigterm"])
+def test_a_create_that_fails_while_writing_leaves_no_temporary_zip(tmp_path, monkeypatch, error):
+    """A MemoryError, or a SIGTERM, while writing the zip: nothing is left beside DEST."""
+    import signal
+
+    from ganscale.data import create as creating
+
+    write_classes(tmp_path / "src")
+    real_square = creating.square
+
+    def failing(path, resolution, mode):
+        if error == "memory":
+            raise MemoryError()
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # uninstalled, the signal would end pytest
+            pytest.fail("SIGTERM is not handled while the zip is written")
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_square(path, resolution, mode)
+
+    monkeypatch.setattr(creating, "square", failing)
+    if error == "memory":
+        with pytest.raises(ConfigError, match="could not write .*set.zip: MemoryError"):
+            creating.create(str(tmp_path / "src"), str(tmp_path / "out" / "set.zip"), 4, None, False, False)
+    else:
+        with pytest.raises(SystemExit) as info:
+            creating.create(str(tmp_path / "src"), str(tmp_path / "out" / "set.zip"), 4, None, False, False)
+        assert info.value.code == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # left as it was
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_a_floating_point_image_is_refused_by_name_and_nothing_is_written(tmp_path):
     (tmp_path / "src").mkdir()
     Image.fromarray(np.full((6, 6), 0.5, dtype=np.float32)).save(tmp_path / "src" / "a.tif")
@@ -150,6 +195,7 @@ def make_run(folder: Path) -> Path:
 
 @pytest.mark.parametrize("case, key, said", [
     ("not a power of two", "--resolution", "12 is not a power of two"),
+    ("beyond any model", "--resolution", "2048 is beyond 1024"),
     ("SRC is a file", "SRC", "is not a folder"),
     ("no images", "SRC", "no images"),
     ("an image that does not decode", "SRC", "cannot read image"),
@@ -163,6 +209,8 @@ def test_dataset_create_refuses_bad_input_in_one_line_and_writes_nothing(tmp_pat
     dest.parent.mkdir()
     if case == "not a power of two":
         resolution = "12"
+    elif case == "beyond any model":  # 1048576 was OOM-killed at 20 GB, leaving a 0-byte temporary zip
+        resolution = "2048"
     elif case == "SRC is a file":
         src = src / "a_cat" / "wide.png"
     elif case == "no images":

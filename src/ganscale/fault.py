@@ -268,6 +268,29 @@ class StopSignals:
             self._wakeup_write.close()
 
 
+@contextmanager
+def terminate_unwinds() -> Iterator[None]:
+    """While active, SIGTERM raises SystemExit(128 + SIGTERM) (the exit status a killed process has), so `finally`
+    and `except BaseException` blocks remove what a command had half written. Only where nothing else handles
+    SIGTERM (its handler is the default: training's StopSignals, or an embedding program's own, stay as they are)
+    and only on the main thread, where Python runs signal handlers. SIGINT already raises KeyboardInterrupt."""
+    def _leave(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    installed = False
+    try:
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _leave)
+            installed = True
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 DIAGNOSIS_S = 5.0  # the hang watchdog writing stacks, marks and the flight recorder, then leaving (well under 1 s here)
 
 

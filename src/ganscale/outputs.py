@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ganscale import checkpoint
 from ganscale.config import ConfigError
-from ganscale.fault import REFUSED_FILE_OPERATION
+from ganscale.fault import REFUSED_FILE_OPERATION, terminate_unwinds
 from ganscale.rundir import RESUMED_CONFIG
 
 
@@ -72,7 +72,8 @@ def write_output(out: Path, write: Callable[[Path], None], option: str = "--out"
     tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")  # the suffix kept: it picks the format
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
+        with terminate_unwinds():  # a SIGTERM (or Ctrl-C) lands in the except below: the temporary file is removed
+            write(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # e.g. safetensors writes 0600 (a private temporary file)
@@ -80,9 +81,9 @@ def write_output(out: Path, write: Callable[[Path], None], option: str = "--out"
         if _not_regular(out) and not out.is_dir():
             raise ConfigError(option, f"'{out}' is not a regular file", f"choose another {option}")
         os.replace(tmp, out)
-    except Exception as e:  # noqa: BLE001 - OSError, or a writer's own error for a failed write
+    except BaseException as e:  # noqa: BLE001 - OSError, a writer's own error, or a SIGTERM / Ctrl-C
         checkpoint.remove_written(tmp)
-        if isinstance(e, ConfigError):
+        if isinstance(e, ConfigError) or not isinstance(e, Exception):
             raise
         cause = checkpoint.os_error_behind(e)
         if cause is not None and cause.errno in REFUSED_FILE_OPERATION:  # shown as every command shows it: exit 7

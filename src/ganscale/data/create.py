@@ -19,9 +19,13 @@ from tqdm import tqdm
 from ganscale.config import ConfigError
 from ganscale.data.archive import LABELS_FILE, member_name
 from ganscale.data.folder import IMAGE_SUFFIXES, UNDECODABLE, in_mode
+from ganscale.models import stylegan2
 from ganscale.outputs import check_output, write_output
 
-GREY_MODES = {"1", "L", "LA", "I", "I;16", "F"}  # what PIL opens a grey image as
+GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # what PIL opens a grey image as
+# StyleGAN2's largest layout, the largest any ganscale model is built for: beyond it one image alone can exhaust
+# memory (--resolution 1048576 was OOM-killed at 20 GB).
+MAX_RESOLUTION = stylegan2.RESOLUTIONS[-1]
 
 
 @dataclass
@@ -49,6 +53,9 @@ def check_resolution(resolution: int) -> None:
     if resolution < 4 or resolution & (resolution - 1):
         raise ConfigError("--resolution", f"{resolution} is not a power of two >= 4, which StyleGAN data sets are",
                           "use 32, 64, 128, 256, ...")
+    if resolution > MAX_RESOLUTION:
+        raise ConfigError("--resolution", f"{resolution} is beyond {MAX_RESOLUTION}, the largest resolution "
+                          "StyleGAN2 trains at", f"use a power of two from 4 to {MAX_RESOLUTION}")
 
 
 def _open(path: Path) -> Image.Image:
