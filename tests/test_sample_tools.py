@@ -362,3 +362,17 @@ def test_a_writer_error_without_a_message_is_named_by_its_type(tmp_path, error):
     with pytest.raises(config.ConfigError, match=f"could not write .*: {type(error).__name__}"):
         write_output(tmp_path / "s.png", fail)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_interpolate_refuses_more_frames_than_memory_holds_naming_count_and_steps(dcgan_run, tmp_path, monkeypatch):
+    """Pillow keeps every GIF frame until the end: --count 200 --steps 50 at --n 64 was OOM-killed."""
+    from ganscale import memory
+
+    frame = (2 * CELL + 2) ** 2  # --n 4: a 2 x 2 grid, a byte a pixel
+    monkeypatch.setattr(memory, "host_available", lambda: 30 * frame)
+    out = tmp_path / "w.gif"
+    refused = cli("interpolate", dcgan_run, "--out", out, "--n", "4", "--count", "4", "--steps", "8")
+    assert_refused(refused, "'--count/--steps'", "4 x 8 = 32 frames", "at most 30")
+    assert not out.exists()
+    assert cli("interpolate", dcgan_run, "--out", out, "--n", "4", "--count", "3", "--steps", "10").exit_code == 0
+    assert len(gif_frames(out)) <= 30

@@ -344,3 +344,20 @@ def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], 
         raise ConfigError("--n", f"the grid of {n} samples is {pixels:,} pixels, more than Pillow opens ({limit:,}; "
                           "it refuses more as a decompression bomb)", f"draw at most {most} (--n {most})")
     return note
+
+
+GIF_FRAME_BYTES_PER_PIXEL = 1  # Pillow's GIF writer keeps every frame, palette-quantized: a byte a pixel, until the end
+
+
+def check_animation(cfg: Config, n: int, count: int, steps: int, columns: int | None) -> None:
+    """`ganscale interpolate`: ConfigError naming --count and --steps when the GIF's count x steps frames, which
+    Pillow holds in memory until the file is written, exceed the host's available memory."""
+    frames = count * steps
+    frame = grid_pixels(torch.Size((n, *cfg.data.sample_shape)), columns) * GIF_FRAME_BYTES_PER_PIXEL
+    room = host_available()
+    if frames * frame > REFUSE_ABOVE * room:
+        fits = max(1, math.floor(room / frame))
+        raise ConfigError("--count/--steps", f"a GIF of {count} x {steps} = {frames:,} frames of {frame:,} bytes "
+                          f"(Pillow holds every frame until the file is written) needs about {gib(frames * frame)}, "
+                          f"more than the {gib(room)} this machine has available",
+                          f"lower --count or --steps so that --count x --steps is at most {fits:,} (or lower --n)")

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ganscale.config import Config, ConfigError
 from ganscale.data.mixtures import MIXTURE_MODES
-from ganscale.memory import check_sampling
+from ganscale.memory import check_animation, check_sampling
 from ganscale.models.stylegan2 import StyleGAN2Generator
 from ganscale.observe.samples import image_grid, write_png
 from ganscale.outputs import write_output
@@ -129,6 +129,7 @@ def interpolation(run_dir: Path, out: Path, n: int, count: int, steps: int, seed
     check_class(task, label)
     check_truncation(psi, cfg)
     check_sampling(cfg, lambda net, z: task.preview(truncated(net, psi), z, label), n, task.grid_columns)
+    check_animation(cfg, n, count, steps, task.grid_columns)
     keys = grid_latents(count, n, cfg.model.z_dim, seed)
     frames = (image_grid(images, cols=task.grid_columns) for images in walk(generator, task, keys, steps, psi, label))
     return write_gif(frames, out, cfg.data.channels < 3)
