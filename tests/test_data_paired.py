@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import random
+import shutil
+import signal
+import stat
 import warnings
 from pathlib import Path
 
@@ -154,6 +158,56 @@ def test_make_facades_keeps_the_user_s_files_and_exits_2(tmp_path):
     assert len(result.output.strip().splitlines()) == 1
     assert "NOTES.txt" in result.output and str(folder) in result.output
     assert (folder / "NOTES.txt").read_text() == "keep me" and len(jpgs(folder)) == 2
+
+
+def test_make_facades_gives_its_folder_the_umask_s_permissions(tmp_path):
+    """The staging folder came from mkdtemp: the set was left 0700 whatever the umask."""
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    old = os.umask(0o022)
+    try:
+        result = CliRunner().invoke(main, ["make-facades", str(tmp_path / "set"), "--n", "1", "--size", "64x32"])
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE((tmp_path / "set").stat().st_mode) == 0o755
+
+
+def test_make_facades_refuses_more_pairs_than_the_disk_holds_naming_n(tmp_path, monkeypatch):
+    """--n 100000000 wrote until the disk was full: now the first pair's size x n is checked against free space."""
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=10_000))
+    result = CliRunner().invoke(main, ["make-facades", str(tmp_path / "set"), "--n", "1000", "--size", "64x32"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "config error at '--n'" in result.output and "1,000 pairs" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []  # the staging folder removed
+
+
+def test_a_sigterm_while_make_facades_writes_removes_its_staging_folder(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ganscale.cli import main
+
+    real_pair = synthetic._write_pair
+
+    def pair_then_sigterm(path, seed, index, size):
+        real_pair(path, seed, index, size)
+        if index == 1:
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # uninstalled, the signal would end pytest
+                pytest.fail("SIGTERM is not handled while make-facades writes")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(synthetic, "_write_pair", pair_then_sigterm)
+    result = CliRunner().invoke(main, ["make-facades", str(tmp_path / "set"), "--n", "5", "--size", "64x32"])
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 @pytest.mark.parametrize("size, why", [("64x64", "twice as wide as high"), ("99999x99999", "width 99999 is odd"),

@@ -264,9 +264,11 @@ def recipes() -> None:
 def make_facades(folder: str, count: int, seed: int, size: str) -> None:
     """Write a synthetic facades-shaped paired data set: photo | label map files, as facades' A|B (train BtoA)."""
     from ganscale.data.synthetic import parse_size, write_synthetic_facades
+    from ganscale.fault import terminate_unwinds
 
     try:
-        written = write_synthetic_facades(Path(folder), count, seed, parse_size(size))
+        with terminate_unwinds():  # a SIGTERM unwinds too, so the staging folder is removed (as on Ctrl-C)
+            written = write_synthetic_facades(Path(folder), count, seed, parse_size(size))
     except ConfigError as e:  # the folder is data.path to a training, FOLDER here
         _fail(ConfigError("FOLDER", e.problem, e.fix) if e.key == "data.path" else e)
     click.echo(f"wrote {count} pairs to {written}; train with: ganscale train pix2pix --set data.path={written}")

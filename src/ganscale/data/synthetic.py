@@ -161,6 +161,21 @@ def _refuse_foreign_files(folder: Path, previous: dict | None) -> None:
                           "move those files out, or choose another (empty or new) folder: nothing there is deleted")
 
 
+ROOM_MARGIN = 1.2  # JPEG sizes vary from pair to pair: the first pair's size x n, and this much more
+
+
+def _check_room(staging: Path, n: int) -> None:
+    """Refuse (at --n) n pairs whose estimated size, from the first pair written, exceeds the disk's free space:
+    --n 100000000 wrote until the disk was full."""
+    pair = next(staging.iterdir()).stat().st_size
+    needed, free = n * pair * ROOM_MARGIN, shutil.disk_usage(staging).free
+    if needed > free:
+        fits = max(1, int(free / (pair * ROOM_MARGIN)))
+        raise ConfigError("--n", f"{n:,} pairs of about {pair:,} bytes need about {needed / 2**30:,.2f} GiB, more "
+                          f"than the {free / 2**30:,.2f} GiB free on the disk of {staging.parent}",
+                          f"write at most about {fits:,} (--n {fits}), or free space on that disk")
+
+
 def write_synthetic_facades(folder: str | Path, n: int, seed: int, size: tuple[int, int] = (512, 256)) -> Path:
     """Write n synthetic A|B pairs `0000.jpg`, ... into `folder` (created); returns the folder.
 
@@ -186,8 +201,13 @@ def write_synthetic_facades(folder: str | Path, n: int, seed: int, size: tuple[i
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.writing-", dir=folder.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private (0700); the set is a folder like any other
         for index in range(n):
             _write_pair(staging / f"{index:04d}.jpg", seed, index, (width, height))
+            if index == 0:
+                _check_room(staging, n)
         (staging / MARKER).write_text(json.dumps(wanted))  # last: its presence means the set is complete
         _move_into_place(staging, folder, wanted)
     finally:
