@@ -13,6 +13,7 @@ from PIL import Image
 from ganscale import config
 from ganscale.config import ConfigError
 from ganscale.evaluate import evaluate, load_generator, sample_picture
+from ganscale.outputs import finite_json
 from dist_helpers import train_in_process
 from image_helpers import write_noise_pngs
 
@@ -40,8 +41,46 @@ def test_evaluate_scores_2500_samples_and_writes_eval_json(ring_run):
     run, _ = ring_run
     result = evaluate(run)
     assert result["samples"] == 2500 and 0 <= result["modes_captured"] <= 8
-    assert json.loads((run / "eval.json").read_text()) == result
+    assert strict_json((run / "eval.json").read_text()) == finite_json(result)  # 4 steps: reverse KL may be inf
     assert evaluate(run) == result  # seeded: the same numbers again
+
+
+def strict_json(text: str):
+    """json.loads as JavaScript's JSON.parse reads: NaN and Infinity are no JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_non_finite_score_is_null_in_eval_json(ring_run, monkeypatch):
+    """A collapsed G's reverse KL is inf: eval.json held `Infinity`, which no strict JSON reader takes."""
+    from click.testing import CliRunner
+
+    from ganscale import evaluate as evaluating
+    from ganscale.cli import main
+    from ganscale.metrics.modes2d import MixtureScore
+
+    run, _ = ring_run
+    monkeypatch.setattr(evaluating, "score_named", lambda kind, samples: MixtureScore(0, 8, 0.0, float("inf"), 2500))
+    result = CliRunner().invoke(main, ["eval", str(run)])
+    assert result.exit_code == 0, result.output
+    assert strict_json(result.output.strip().splitlines()[-1])["reverse_kl"] is None
+    written = strict_json((run / "eval.json").read_text())
+    assert written["reverse_kl"] is None and written["modes_captured"] == 0
+    (run / "eval.json").unlink()  # the module's other tests score the real G again
+
+
+def test_a_skipped_step_s_nan_loss_is_null_in_metrics_jsonl_and_summary_json(tmp_path):
+    from ganscale.observe import RunLog
+
+    log = RunLog(tmp_path, 2, 0, tensorboard=False, enabled=True)
+    log.log(1, {"loss_d": float("nan"), "loss_g": float("inf"), "grad_norm_d": 1.5}, 8)
+    log.log_extra(2, {"fd": float("-inf")})
+    log.close({"final": {"loss_d": float("nan"), "loss_g": 0.5}})
+    first, second = map(strict_json, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert first["loss_d"] is None and first["loss_g"] is None and first["grad_norm_d"] == 1.5
+    assert second == {"step": 2, "fd": None}
+    assert strict_json((tmp_path / "summary.json").read_text())["final"] == {"loss_d": None, "loss_g": 0.5}
 
 
 def test_sample_writes_a_picture(ring_run, tmp_path):
@@ -84,7 +123,7 @@ def test_digits_runs_are_scored_by_fd_digits_against_the_training_digits(digits_
     result = evaluate(run, samples=200)
     assert result["features"] == "digits" and result["samples"] == 200 and result["reference_samples"] == 1797
     assert result["fd"] > 0 and {"kid", "kid_std", "precision", "recall", "density", "coverage"} <= result.keys()
-    assert json.loads((run / "eval.json").read_text()) == result
+    assert strict_json((run / "eval.json").read_text()) == finite_json(result)  # 4 steps: reverse KL may be inf
     assert evaluate(run, samples=200) == result  # seeded: the same numbers again
     assert evaluate(run, samples=200, seed=1)["fd"] != result["fd"]
 

@@ -409,9 +409,8 @@ def evaluate_run(run_dir: str, samples: int | None, seed: int | None, features: 
     density/coverage against the run's training images (FD-digits with --features digits, FD-MNIST with mnist).
     pix2pix: mean L1 to the targets, next to the input's own L1 (identity baseline).
     """
-    import json
-
     from ganscale.evaluate import evaluate
+    from ganscale.outputs import to_json
 
     try:
         weights = Path(inception_weights) if inception_weights else None
@@ -419,7 +418,7 @@ def evaluate_run(run_dir: str, samples: int | None, seed: int | None, features: 
                           inception_preprocess=inception_preprocess)
     except ConfigError as e:
         _fail(e)
-    click.echo(json.dumps(result))
+    click.echo(to_json(result))  # as eval.json: a non-finite score is null
 
 
 FIT_OPTIONS = (

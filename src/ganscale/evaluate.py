@@ -7,7 +7,6 @@ density/coverage on the features of a chosen extractor, against the run's own tr
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from ganscale.metrics.images import (FEWEST_REFERENCES, REFERENCE_LIMIT, check_r
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
 from ganscale.models import build_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
-from ganscale.outputs import write_output
+from ganscale.outputs import to_json, write_output
 from ganscale.rundir import config_at
 from ganscale.sampling import check_class, check_truncation, grid_latents, truncated
 from ganscale.tasks import build_task
@@ -128,7 +127,8 @@ def chosen_pairs(count: int, n: int | None, seed: int) -> list[int]:
 def evaluate(run_dir: Path, samples: int | None = None, seed: int | None = None, features: str | None = None,
              inception_weights: Path | None = None, reference_limit: int | None = REFERENCE_LIMIT,
              pairs: Path | None = None, inception_preprocess: str | None = None) -> dict:
-    """Score G_ema; writes RUN_DIR/eval.json and returns the same dict.
+    """Score G_ema; writes RUN_DIR/eval.json and returns the same dict (in which a non-finite score stays a float;
+    in eval.json it is null).
 
     2D mixtures: modes captured, % high quality, reverse KL. Images: FD, KID, precision/recall and
     density/coverage of `samples` (default PROTOCOL_SAMPLES) generated images against (at most `reference_limit`, a
@@ -158,7 +158,7 @@ def evaluate(run_dir: Path, samples: int | None = None, seed: int | None = None,
         result = {"step": step, "data": cfg.data.kind, "seed": seed,
                   **score_images(cfg, generator, samples, seed, features, inception_weights, reference_limit,
                                  inception_preprocess or cfg.eval.inception_preprocess)}
-    text = json.dumps(result, indent=2) + "\n"
+    text = to_json(result, indent=2) + "\n"  # a non-finite score (reverse KL of a collapsed G) is null
     write_output(Path(run_dir) / "eval.json", lambda tmp: tmp.write_text(text), "RUN_DIR")  # whole or not at all
     return result
 

@@ -8,9 +8,12 @@ place: a failed write (a full disk) leaves nothing, and its error names the file
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ganscale import checkpoint
 from ganscale.config import ConfigError
@@ -57,6 +60,23 @@ def check_output(out: str, force: bool, option: str = "--out") -> Path:
     if os.path.lexists(path) and not force:
         raise ConfigError(option, f"'{out}' already exists", f"pass --force to replace it, or {another}")
     return path
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, +-inf) as None: json.dumps writes those as NaN / Infinity, which
+    are not JSON (JavaScript's JSON.parse and jq refuse the file). null thus means "not a finite number"."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def to_json(value: Any, **dumps_options: Any) -> str:
+    """json.dumps of `value` that is valid JSON: non-finite numbers are null (finite_json)."""
+    return json.dumps(finite_json(value), allow_nan=False, **dumps_options)
 
 
 def _first_line(error: BaseException) -> str:

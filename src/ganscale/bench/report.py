@@ -7,7 +7,6 @@ names both. File names carry the command and the time: `bench-<command>-<YYYYMMD
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -69,7 +68,7 @@ def markdown_table(columns: list[str], rows: list[dict]) -> str:
 def write_results(command: str, command_line: str, columns: list[str], rows: list[dict], notes: list[str],
                   extra: dict | None = None, out_dir: Path = RESULTS_DIR) -> tuple[Path, Path]:
     """Write the table as Markdown and JSON; returns (markdown path, json path)."""
-    from ganscale.outputs import write_output  # it imports torch: not at `ganscale --help`
+    from ganscale.outputs import to_json, write_output  # it imports torch: not at `ganscale --help`
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +82,7 @@ def write_results(command: str, command_line: str, columns: list[str], rows: lis
     record = {"command": command, "command_line": command_line, "date_utc": stamp, "machine": host,
               "columns": columns, "rows": rows, "notes": notes, **(extra or {})}
     json_path = base.with_suffix(".json")
-    json_text = json.dumps(record, indent=2) + "\n"
+    json_text = to_json(record, indent=2) + "\n"
     write_output(json_path, lambda tmp: tmp.write_text(json_text), "--out-dir")
     cuda = f", CUDA device: {host['cuda_device']}" if host["cuda_device"] else ", no CUDA device"
     text = [f"# ganscale bench {command} ({stamp} UTC)", "",

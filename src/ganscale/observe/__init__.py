@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ganscale.outputs import write_output
+from ganscale.outputs import to_json, write_output
 
 # What a person reads on the console, in this order; every field goes to metrics.jsonl and TensorBoard.
 CONSOLE_FIELDS = ("loss_d", "loss_g", "penalty_d", "l1_g", "grad_norm_d", "grad_norm_g", "img_per_s")
@@ -87,7 +87,7 @@ class RunLog:
 
     def _append(self, record: dict) -> None:
         try:
-            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.write(to_json(record) + "\n")  # a skipped step's NaN loss is null
         except OSError as e:  # a write error names no file: name it (a full disk, a file-size limit)
             raise OSError(e.errno, e.strerror, self.metrics.name) from e
 
@@ -112,7 +112,7 @@ class RunLog:
         if self.writer is not None:
             self.writer.close()
         self.metrics.close()
-        text = json.dumps(summary, indent=2) + "\n"
+        text = to_json(summary, indent=2) + "\n"
         write_output(self.run_dir / "summary.json", lambda tmp: tmp.write_text(text), "--run-dir")
 
 
