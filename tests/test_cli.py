@@ -579,11 +579,13 @@ def test_export_writes_g_and_g_ema(trained_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command, out", [("sample", "afile/grid.png"), ("export", "afile/g.safetensors")])
-def test_an_output_the_system_refuses_is_one_line_and_exit_7_for_every_command(trained_run, tmp_path, command, out):
-    (tmp_path / "afile").write_text("")  # a file where the output's folder goes
+def test_a_file_where_the_output_s_folder_goes_is_one_line_and_exit_2_for_every_command(trained_run, tmp_path,
+                                                                                         command, out):
+    (tmp_path / "afile").write_text("")  # a file where the output's folder goes: bad input, not a refused write
     result = ganscale(command, str(trained_run), "--out", out, cwd=tmp_path)
-    assert result.returncode == 7, explain(result)
-    assert "Traceback" not in result.stderr and "afile" in result.stderr, explain(result)
+    assert result.returncode == 2, explain(result)
+    assert "Traceback" not in result.stderr and "'afile' in 'afile/" in result.stderr, explain(result)
+    assert "is a file, not a folder" in result.stderr, explain(result)
     assert (tmp_path / "afile").read_text() == ""
 
 

@@ -376,3 +376,13 @@ def test_interpolate_refuses_more_frames_than_memory_holds_naming_count_and_step
     assert not out.exists()
     assert cli("interpolate", dcgan_run, "--out", out, "--n", "4", "--count", "3", "--steps", "10").exit_code == 0
     assert len(gif_frames(out)) <= 30
+
+
+@pytest.mark.parametrize("command,under", [("sample", "y.png"), ("sample", "deeper/y.png"),
+                                           ("export", "g.safetensors")])
+def test_an_out_under_a_file_is_refused_saying_that_it_is_a_file(dcgan_run, tmp_path, command, under):
+    """mkdir under a file failed as 'File exists' (exit 7, with a fix about permissions and free space)."""
+    (tmp_path / "a.png").write_bytes(b"mine")
+    refused = cli(command, dcgan_run, "--out", tmp_path / "a.png" / under)
+    assert_refused(refused, "'--out'", f"'{tmp_path / 'a.png'}'", "is a file, not a folder")
+    assert [p.name for p in tmp_path.iterdir()] == ["a.png"] and (tmp_path / "a.png").read_bytes() == b"mine"

@@ -54,6 +54,11 @@ def check_output(out: str, force: bool, option: str = "--out") -> Path:
         if run_file:
             raise ConfigError(option, f"'{out}' is {run_file}, which no command but train writes (not even with "
                               "--force)", another)
+    # The nearest existing folder above: a file there made mkdir fail as "File exists" (exit 7, blaming permissions).
+    above = next((p for p in path.parents if os.path.lexists(p)), None)
+    if above is not None and not above.is_dir():
+        raise ConfigError(option, f"'{above}' in '{out}' is a file, not a folder",
+                          f"{another}, in a folder (or move that file away)")
     if _not_regular(path):
         raise ConfigError(option, f"'{out}' exists and is not a regular file (a folder, a device or the like)",
                           f"{another}, naming a file")
