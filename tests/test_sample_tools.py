@@ -386,3 +386,11 @@ def test_an_out_under_a_file_is_refused_saying_that_it_is_a_file(dcgan_run, tmp_
     refused = cli(command, dcgan_run, "--out", tmp_path / "a.png" / under)
     assert_refused(refused, "'--out'", f"'{tmp_path / 'a.png'}'", "is a file, not a folder")
     assert [p.name for p in tmp_path.iterdir()] == ["a.png"] and (tmp_path / "a.png").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("command", [["fit-features", "--dataset", "digits"], ["fit-digits-features"]])
+def test_fit_features_refuses_an_out_that_is_not_a_safetensors_file(tmp_path, command):
+    """It wrote safetensors under feat.png, where sample and export check their --out's suffix."""
+    refused = cli(*command, "--out", tmp_path / "feat.png", "--epochs", "1")
+    assert_refused(refused, "'--out'", "is not a .safetensors file")
+    assert list(tmp_path.iterdir()) == []

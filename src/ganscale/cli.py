@@ -456,10 +456,9 @@ def _fit_classifier(dataset: str, out: str, force: bool, seed: int, epochs: int)
     import json
 
     from ganscale.metrics import digits_classifier
-    from ganscale.outputs import check_output
 
     try:
-        target = check_output(out, force)  # before the minutes of fitting
+        target = _out_named(out, force, ".safetensors")  # before the minutes of fitting
         model, record = digits_classifier.fit(seed, epochs, dataset=dataset)
         written = digits_classifier.save(model, record, target)
     except ConfigError as e:
