@@ -232,17 +232,18 @@ def test_digits_recipe_networks_and_their_parameter_counts():
         assert (count(StyleGAN2Generator(1024, 512)), count(StyleGAN2Discriminator(1024))) == (30_370_060, 29_012_513)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["model.mbstd_group=3"], "model.mbstd_group"),              # 32 samples on one rank: not groups of 3
-    (["data.resolution=12"], "data.resolution"),
-    (["model.conditional=true"], "data.labels"),                  # a conditional G needs labelled data
-    (["model.kind=dcgan", "model.conditional=true"], "model.conditional"),
+@pytest.mark.parametrize("recipe, overrides, key", [
+    ("digits-stylegan2", ["model.mbstd_group=3"], "model.mbstd_group"),  # 32 samples on one rank: not groups of 3
+    ("digits-stylegan2", ["data.resolution=12"], "data.resolution"),
+    ("digits-stylegan2", ["model.conditional=true"], "data.labels"),     # a conditional G needs labelled data
+    ("digits", ["model.conditional=true"], "model.conditional"),          # DCGAN has no conditional switch
+    ("digits-stylegan2", ["model.kind=dcgan"], "model.mapping_layers"),   # the recipe's StyleGAN2 settings: unread
 ])
-def test_preflight_refuses_through_the_cli_naming_the_key(tmp_path, overrides, key):
+def test_preflight_refuses_through_the_cli_naming_the_key(tmp_path, recipe, overrides, key):
     from ganscale.cli import main
 
     run_dir = tmp_path / "run"
-    args = ["train", "digits-stylegan2", "--run-dir", str(run_dir)]
+    args = ["train", recipe, "--run-dir", str(run_dir)]
     for override in overrides:
         args += ["--set", override]
     result = CliRunner().invoke(main, args)
