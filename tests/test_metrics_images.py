@@ -341,8 +341,17 @@ def test_fit_features_command_writes_a_loadable_mnist_classifier(tmp_path):
     model, record = digits_classifier.load(out, dataset="mnist")
     assert (record["dataset"], record["epochs"], model.side) == ("mnist", 1, 32)
     assert DigitsFeatures(out, dataset="mnist")(torch.zeros(3, 3, 28, 28)).shape == (3, 128)  # any size and channels
-    with pytest.raises(ConfigError, match="--digits-weights.*fitted on 'mnist'.*fit-digits-features"):
+    with pytest.raises(ConfigError, match="'digits_weights'.*fitted on 'mnist'.*fit-digits-features"):
         digits_classifier.load(out, dataset="digits")  # one data set's classifier is not taken for the other's
+
+
+@pytest.mark.parametrize("content", [b"not safetensors", b""])
+def test_a_classifier_file_that_is_not_one_is_one_config_error_naming_it(tmp_path, content):
+    """Through the Python API (build_extractor's digits_weights): a ConfigError naming the argument, not safetensors'
+    own error (the CLI has no option for it, so none is named)."""
+    (tmp_path / "x.safetensors").write_bytes(content)
+    with pytest.raises(ConfigError, match="'digits_weights'.*x.safetensors is not a ganscale digits classifier"):
+        digits_classifier.load(tmp_path / "x.safetensors")
 
 
 def test_real_vs_real_fd_mnist_is_far_below_noise():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -160,17 +160,27 @@ def shipped_path(dataset: str = "digits") -> Path:
 def load(path: Path | None = None, dataset: str = "digits") -> tuple[DigitsClassifier, dict]:
     """The `dataset` classifier (eval mode) and its record, from `path` or the file shipped with the package."""
     refit = digit_set(dataset).refit
+    # The file named: a refitted one given through the Python API (build_extractor's digits_weights), else the
+    # package's own, which the CLI always reads.
+    key = "digits_weights" if path else f"the shipped {dataset} classifier"
     path = Path(path) if path else shipped_path(dataset)
     if not path.is_file():
-        raise ConfigError(f"--{dataset}-weights", f"{dataset} classifier weights not found at {path}",
-                          f"write them with `{refit} {path}`")
-    with safe_open(str(path), framework="pt") as f:
-        record = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        raise ConfigError(key, f"{dataset} classifier weights not found at {path}", f"write them with `{refit} {path}`")
+    not_one = f"write one with `{refit} PATH`"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            record = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, ValueError, OSError) as e:  # not safetensors, or its metadata not our JSON
+        raise ConfigError(key, f"{path} is not a ganscale {dataset} classifier ({type(e).__name__})", not_one) from None
     fitted_on = record.get("dataset", "digits")  # files written before MNIST have no "dataset"
     if record.get("format") != FORMAT or fitted_on != dataset:
-        raise ConfigError(f"--{dataset}-weights", f"{path} is not a ganscale {dataset} classifier (format "
-                          f"{record.get('format')!r}, fitted on {fitted_on!r})", f"write one with `{refit} PATH`")
-    model = DigitsClassifier(record["width"], record["feature_dim"], record.get("side", 8))
-    model.load_state_dict(tensors)
+        raise ConfigError(key, f"{path} is not a ganscale {dataset} classifier (format "
+                          f"{record.get('format')!r}, fitted on {fitted_on!r})", not_one)
+    try:
+        model = DigitsClassifier(record["width"], record["feature_dim"], record.get("side", 8))
+        model.load_state_dict(tensors)
+    except (KeyError, TypeError, RuntimeError) as e:  # a record or tensors that are not the classifier's
+        raise ConfigError(key, f"{path} does not hold the {dataset} classifier its record describes "
+                          f"({type(e).__name__})", not_one) from None
     return model.eval(), record
