@@ -485,6 +485,20 @@ def test_export_of_a_checkpoint_its_config_no_longer_describes_is_one_line(tf, t
     assert not (tmp_path / "g.safetensors").exists()
 
 
+def test_a_tensorflow_run_missing_its_config_is_one_line_saying_to_put_it_back(tf, tmp_path):
+    """A tensorflow checkpoint holds no config: `sample` says the run's config.yaml is what to restore, not to use
+    another checkpoint."""
+    from ganscale.tf import loop
+
+    training, _ = _train(tf, 1, 1, "train.steps=1", run_dir=tmp_path)
+    training.save()  # no config.yaml written
+    result = CliRunner().invoke(main, ["sample", str(tmp_path), "--out", str(tmp_path / "x.png")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert f"Fix: put back {tmp_path / 'config.yaml'}, the config the run was trained with" in line, line
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_a_tensorflow_run_whose_config_is_not_yaml_is_one_line_naming_it(tf, tmp_path):
     from ganscale.tf import loop
 

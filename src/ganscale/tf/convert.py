@@ -39,7 +39,8 @@ def torch_state(path: Path, fix: str) -> dict:
     configured = config_at(path.parent.parent, step) if step is not None else None
     if configured is None:
         raise ConfigError(str(path), "a tensorflow checkpoint holds no config, and its run directory's config.yaml "
-                          "is not beside its checkpoints/ folder", fix)
+                          "is not beside its checkpoints/ folder", f"put back {path.parent.parent / 'config.yaml'}, "
+                          "the config the run was trained with (the checkpoint cannot be read without it)")
     from ganscale.evaluate import configured_as
 
     text, cfg = configured.read_text(), configured_as(configured)  # a broken file: one line naming it
