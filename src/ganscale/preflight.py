@@ -136,7 +136,8 @@ def _kinds(*kinds: str):
 
 _STYLEGAN2 = ("stylegan2 only", _kinds("stylegan2"), "use model.kind=stylegan2")
 _MLP = ("the mlp networks only", _kinds("mlp"), "use model.kind=mlp (ring8/grid25)")
-_ADA = ("augment.kind=ada only", lambda cfg: cfg.augment.kind == "ada", "set augment.kind=ada")
+# augment.kind=none switches augmentation off and leaves its settings as they are: only the other kind's are refused.
+_ADA = ("augment.kind=ada only", lambda cfg: cfg.augment.kind in ("ada", "none"), "set augment.kind=ada")
 # Options that only some models, augmentations or losses read: key -> (where it applies, whether this config is
 # there, how to get there). Elsewhere nothing reads them, so a value other than the field's default is refused.
 # As the recipes carry only their own model's options, a default comparison suffices (a recipe's value that
@@ -168,7 +169,7 @@ SCOPED_OPTIONS = {
     "augment.interval": _ADA,
     "augment.speed_images": _ADA,
     "augment.ada_ops": _ADA,
-    "augment.policy": ("augment.kind=diffaugment only", lambda cfg: cfg.augment.kind == "diffaugment",
+    "augment.policy": ("augment.kind=diffaugment only", lambda cfg: cfg.augment.kind in ("diffaugment", "none"),
                        "set augment.kind=diffaugment"),
     "loss.gp_weight": ("the gradient penalty only", lambda cfg: cfg.loss.with_gradient_penalty,
                        "use loss.kind=wgan-gp or loss.gradient_penalty=true"),
