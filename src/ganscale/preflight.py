@@ -92,11 +92,11 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     if cfg.model.kind != "custom" and cfg.data.kind != "custom" and is_2d != (cfg.model.kind == "mlp"):
         raise ConfigError("model.kind", f"model.kind={cfg.model.kind} does not fit data.kind={cfg.data.kind}",
                           "use model.kind=mlp for ring8/grid25 and model.kind=dcgan for images")
-    _check_scoped_options(cfg)  # after model.kind vs data.kind, as below
     _check_mlp_discriminator(cfg, micro)  # after model.kind vs data.kind, which is the real issue when both fail
     _check_augment(cfg)
     check_model_resolution(cfg.model.kind, cfg.data.resolution)
     _check_stylegan2(cfg, micro)
+    _check_scoped_options(cfg)  # after the rules that name what a model lacks (a recipe of another model's options)
     source = None
     if cfg.data.kind == "zip" or cfg.data.max_images:  # after the model's own resolution rules
         # a zip: every image's header and dataset.json (read once); data.max_images against the source
