@@ -247,3 +247,28 @@ def test_eval_options_the_run_is_not_scored_with_are_refused_naming_them(request
 def test_pix2pix_eval_scores_every_pair(pix2pix_run):
     result = evaluate(pix2pix_run)
     assert result["pairs"] == 5 and result["l1"] > 0 and "seed" not in result
+
+
+def test_pix2pix_sample_and_eval_of_a_run_whose_pairs_moved_say_how_to_point_at_them(pix2pix_run, tmp_path):
+    """sample and eval have no data.path option: their fixes name what they do have (the run's config.yaml, --pairs)."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(pix2pix_run, run)
+    (run / "eval.json").unlink(missing_ok=True)  # another test's
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["data"]["path"] = str(tmp_path / "moved")
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError) as drawn:
+        sample_picture(run, 2, tmp_path / "x.png")
+    assert drawn.value.key == "data.path" and "set data.path in the run's config.yaml" in drawn.value.fix
+    with pytest.raises(ConfigError) as scored:
+        evaluate(run)
+    assert scored.value.key == "data.path" and "--pairs FOLDER" in scored.value.fix
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as empty:
+        evaluate(run, pairs=tmp_path / "empty")
+    assert empty.value.key == "--pairs" and empty.value.fix == "pass --pairs a folder of A|B pair images"
+    assert not (tmp_path / "x.png").exists() and not (run / "eval.json").exists()

@@ -97,7 +97,14 @@ def sample_picture(run_dir: Path, n: int | None, out: Path, seed: int = 0, label
     cfg, generator, _ = load_generator(run_dir)
     if cfg.model.conditioning == "paired":
         # G_ema translates in eval mode (its dropout off): the seed can only choose the pairs shown.
-        task = build_task(cfg, choose=lambda count: chosen_pairs(count, n, seed))
+        try:
+            task = build_task(cfg, choose=lambda count: chosen_pairs(count, n, seed))
+        except ConfigError as e:
+            if e.key != "data.path":
+                raise
+            raise ConfigError("data.path", f"the run's pairs, which sample draws its rows from: {e.problem}",
+                              f"put the pairs back at {cfg.data.path}, or set data.path in the run's config.yaml "
+                              "to where they are now") from None
         n = len(task.preview_pairs)
     else:
         n, task = n or SAMPLES, build_task(cfg)
@@ -198,8 +205,11 @@ def score_pairs(cfg: Config, generator: nn.Module, folder: Path | None = None) -
     try:
         pairs = PairedImages(folder or d.path, d.load_size, d.resolution, d.direction, augment=False,
                              channels=d.channels)
-    except ConfigError as e:  # the loader names data.path; held-out pairs came from --pairs
-        raise (ConfigError("--pairs", e.problem, e.fix) if folder is not None else e) from None
+    except ConfigError as e:  # the loader names data.path and how to set it, which eval does with --pairs
+        if folder is not None:
+            raise ConfigError("--pairs", e.problem, "pass --pairs a folder of A|B pair images") from None
+        raise ConfigError("data.path", f"the run's pairs: {e.problem}", "pass the pairs to score with --pairs FOLDER, "
+                          "or put the run's back where its config.yaml says") from None
     l1 = identity = 0.0
     for index in range(len(pairs)):
         source, target = (t.unsqueeze(0) for t in pairs[index])
