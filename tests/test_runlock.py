@@ -365,6 +365,21 @@ def everything_but_the_lock(run: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(run.rglob("*")) if p.is_file() and p.name != runlock.LOCK_NAME}
 
 
+def take_over_after_checkpoint(trains: subprocess.Popen, run: Path, step: int) -> tuple[bytes, dict, str]:
+    """Once the training `trains` has written checkpoint `step` of `run`, another run takes the lock over: (that
+    run's lock, what `run` held then but the lock, the training's stderr once it has ended)."""
+    try:
+        wait_for(lambda: (run / "checkpoints" / f"step-{step:08d}.json").is_file(), f"checkpoint {step}", [trains])
+        time.sleep(0.3)  # what the step writes after its checkpoint (keep-k pruning) is done
+        theirs = write_lock(run, "another-host", 4321)  # taken over: another run's token, a fresh lease
+        written = everything_but_the_lock(run)
+        _, err = trains.communicate(timeout=120)
+    finally:
+        if trains.poll() is None:
+            trains.kill()
+    return theirs, written, err
+
+
 # `python -m ganscale` whose hold is never checked by its thread (it would find a takeover within RENEW_S): only
 # the trainer's own look before an iteration that writes can find it.
 UNWATCHED = ("import sys; from ganscale import runlock; runlock.RENEW_S = 3600.0; from ganscale.cli import main; "
@@ -384,15 +399,7 @@ def test_a_run_whose_lock_another_run_took_over_stops_and_writes_nothing_more(tm
     trains = subprocess.Popen([*python, "train", *ENDLESS, *launched, "--run-dir", "R"],
                               cwd=tmp_path, env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     run = tmp_path / "R"
-    try:
-        wait_for(lambda: (run / "checkpoints" / "step-00000004.json").is_file(), "checkpoint 4", [trains])
-        time.sleep(0.3)  # what step 4 writes after its checkpoint (keep-k pruning) is done
-        theirs = write_lock(run, "another-host", 4321)  # taken over: another run's token, a fresh lease
-        written = everything_but_the_lock(run)
-        _, err = trains.communicate(timeout=120)
-    finally:
-        if trains.poll() is None:
-            trains.kill()
+    theirs, written, err = take_over_after_checkpoint(trains, run, 4)
     assert trains.returncode == fault.EXIT_TAKEN_OVER == 9, err[-3000:]
     said = [line for line in err.splitlines() if "took over" in line]
     assert said == [f"ganscale: another run took over the run directory R (the lock R/{runlock.LOCK_NAME} is that "

@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +170,7 @@ def test_a_run_whose_lock_another_run_took_over_stops_and_writes_nothing_more(tm
     the step's agreement, before anything of the step is written: exit 9, one line. One process: found by the loop's
     look before a step that writes (the lock's thread is kept out). `--workers 2`: the launcher holds the lock and
     the chief watches it (nothing did: the run went on writing)."""
-    from test_runlock import UNWATCHED, everything_but_the_lock, wait_for, write_lock
+    from test_runlock import UNWATCHED, everything_but_the_lock, take_over_after_checkpoint
 
     from ganscale import fault, runlock
 
@@ -182,15 +181,7 @@ def test_a_run_whose_lock_another_run_took_over_stops_and_writes_nothing_more(tm
                               cwd=tmp_path, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, text=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     run = tmp_path / "R"
-    try:
-        wait_for(lambda: (run / "checkpoints" / "step-00000300.json").is_file(), "checkpoint 300", [trains])
-        time.sleep(0.3)  # what step 300 writes after its checkpoint is done
-        theirs = write_lock(run, "another-host", 4321)  # taken over: another run's token, a fresh lease
-        written = everything_but_the_lock(run)
-        _, err = trains.communicate(timeout=120)
-    finally:
-        if trains.poll() is None:
-            trains.kill()
+    theirs, written, err = take_over_after_checkpoint(trains, run, 300)
     assert trains.returncode == fault.EXIT_TAKEN_OVER == 9, err[-3000:]
     said = [line for line in err.splitlines() if "took over" in line]
     assert len(said) == 1 and re.fullmatch(
