@@ -507,7 +507,7 @@ def test_a_resume_without_a_recipe_of_a_run_missing_its_config_file_is_refused(t
     for resume in ("auto", "RUN/checkpoints/step-00000002.pt"):
         refused = ganscale("train", "--run-dir", "RUN", "--resume", resume, "--set", "train.steps=3", cwd=tmp_path)
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, explain(refused)
-        assert ("config error at '--resume': the checkpoint of step 2 has no config file to continue with "
+        assert ("config error at '--resume': RUN/checkpoints/step-00000002.pt has no config file to continue with "
                 "(RUN/config.yaml is missing). Fix: give the recipe") in refused.stderr, explain(refused)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "RUN").rglob("*")} == before
     given = ganscale("train", "ring8", "--set", "model.g_width=24", "--run-dir", "RUN", "--resume", "auto", "--set",

@@ -82,26 +82,30 @@ def own_config(run_dir: str | None, resume: str | None) -> Path | None:
     """The config a resume without a RECIPE continues with: the one the run it resumes (the run holding
     `--resume PATH`, or `--run-dir` with `--resume auto`) was training with at the checkpoint's step
     (`config_at`). None when there is nothing to resume (`--resume auto` without `--run-dir` looks for the default
-    recipe's runs). A checkpoint whose run has no config file is refused: the default recipe is no guess for it."""
+    recipe's runs), or for a checkpoint outside a run (`best.pt`: the default recipe and --set, as given). A
+    checkpoint of a run directory's checkpoints/ whose run has no config file is refused: the default recipe is no
+    guess for it."""
     try:
         if resume not in (None, "auto"):
             source = Path(resume)
             run = source if source.is_dir() and not checkpoint.is_folder(source) else source.parent.parent
             if run.name == "checkpoints":  # a run's checkpoints/ folder: that run
                 run, source = run.parent, run.parent
-            step = checkpoint.step_of(source) if source != run else _newest_step(run)
+            newest = checkpoint.latest(run) if source == run else source
+            in_run = source == run or source.parent.name == "checkpoints"
         elif run_dir is not None:
-            run = Path(run_dir)
-            step = _newest_step(run)
+            run, in_run = Path(run_dir), True
+            newest = checkpoint.latest(run)
         else:
             return None
+        step = checkpoint.step_of(newest) if newest is not None else None
         found = config_at(run, step) if step is not None else None
     except OSError:  # a path the system refuses (too long, unreadable): resolve_run names it, on rank 0
         return None
-    if step is not None and found is None:
-        raise ConfigError("--resume", f"the checkpoint of step {step} has no config file to continue with "
-                          f"({run / 'config.yaml'} is missing)", "give the recipe or YAML file the run was trained "
-                          "with: ganscale train RECIPE --resume ...")
+    if step is not None and found is None and in_run:
+        raise ConfigError("--resume", f"{newest} has no config file to continue with ({run / 'config.yaml'} is "
+                          "missing)", "give the recipe or YAML file the run was trained with: ganscale train RECIPE "
+                          "--resume ...")
     return found
 
 
