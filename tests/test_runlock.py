@@ -227,6 +227,11 @@ def test_train_whose_lock_cannot_be_written_exits_7_naming_it(tmp_path, monkeypa
                                           "check that path's permissions and free space, or choose another location "
                                           "(--run-dir, --out)"], result.output
     assert list(tmp_path.iterdir()) == []
+    import torch.distributed as dist
+
+    # The one-process group is closed: left open, every later in-process failure (a CliRunner's exit 2) took this
+    # for a launcher's worker and left with os._exit, ending pytest itself.
+    assert not dist.is_initialized()
 
 
 def _take_stale_lock(rank, world, run):

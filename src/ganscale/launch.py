@@ -266,6 +266,10 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
     except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining, ReplicaDivergence, RunDirectoryTakenOver):
         runtime.close()  # decisions every rank reached together: leave together
         raise
+    except BaseException:
+        if runtime.world == 1:  # no peer to tell: an in-process caller (ganscale.train) gets its process back clean
+            runtime.close()
+        raise
     finally:
         if held is not None:  # rank 0's hold on the run directory (or watch): free once this run has left it
             held.release()
