@@ -189,7 +189,7 @@ def test_make_facades_refuses_more_pairs_than_the_disk_holds_naming_n(tmp_path, 
     assert list(tmp_path.iterdir()) == []  # the staging folder removed
 
 
-def test_a_sigterm_while_make_facades_writes_removes_its_staging_folder(tmp_path, monkeypatch):
+def test_a_sigterm_while_make_facades_writes_removes_its_staging_folder(tmp_path, monkeypatch, default_sigterm):
     from click.testing import CliRunner
 
     from ganscale.cli import main

@@ -134,10 +134,13 @@ def test_16_bit_grey_tiffs_of_either_byte_order_stay_grey_and_scale_into_8_bits(
     assert [int(image.mean()) for image in images] == [0, 128, 255]
 
 
-@pytest.mark.parametrize("error", ["memory", "sigterm"])
-def test_a_create_that_fails_while_writing_leaves_no_temporary_zip(tmp_path, monkeypatch, error):
-    """A MemoryError, or a SIGTERM, while writing the zip: nothing is left beside DEST."""
+@pytest.mark.parametrize("error", ["memory", "sigterm", "launcher's sigterm"])
+def test_a_create_that_fails_while_writing_leaves_no_temporary_zip(tmp_path, monkeypatch, error, default_sigterm):
+    """A MemoryError, or a SIGTERM, while writing the zip: nothing is left beside DEST. Under torch elastic's SIGTERM
+    handler (an `--nproc` launcher's), its SignalException passes through for the launcher to stop on."""
     import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ganscale.data import create as creating
 
@@ -147,6 +150,8 @@ def test_a_create_that_fails_while_writing_leaves_no_temporary_zip(tmp_path, mon
     def failing(path, resolution, mode):
         if error == "memory":
             raise MemoryError()
+        if error == "launcher's sigterm":
+            raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # uninstalled, the signal would end pytest
             pytest.fail("SIGTERM is not handled while the zip is written")
         os.kill(os.getpid(), signal.SIGTERM)
@@ -155,6 +160,9 @@ def test_a_create_that_fails_while_writing_leaves_no_temporary_zip(tmp_path, mon
     monkeypatch.setattr(creating, "square", failing)
     if error == "memory":
         with pytest.raises(ConfigError, match="could not write .*set.zip: MemoryError"):
+            creating.create(str(tmp_path / "src"), str(tmp_path / "out" / "set.zip"), 4, None, False, False)
+    elif error == "launcher's sigterm":
+        with pytest.raises(SignalException):
             creating.create(str(tmp_path / "src"), str(tmp_path / "out" / "set.zip"), 4, None, False, False)
     else:
         with pytest.raises(SystemExit) as info:

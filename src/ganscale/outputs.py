@@ -90,6 +90,14 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def _launcher_stop(error: BaseException) -> bool:
+    """torch elastic's SignalException: the `--nproc` launcher's SIGTERM, which it turns into a preemption (exit 3),
+    not a failed write."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return isinstance(error, SignalException)
+
+
 def write_output(out: Path, write: Callable[[Path], None], option: str = "--out") -> Path:
     """`write(temporary)` writes the file beside `out`, which is then renamed into place (with the permissions of
     any new file). A refused write is an OSError naming `out` (the CLI's one line and exit 7); another failure a
@@ -108,7 +116,7 @@ def write_output(out: Path, write: Callable[[Path], None], option: str = "--out"
         os.replace(tmp, out)
     except BaseException as e:  # noqa: BLE001 - OSError, a writer's own error, or a SIGTERM / Ctrl-C
         checkpoint.remove_written(tmp)
-        if isinstance(e, ConfigError) or not isinstance(e, Exception):
+        if isinstance(e, ConfigError) or not isinstance(e, Exception) or _launcher_stop(e):
             raise
         cause = checkpoint.os_error_behind(e)
         if cause is not None and cause.errno in REFUSED_FILE_OPERATION:  # shown as every command shows it: exit 7
