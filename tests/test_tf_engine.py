@@ -165,7 +165,7 @@ def test_workers_refuse_nproc_the_torch_engine_and_open_servers_not_agreed_to(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [None, 2])
-def test_a_run_whose_lock_another_run_took_over_stops_and_writes_nothing_more(tmp_path, workers):
+def test_a_run_whose_lock_another_run_took_over_stops_and_writes_nothing_more(tf, tmp_path, workers):
     """As the torch engine's (test_runlock): once another run holds the run directory's lock, every worker stops in
     the step's agreement, before anything of the step is written: exit 9, one line. One process: found by the loop's
     look before a step that writes (the lock's thread is kept out). `--workers 2`: the launcher holds the lock and
