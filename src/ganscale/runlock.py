@@ -57,6 +57,16 @@ class LockWatch:
             except OSError:  # a file system hiccup: the next renewal tries again, well within the lease
                 continue
 
+    def is_lost(self, read_now: bool) -> bool:
+        """Whether another run holds the lock: read now (`verify`), or as the lock's thread last found it. A lock
+        unreadable for a moment says nothing: the thread keeps looking."""
+        if not read_now:
+            return self.lost.is_set()
+        try:
+            return not self.verify()
+        except OSError:
+            return self.lost.is_set()
+
     def verify(self) -> bool:
         """Whether the lock is still this run's, read now (a small file read; sets `lost` when not). OSError where
         the lock cannot be read (a file system hiccup): that says nothing either way."""

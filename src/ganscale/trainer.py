@@ -363,14 +363,7 @@ class Trainer:
         return [float(self.stop_signal is not None), float(self._lock_lost())]
 
     def _lock_lost(self) -> bool:
-        if self.run_lock is None:
-            return False
-        if not self._verify_lock:
-            return self.run_lock.lost.is_set()
-        try:
-            return not self.run_lock.verify()
-        except OSError:  # unreadable for a moment: says nothing; the lock's thread keeps looking
-            return self.run_lock.lost.is_set()
+        return self.run_lock is not None and self.run_lock.is_lost(read_now=self._verify_lock)
 
     def _taken_over_error(self, step: int) -> RunDirectoryTakenOver:
         error = RunDirectoryTakenOver.at(self.run_dir, self.run_dir / LOCK_NAME, step)

@@ -114,18 +114,11 @@ class Training:
         """(whether any worker was asked to stop, whether the chief's lock on the run directory is another run's):
         one all-reduce across the workers (one process decides alone). `writes`: this iteration writes to the run
         directory, so the chief reads its lock now rather than trusting the lock's thread (every RENEW_S)."""
-        flags = [float(self.stop_signal is not None), float(self._lock_lost(writes))]
+        lost = self.run_lock is not None and self.run_lock.is_lost(read_now=writes)
+        flags = [float(self.stop_signal is not None), float(lost)]
         if self.multi_worker:
             flags = self._agree(tf.constant(flags)).numpy().tolist()
         return flags[0] > 0, flags[1] > 0
-
-    def _lock_lost(self, read_now: bool) -> bool:
-        if self.run_lock is None:
-            return False
-        try:
-            return not self.run_lock.verify() if read_now else self.run_lock.lost.is_set()
-        except OSError:  # unreadable for a moment: says nothing; the lock's thread keeps looking
-            return self.run_lock.lost.is_set()
 
     @tf.function
     def _agree(self, flags: tf.Tensor) -> tf.Tensor:
