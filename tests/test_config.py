@@ -170,6 +170,8 @@ def test_dcgan_model_with_2d_data_is_rejected():
     ("digits", ["augment.kind=diffaugment", "augment.ada_ops=[xflip]"], "augment.ada_ops", "augment.kind=ada only"),
     ("digits", ["augment.kind=diffaugment", "augment.p=0.5"], "augment.p", "not augment.kind=diffaugment"),
     ("digits", ["loss.gp_weight=5"], "loss.gp_weight", "the gradient penalty only"),
+    ("digits", ["model.n_classes=5"], "model.n_classes", "class-conditional models, not model.kind=dcgan"),
+    ("digits-stylegan2", ["model.n_classes=5"], "model.n_classes", "model.conditional=false"),
 ])
 def test_an_option_nothing_reads_in_this_config_is_refused_naming_it(recipe, overrides, key, said):
     """A value other than the default of an option that this model, augmentation or loss never reads."""

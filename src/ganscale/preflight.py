@@ -138,8 +138,19 @@ _STYLEGAN2 = ("stylegan2 only", _kinds("stylegan2"), "use model.kind=stylegan2")
 _MLP = ("the mlp networks only", _kinds("mlp"), "use model.kind=mlp (ring8/grid25)")
 # augment.kind=none switches augmentation off and leaves its settings as they are: only the other kind's are refused.
 _ADA = ("augment.kind=ada only", lambda cfg: cfg.augment.kind in ("ada", "none"), "set augment.kind=ada")
+
+
+def _conditioning(cfg: Config) -> str:
+    """The configured model with what decides what G is given (for the options only some tasks read)."""
+    m = cfg.model
+    if m.kind == "custom":
+        return f"model.kind=custom with model.task={m.task}"
+    return f"model.kind=stylegan2 with model.conditional={str(m.conditional).lower()}" if m.kind == "stylegan2" \
+        else f"model.kind={m.kind}"
+
+
 # Options that only some models, augmentations or losses read: key -> (where it applies, whether this config is
-# there, how to get there). Elsewhere nothing reads them, so a value other than the field's default is refused.
+# there, how to get there[, what this config is, where the section's kind does not say it]). Elsewhere nothing reads them, so a value other than the field's default is refused.
 # As the recipes carry only their own model's options, a default comparison suffices (a recipe's value that
 # equals the default is not the user's choice, and a non-default one sits under the model that reads it).
 SCOPED_OPTIONS = {
@@ -164,6 +175,9 @@ SCOPED_OPTIONS = {
     "model.mbstd_group": _STYLEGAN2,
     "model.g_output": _STYLEGAN2,
     "model.norm": ("pix2pix only", _kinds("pix2pix"), "use model.kind=pix2pix"),
+    "model.n_classes": ("class-conditional models", lambda cfg: cfg.model.conditioning == "class-conditional",
+                        "use model.kind=biggan, stylegan2 with model.conditional=true, or custom with "
+                        "model.task=class-conditional", _conditioning),
     "augment.p": _ADA,
     "augment.target": _ADA,
     "augment.interval": _ADA,
@@ -183,14 +197,15 @@ def _setting(cfg: Config, key: str) -> str:
 
 def _check_scoped_options(cfg: Config) -> None:
     """Each option in SCOPED_OPTIONS left at its default outside the configs that read it."""
-    for key, (where, applies, how) in SCOPED_OPTIONS.items():
+    for key, (where, applies, how, *setting) in SCOPED_OPTIONS.items():
         section, name = key.split(".")
         part = getattr(cfg, section)
         value, default = getattr(part, name), type(part).model_fields[name].default
         if value != default and not applies(cfg):
             shown = str(value).lower() if isinstance(value, bool) else value
             shown_default = str(default).lower() if isinstance(default, bool) else default
-            raise ConfigError(key, f"{key}={shown} applies to {where}, not {_setting(cfg, key)}: nothing reads it",
+            this = setting[0](cfg) if setting else _setting(cfg, key)
+            raise ConfigError(key, f"{key}={shown} applies to {where}, not {this}: nothing reads it",
                               f"set {key}={shown_default} (or remove it), or {how}")
 
 
