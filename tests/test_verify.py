@@ -269,3 +269,24 @@ def test_a_resume_keeps_the_fingerprints_of_the_steps_before_its_checkpoint(tmp_
     records = read(tmp_path / "run")
     assert [r["step"] for r in records if r["net"] == "after"] == [1, 2, 3, 4, 5, 6]
     assert all(r["parameters"] for r in records if r["net"] == "after")  # the step-5 stand-in was replaced
+
+
+def test_a_non_finite_fingerprint_is_strict_json_and_still_differs_from_a_finite_one(tmp_path):
+    """A non-finite loss or gradient is written as null (any JSON reader takes the file), read back as NaN, and a
+    step where only one run was non-finite is a difference, not equal."""
+    from ganscale.observe import fingerprints
+    from ganscale.verify import TOLERANCES, compare_steps
+
+    net = torch.nn.Linear(2, 1)
+    net.weight.grad, net.bias.grad = torch.full((1, 2), float("inf")), torch.zeros(1)
+    for run, loss in (("one", 0.5), ("many", float("nan"))):
+        recorder = fingerprints.StepFingerprints(tmp_path / run, True, torch.device("cpu"), {"D": net})
+        (tmp_path / run).mkdir()
+        recorder.optimizer_step(0, "D", net, [loss, 0.0])
+        recorder.file.close()
+        for line in (tmp_path / run / fingerprints.FILE).read_text().splitlines():
+            json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in fingerprints.jsonl"))
+    one, many = fingerprints.read(tmp_path / "one"), fingerprints.read(tmp_path / "many")
+    assert many[0]["losses"][0] != many[0]["losses"][0]  # NaN
+    exceeding = [d.what for d in compare_steps(one, many, TOLERANCES["fp32"]) if d.exceeds]
+    assert exceeding == ["D's loss_d"]  # the gradients: non-finite (weight) and zero (bias) in both runs

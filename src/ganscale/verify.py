@@ -78,7 +78,11 @@ class Difference:
 
 
 def relative(a: float, b: float, scale: float) -> float:
-    return abs(a - b) / max(scale, 1e-12)
+    """|a - b| against `scale`; non-finite values (fingerprints keep no sign or kind of them) are equal to each
+    other and infinitely far from any finite value."""
+    if math.isfinite(a) != math.isfinite(b):
+        return math.inf
+    return 0.0 if not math.isfinite(a) else abs(a - b) / max(scale, 1e-12)
 
 
 def compare_steps(one: list[dict], many: list[dict], tolerance: Tolerance) -> list[Difference]:
@@ -99,7 +103,7 @@ def compare_steps(one: list[dict], many: list[dict], tolerance: Tolerance) -> li
                                 zip(a["losses"], b["losses"])):
             found.append(Difference(step, phase, "loss", f"{phase}'s {term}", relative(x, y, max(abs(x), abs(y))),
                                     tolerance.loss))
-        scale = max((norm for norm, _ in a["grads"].values()), default=0.0)
+        scale = max((norm for norm, _ in a["grads"].values() if math.isfinite(norm)), default=0.0)
         for name, (norm, total) in a["grads"].items():
             other = b["grads"][name]
             found.append(Difference(step, phase, "gradient", f"{phase}.{name} (gradient)",

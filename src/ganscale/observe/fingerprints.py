@@ -9,6 +9,7 @@ D and G_ema after the step) to RUN_DIR/fingerprints.jsonl. Steps are counted fro
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ganscale.observe import drop_records_after
+from ganscale.outputs import to_json
 
 FILE = "fingerprints.jsonl"
 # A gradient element below this share of its network's largest is zero up to fp32 rounding (terms that cancel):
@@ -88,7 +90,7 @@ class StepFingerprints:
             if self.path.exists():  # as metrics.jsonl: a resume redoes the steps after its checkpoint, keeps the rest
                 drop_records_after(self.path, self.start_step)
             self.file = open(self.path, "a", buffering=1)
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(to_json(record) + "\n")  # strict JSON: a non-finite value is null
 
 
 class NoFingerprints:
@@ -107,5 +109,15 @@ def fingerprints_for(enabled: bool, run_dir: Path, is_main: bool, device: torch.
 
 
 def read(run_dir: Path) -> list[dict]:
-    """The records of a run's fingerprints.jsonl, in order."""
-    return [json.loads(line) for line in (Path(run_dir) / FILE).read_text().splitlines() if line.strip()]
+    """The records of a run's fingerprints.jsonl, in order; a non-finite value (written as null) is NaN."""
+    return [_nan_for_null(json.loads(line)) for line in (Path(run_dir) / FILE).read_text().splitlines()
+            if line.strip()]
+
+
+def _nan_for_null(value):
+    """Every null in a record is a number that was not finite (no field of a record is optional)."""
+    if isinstance(value, dict):
+        return {key: _nan_for_null(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_for_null(v) for v in value]
+    return math.nan if value is None else value
