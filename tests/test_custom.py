@@ -564,3 +564,24 @@ def test_a_label_is_an_integer_class_of_any_integer_type_but_not_a_batch_of_one(
         assert label_problem(fine, 0, 4) is None, fine
     for bad in (4, np.int64(-1), 2.0, True, torch.tensor([2]), torch.tensor(1.0)):
         assert label_problem(bad, 7, 4).startswith("item 7's label is "), bad
+
+
+def test_a_checkpoint_the_user_s_changed_network_no_longer_fits_is_refused_naming_the_code(tmp_path):
+    """The config is the run's own, the user's G code changed (a wider layer): resume and sample say that the code
+    changed, not to resume with the config the checkpoint was written with (it is this one)."""
+    recipe = write_user_gan(tmp_path, "changed_user_gan")
+    run = tmp_path / "run"
+    trained = ganscale("train", str(recipe), "--run-dir", str(run), "--set", "train.steps=1",
+                       "--set", "checkpoint.every=1", cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    with open(tmp_path / "changed_user_gan" / "nets.py", "a") as nets:
+        nets.write("\n\nclass Wider(Generator):\n    def __init__(self, z_dim, width=16, n_classes=0):\n"
+                   "        super().__init__(z_dim, width + 1, n_classes)\n\n\nGenerator = Wider\n")
+    resumed = ganscale("train", "--run-dir", str(run), "--resume", "auto", "--set", "train.steps=2", cwd=tmp_path)
+    drawn = ganscale("sample", str(run), "--out", str(tmp_path / "grid.png"), cwd=tmp_path)
+    for refused in (resumed, drawn):
+        lines = [line for line in refused.stderr.splitlines() if line.startswith("ganscale: ")]
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, explain(refused)
+        assert "the code of model.generator (changed_user_gan.nets:Generator)" in lines[-1], explain(refused)
+        assert "restore the code the run was trained with" in lines[-1], explain(refused)
+    assert not (tmp_path / "grid.png").exists()

@@ -16,6 +16,7 @@ from torch import Tensor
 from ganscale import checkpoint
 from ganscale.config import CheckpointConfig, ConfigError, to_yaml
 from ganscale.fault import ReplicaDivergence, every_rank_or_none, told_by
+from ganscale.models import changed_networks
 from ganscale.runtime import seed_rank_streams
 from ganscale.seeds import derive_seed
 
@@ -124,6 +125,11 @@ class Checkpointer:
             training.configure_optimizers()  # the config's lr, betas and weight decay, not the checkpoint's
         except (RuntimeError, ValueError, KeyError) as e:
             first = " ".join(str(e).strip().splitlines()[:2]).replace("\t", "")[:300]  # torch's headline and first tensor
+            changed = changed_networks(training.cfg, state["config"])
+            if changed:
+                raise ConfigError(str(path), f"does not fit the networks this run builds ({first}): {changed}",
+                                  "restore the code the run was trained with, or start a new run (another "
+                                  "--run-dir)") from None
             raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({first})",
                               f"resume with the config the checkpoint was written with ({written_with(path)})") from None
 

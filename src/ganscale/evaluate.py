@@ -24,7 +24,7 @@ from ganscale.metrics.features import build_extractor
 from ganscale.metrics.images import (FEWEST_REFERENCES, REFERENCE_LIMIT, check_reference_count, image_metrics,
                                      reference_features)
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
-from ganscale.models import build_networks
+from ganscale.models import build_networks, changed_networks
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.outputs import to_json, write_output
 from ganscale.rundir import config_at
@@ -55,6 +55,10 @@ def fitted_generator(run_dir: Path, source: Path, state: dict, nets: tuple[str, 
         try:
             generator.load_state_dict(state[net])
         except RuntimeError:
+            changed = changed_networks(cfg, state["config"], ("generator",))
+            if changed:
+                raise ConfigError(str(source), f"its {net} does not fit the generator this run builds: {changed}",
+                                  "restore the code the run was trained with") from None
             written = yaml.safe_load(state["config"])
             by = f"a '{written.get('name')}' run" if isinstance(written, dict) else "another run"
             raise ConfigError(str(source), f"its {net} does not fit the generator of {configured} (it was written by "

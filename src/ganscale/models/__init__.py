@@ -45,6 +45,27 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
     return G, D
 
 
+def changed_networks(cfg: Config, written_config: str, networks: tuple[str, ...] = ("generator", "discriminator")
+                     ) -> str | None:
+    """Why a checkpoint written with `written_config` (its YAML) no longer fits the networks `cfg` builds although
+    both configure them alike (model settings, data resolution and channels): their code changed; None where the
+    configs differ (then the config is what to fix)."""
+    import yaml
+
+    written = yaml.safe_load(written_config)
+    if not isinstance(written, dict):
+        return None
+    now = cfg.model_dump(mode="json")
+    shape = ("resolution", "channels")
+    if written.get("model") != now["model"] or any(written.get("data", {}).get(k) != now["data"][k] for k in shape):
+        return None
+    m = cfg.model
+    if m.kind == "custom":  # `networks`: the ones that were loaded
+        code = " or ".join(f"model.{net} ({getattr(m, net)})" for net in networks)
+        return f"its model settings are this run's, so the code of {code} changed since it was written"
+    return f"its model settings are this run's, so ganscale's {m.kind} networks changed since (another version)"
+
+
 # Share of pixels at exactly -1 from which a linear-output StyleGAN2 G is warned: MNIST at 32 px (85%) collapsed a
 # small one (benchmarks/results/mnist-stylegan2-collapse-20261126.md); the digits at 16 px (29%) train.
 BLANK_SHARE_WARNED = 0.5
