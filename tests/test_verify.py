@@ -98,6 +98,43 @@ def test_a_user_g_drawing_noise_from_the_rank_s_rng_is_different_and_named(tmp_p
         assert "own RNG stream in step 1 " in result.stdout, explain(result)  # the step the divergence names
 
 
+SPECTRAL_NETS = """
+from torch import nn
+from torch.nn.utils import spectral_norm  # the classic API: a forward pre-hook, not a parametrization
+
+
+class G(nn.Module):
+    def __init__(self, z_dim):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(z_dim, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+class ClassicSpectralD(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(spectral_norm(nn.Linear(2, 16)), nn.LeakyReLU(0.2), spectral_norm(nn.Linear(16, 1)))
+
+    def forward(self, x):
+        return self.net(x)
+"""
+
+
+@pytest.mark.slow
+def test_classic_spectral_norm_with_accumulation_on_two_processes_is_equal(tmp_path):
+    """torch.nn.utils.spectral_norm's hook refines its estimate in every training-mode forward: paused after a
+    step's first micro-step as the parametrization is, 2 processes accumulating 2 micro-steps train as 1 in 4."""
+    (tmp_path / "sn_nets.py").write_text(SPECTRAL_NETS)
+    (tmp_path / "config.yaml").write_text("model: {kind: custom, generator: 'sn_nets:G', generator_args: {z_dim: 4}, "
+                                          "discriminator: 'sn_nets:ClassicSpectralD', z_dim: 4}\n"
+                                          "data: {kind: ring8, size: 500}\ntrain: {batch_size: 16, micro_batch: 4}\n")
+    result = verify("config.yaml", "--steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert "EQUAL: 2 processes" in result.stdout, explain(result)
+
+
 @pytest.mark.parametrize("args, key", [
     (["--nproc", "1"], "--nproc"),
     (["--steps", "1"], "--steps"),

@@ -8,6 +8,10 @@ when `train.micro_batch` is set. So after a step's first forward the parametriza
 mode: every later micro-step normalises by the same estimate the whole batch's single forward uses
 (the weights do not change within a step), exactly as without accumulation.
 
+The classic `torch.nn.utils.spectral_norm` (a forward pre-hook, refining while its layer is in training mode) is
+paused with the same result through its own `n_power_iterations`, set to 0 for the duration: its layer's training
+flag stays as it is, since a layer's own forward may read it. Dynamo guards on both (parallel/speed.py).
+
 Only the parametrization modules change mode: the networks, and their BatchNorm, stay in training mode.
 """
 
@@ -18,24 +22,34 @@ from collections.abc import Iterator
 
 from torch import nn
 from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 
-def spectral_norms(module: nn.Module) -> list[nn.Module]:
-    """The spectral-norm parametrizations in `module`: their `training` flag runs the power iteration."""
-    return [m for m in module.modules() if isinstance(m, _SpectralNorm)]
+def spectral_norms(module: nn.Module) -> list[nn.Module | SpectralNorm]:
+    """The spectral norms in `module`: torch's parametrizations (their `training` flag runs the power iteration),
+    then its classic forward pre-hooks."""
+    modules = list(module.modules())
+    return [*(m for m in modules if isinstance(m, _SpectralNorm)),
+            *(hook for m in modules for hook in m._forward_pre_hooks.values() if isinstance(hook, SpectralNorm))]
 
 
 @contextlib.contextmanager
-def power_iteration_paused(norms: list[nn.Module]) -> Iterator[None]:
-    """Inside: the parametrizations normalise by their current estimate without refining it."""
-    modes = [m.training for m in norms]
+def power_iteration_paused(norms: list[nn.Module | SpectralNorm]) -> Iterator[None]:
+    """Inside: the spectral norms normalise by their current estimate without refining it."""
+    modes = [m.training if isinstance(m, nn.Module) else m.n_power_iterations for m in norms]
     for m in norms:
-        m.train(False)
+        if isinstance(m, nn.Module):
+            m.train(False)
+        else:  # with no power-method step, the hook computes what it computes in eval mode
+            m.n_power_iterations = 0
     try:
         yield
     finally:
         for m, mode in zip(norms, modes):
-            m.train(mode)
+            if isinstance(m, nn.Module):
+                m.train(mode)
+            else:
+                m.n_power_iterations = mode
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ganscale.config import ParallelConfig
 from ganscale.models.spectral import power_iteration_paused, spectral_norms
@@ -152,8 +153,8 @@ class Wrapped:
         return power_iteration_paused(self.spectral_norms)
 
     @cached_property
-    def spectral_norms(self) -> list[nn.Module]:
-        """The network's spectral-norm parametrizations, listed once."""
+    def spectral_norms(self) -> list[nn.Module | SpectralNorm]:
+        """The network's spectral norms (parametrizations and classic hooks), listed once."""
         return spectral_norms(self.module)
 
     @cached_property

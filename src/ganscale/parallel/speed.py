@@ -9,8 +9,9 @@
   The strategy keeps working underneath: a compiled DDP module still reduces gradients in backward and
   still honours `no_sync`, since `Wrapped.gradient_sync` acts on the DDP module itself. Likewise
   `Wrapped.power_iteration` pauses spectral norm after a step's first micro-step by putting its
-  parametrizations in eval mode: Dynamo guards on that mode, so with accumulation a network with spectral
-  norm gets a second graph (per form of its forward) for its later micro-steps, compiled once, not per step.
+  parametrizations in eval mode (a classic hook: its n_power_iterations to 0): Dynamo guards on both, so with
+  accumulation a network with spectral norm gets a second graph (per form of its forward) for its later
+  micro-steps, compiled once, not per step.
 - `choose_convolution_algorithms(benchmark)` lets cuDNN time each convolution shape's algorithms once and keep the
   fastest (`train.cudnn_benchmark`, on by default, as in PyTorch's DCGAN example and StyleGAN2-ADA), instead of
   taking its heuristic's pick; the eager and the compiled path both run cuDNN's convolutions.
