@@ -357,6 +357,24 @@ def test_a_user_gan_trains_through_the_cli_with_two_workers_from_another_folder(
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
 
 
+def test_a_resume_from_another_folder_imports_the_code_the_run_started_with(tmp_path):
+    """The package only in the current folder, the YAML elsewhere: the run records that folder, so a resume from a
+    folder holding another package of the same name imports the run's own (the other one refuses to import)."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere" / "cwd_user_gan"
+    (tmp_path / "configs").mkdir()
+    recipe = write_user_gan(here, "cwd_user_gan").rename(tmp_path / "configs" / "config.yaml")
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "__init__.py").write_text("raise ImportError('the other folder s package')\n")
+    run = str(tmp_path / "run")
+    started = ganscale("train", str(recipe), "--set", "train.steps=2", "--run-dir", run, cwd=here)
+    assert started.returncode == 0, explain(started)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["code_path"] == [
+        str(tmp_path / "configs"), str(here)]
+    resumed = ganscale("train", "--run-dir", run, "--resume", "auto", "--set", "train.steps=3", cwd=elsewhere.parent)
+    assert resumed.returncode == 0, explain(resumed)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
+
+
 @pytest.mark.slow
 def test_a_user_g_drawing_from_the_rank_stream_resumes_exactly_after_its_final_samples(tmp_path):
     """Through the CLI, resumed from the stopped run's last step, whose final samples drew from G_ema: a G drawing

@@ -476,9 +476,10 @@ class Config(Section):
     """Recipe name, used for the default run directory runs/<name>-<time>: one path component."""
     description: str = ""
     code_path: list[str] = []
-    """Folders searched first for the user's modules (model.generator, model.discriminator, data.dataset, a
-    module:attribute loss.kind), then the current directory and PYTHONPATH. Loading a YAML file adds its own
-    folder; entries are made absolute when loaded, so every worker and every resume imports the same code."""
+    """Folders searched for the user's modules (model.generator, model.discriminator, data.dataset, a
+    module:attribute loss.kind), before PYTHONPATH. Loading a YAML file adds its own folder, and a config that names
+    such modules the current directory; entries are made absolute when loaded, and a run's own config adds nothing,
+    so every worker and every resume (from any folder) imports the same code."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     loss: LossConfig = LossConfig()
@@ -646,7 +647,9 @@ def load(source: str | None, overrides: list[str] | tuple[str, ...] = (), files_
     yaml_folder = None if (source or DEFAULT_RECIPE) in recipe_names() else Path(source).resolve().parent
     # A run's own config (a resume without a recipe) holds absolute folders already: its run folder is no code.
     own_config = yaml_folder is not None and (yaml_folder / "checkpoints").is_dir()
-    cfg.code_path = _absolute_folders(cfg.code_path, None if own_config else yaml_folder)
+    # The current folder, where a new run finds the user's modules, is recorded too (files_here: this machine's).
+    records_cwd = files_here and not own_config and cfg.names_user_code
+    cfg.code_path = _absolute_folders(cfg.code_path, None if own_config else yaml_folder, records_cwd)
     # Recorded as read from where the run started: a resume or eval from another folder reads the same files.
     if files_here and cfg.data.path:  # empty: refused where the data is read
         cfg.data.path = os.path.abspath(cfg.data.path)
@@ -655,13 +658,16 @@ def load(source: str | None, overrides: list[str] | tuple[str, ...] = (), files_
     return cfg
 
 
-def _absolute_folders(folders: list[str], yaml_folder: Path | None) -> list[str]:
+def _absolute_folders(folders: list[str], yaml_folder: Path | None, cwd: bool) -> list[str]:
     """code_path made absolute (relative entries from the YAML file's folder, else the current one), then the
-    YAML file's folder: what every worker, on any node, and every resume searches for the user's modules."""
+    YAML file's folder, then (`cwd`) the current one: what every worker, on any node, and every resume searches for
+    the user's modules, before PYTHONPATH."""
     base = yaml_folder or Path.cwd()
     absolute = [str((base / folder).resolve()) for folder in folders]
     if yaml_folder is not None:
         absolute.append(str(yaml_folder))
+    if cwd:
+        absolute.append(str(Path.cwd()))
     return list(dict.fromkeys(absolute))
 
 

@@ -1,8 +1,9 @@
 """The user's own code, named "module:attribute" in the config, found the same way in every process.
 
-Modules are searched in the config's `code_path` (the YAML file's folder among them), then the current
-directory, then PYTHONPATH; only for a config that names such code (`Config.names_user_code`), so a shipped
-recipe never imports a file that happens to lie in the current directory. A name that does not import, or a
+Modules are searched in the config's `code_path` (the YAML file's folder and the current directory where the
+run started among them, config.load), then PYTHONPATH; only for a config that names such code
+(`Config.names_user_code`), so a shipped recipe never imports a file that happens to lie in the current directory,
+and a resume from another folder never one that lies there. A name that does not import, or a
 factory that refuses its arguments, is a ConfigError naming the key.
 
 A config is data that can come from elsewhere (a run directory read by sample, eval or export), so what it names
@@ -30,8 +31,8 @@ from ganscale.config import ConfigError
 
 
 def search(code_path: Sequence[str]) -> None:
-    """Put the config's folders, then the current directory, first on this process's module search path."""
-    for folder in reversed([*code_path, os.getcwd()]):
+    """Put the config's folders first on this process's module search path."""
+    for folder in reversed(code_path):
         if folder not in sys.path:
             sys.path.insert(0, folder)
 
