@@ -94,11 +94,12 @@ from torch.utils.data import Dataset
 
 class Blobs(Dataset):
     """Deterministic 1x8x8 images in [-1, 1], with a class each (`relabel`: {index: label} overrides some;
-    `spoil`: {index: how} makes some unlike item 0: an extra field, a smaller image, or values out of range)."""
+    `spoil`: {index: how} makes some unlike item 0: an extra field, a smaller image, values out of range, a NaN,
+    or an item whose reading raises)."""
 
-    def __init__(self, size=96, labels=False, scale=1.0, classes=10, relabel=None, spoil=None):
+    def __init__(self, size=96, labels=False, scale=1.0, classes=10, relabel=None, spoil=None, dtype="float32"):
         g = torch.Generator().manual_seed(0)
-        self.images = (torch.rand(size, 1, 8, 8, generator=g) * 2 - 1) * scale
+        self.images = ((torch.rand(size, 1, 8, 8, generator=g) * 2 - 1) * scale).to(getattr(torch, dtype))
         self.classes = torch.arange(size) % classes
         self.labels, self.relabel, self.spoil = labels, relabel or {}, spoil or {}
 
@@ -115,11 +116,15 @@ class Blobs(Dataset):
             item = (item[0][:, :4, :4],) + item[1:]
         elif how == "bright":
             item = (item[0] * 255,) + item[1:]
+        elif how == "nan":
+            item = (item[0].clone().index_fill_(2, torch.tensor([3]), float("nan")),) + item[1:]
+        elif how == "unreadable":
+            raise OSError(f"cannot read image file img_{i:04d}.png\\n(more detail)")
         return item if self.labels else item[0] if len(item) == 1 else item
 
 
-def make_dataset(size=96, labels=False, scale=1.0, classes=10, relabel=None, spoil=None):
-    return Blobs(size, labels, scale, classes, relabel, spoil)
+def make_dataset(size=96, labels=False, scale=1.0, classes=10, relabel=None, spoil=None, dtype="float32"):
+    return Blobs(size, labels, scale, classes, relabel, spoil, dtype)
 '''
 
 LOSSES = '''
@@ -422,6 +427,8 @@ def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not
     ("model.discriminator={pkg}.nets:TwoLogits", "model.discriminator", "one logit per sample"),
     ("model.discriminator={pkg}.nets:NoDoubleBackward", "loss.r1_gamma", "double backward"),
     ("data.dataset_args={{scale: 3.0}}", "data.dataset", "[-1, 1]"),
+    ("data.dataset_args={{spoil: {{0: nan}}}}", "data.dataset", "item 0 holds NaN or infinite values"),
+    ("data.dataset_args={{spoil: {{0: unreadable}}}}", "data.dataset", "item 0 failed to load (OSError: cannot read"),
     ("data.resolution=16", "data.dataset", "(1, 16, 16)"),
     ("model.task=class-conditional", "data.dataset", "(image, label)"),
     ("loss.kind={pkg}.losses:NotScalar", "loss.kind", "not a scalar"),
@@ -475,21 +482,59 @@ def test_a_bad_label_found_while_training_exits_2_naming_the_item(tmp_path, labe
     ("extra field", "item 5 is (tensor(1, 8, 8), int); model task unconditional takes an image tensor"),
     ("smaller", "item 5 holds a torch.float32 tensor of shape (1, 4, 4), not (1, 8, 8)"),
     ("bright", "item 5 has values in [-2"),
+    ("nan", "item 5 holds NaN or infinite values"),
+    ("unreadable", "item 5 failed to load (OSError: cannot read image file img_0005.png)"),
 ])
 def test_an_item_unlike_item_0_is_refused_when_it_is_read(tmp_path, spoil, said):
     """Only item 0 is checked before training; a later one with an extra field (trained on silently), a smaller
-    image (torch's collate error) or values out of range (trained on silently) is refused as training reads it."""
+    image (torch's collate error), values out of range or NaN (trained on silently), or one whose __getitem__
+    raises (a traceback) is refused as training reads it."""
     from ganscale import config as config_mod
-    from ganscale.data.custom import BadUserItem, user_dataset
+    from ganscale.data.custom import user_dataset
+    from ganscale.data.folder import BadItem
 
     package = f"spoiled_item_gan_{abs(hash(spoil)) % 10**8}"
     cfg = config_mod.load(str(write_user_gan(tmp_path, package)),
                           [f"data.dataset_args={{size: 8, spoil: {{5: {spoil}}}}}"])
     items = user_dataset(cfg)
     assert all(len(items[i]) == 1 for i in (0, 4, 6))
-    with pytest.raises(BadUserItem) as refused:
+    with pytest.raises(BadItem) as refused:
         items[5]
     assert said in refused.value.problem() and refused.value.key == "data.dataset"
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_floating_images_of_any_precision_are_read_as_float32(tmp_path, dtype):
+    from ganscale import config as config_mod
+    from ganscale.data.custom import user_dataset
+
+    package = f"precise_item_gan_{dtype}"
+    cfg = config_mod.load(str(write_user_gan(tmp_path, package)), [f"data.dataset_args={{size: 8, dtype: {dtype}}}"])
+    assert user_dataset(cfg)[3][0].dtype == torch.float32
+
+
+def test_a_float64_data_set_trains(tmp_path):
+    """float64 images (numpy's default) reach D as float32, not torch's 'mat1 and mat2 must have the same dtype'."""
+    recipe = write_user_gan(tmp_path, "double_data_gan")
+    result = ganscale("train", str(recipe), "--set=data.dataset_args={size: 16, dtype: float64}", "--set",
+                      "train.steps=1", "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, explain(result)
+
+
+def test_an_item_that_fails_to_load_on_one_of_two_ranks_exits_2_naming_it(tmp_path):
+    """The user's own OSError reading item 5 (rank 1's): one line naming data.dataset, the item and the error's first
+    line, exit 2 on every rank (not a traceback and rank 0's 'Connection closed by peer'), and no restart into the
+    same item."""
+    recipe = write_user_gan(tmp_path, "unreadable_item_gan")
+    result = ganscale("train", str(recipe), "--set=data.dataset_args={size: 8, spoil: {5: unreadable}}", "--set",
+                      "train.steps=2", "--nproc", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"),
+                      cwd=tmp_path, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
+    lines = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
+    assert len(lines) == 1 and "item 5 failed to load (OSError: cannot read image file img_0005.png). Fix: make " \
+        "__getitem__ return that item" in lines[0], explain(result)
+    assert "Connection closed" not in result.stderr, explain(result)
+    assert "restarting the workers (" not in result.stderr, explain(result)
 
 
 def test_an_item_unlike_item_0_found_while_training_exits_2_naming_it(tmp_path):

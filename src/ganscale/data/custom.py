@@ -32,9 +32,18 @@ class BadUserItem(BadItem):
           "training, the others as training reads them)"
 
 
+class FailedUserItem(BadItem):
+    """An item whose __getitem__ raised (a file that does not read, say): the same item would fail again on a
+    restart."""
+
+    key = "data.dataset"
+    fix = "make __getitem__ return that item (replace or remove what it reads), or leave it out of the data set"
+
+
 class UserDataset(Dataset):
     """The user's map-style data set, each item as a tuple of fields: (image,), (image, label) or (input, target).
-    Every item is checked as it is read, before it reaches a batch: its fields, their shapes and range, its label."""
+    Every item is checked as it is read, before it reaches a batch: its fields, their shapes and range, its label.
+    Floating images are taken as float32, the networks' input (a float64 image would fail in D's first layer)."""
 
     def __init__(self, items: Dataset, task: str, shape: tuple[int, ...], n_classes: int):
         self.items, self.task, self.shape, self.n_classes = items, task, shape, n_classes
@@ -43,14 +52,20 @@ class UserDataset(Dataset):
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple:
-        item = _fields(self.items[index])
+        item = _read(self.items, index)
         problem = item_problem(item, index, self.task, self.shape, self.n_classes)
         if problem:
             raise (BadLabel if problem[1] == LABEL_FIX else BadUserItem)(problem[0])
-        return item
+        images = len(item) if self.task == "paired" else 1
+        return tuple(field.float() if i < images else field for i, field in enumerate(item))
 
 
-def _fields(item) -> tuple:
+def _read(items: Dataset, index: int) -> tuple:
+    """Item `index` as a tuple of fields; the user's own error reading it a FailedUserItem."""
+    try:
+        item = items[index]
+    except Exception as e:  # noqa: BLE001 - the user's code failing: one line naming the item, not a traceback
+        raise FailedUserItem(f"item {index} failed to load ({usercode.one_line(e)})") from None
     return tuple(item) if isinstance(item, (tuple, list)) else (item,)
 
 
@@ -74,7 +89,11 @@ def user_dataset(cfg: Config) -> UserDataset:
     if len(items) == 0:
         raise ConfigError("data.dataset", f"{d.dataset} returned an empty data set", "return at least one item")
     task, shape = cfg.model.conditioning, tuple(cfg.data.sample_shape)
-    problem = item_problem(_fields(items[0]), 0, task, shape, cfg.model.n_classes)
+    try:
+        first = _read(items, 0)
+    except FailedUserItem as e:
+        raise ConfigError("data.dataset", e.problem(), e.fix) from None
+    problem = item_problem(first, 0, task, shape, cfg.model.n_classes)
     if problem:  # before training: a config error (a later item's is a BadItem, said as training reads it)
         raise ConfigError("data.dataset", *problem)
     return UserDataset(items, task, shape, cfg.model.n_classes)
@@ -83,7 +102,8 @@ def user_dataset(cfg: Config) -> UserDataset:
 def item_problem(item: tuple, index: int, task: str, shape: tuple[int, ...], n_classes: int
                  ) -> tuple[str, str] | None:
     """(problem, fix) when item `index` lacks the fields the task takes, each of the sample's shape and in [-1, 1],
-    or (a class-conditional task's) an integer label in [0, n_classes); None when it is fine."""
+    or (a class-conditional task's) an integer label in [0, n_classes); None when it is fine. Any floating dtype is
+    fine (UserDataset casts it to float32)."""
     expected = f"{ITEMS[task]}, each image a float tensor of shape {shape} in [-1, 1]"
     fields = 1 if task == "unconditional" else 2
     images = item if task == "paired" else item[:1]
@@ -94,6 +114,8 @@ def item_problem(item: tuple, index: int, task: str, shape: tuple[int, ...], n_c
         if not image.is_floating_point() or tuple(image.shape) != shape:
             return (f"item {index} holds a {image.dtype} tensor of shape {tuple(image.shape)}, not {shape}",
                     "return float images, or set data.channels and data.resolution to the data's shape")
+        if not bool(image.isfinite().all()):
+            return (f"item {index} holds NaN or infinite values", "return finite images in [-1, 1]")
         if image.numel() and not -1 <= float(image.min()) <= float(image.max()) <= 1:
             return (f"item {index} has values in [{float(image.min()):g}, {float(image.max()):g}]",
                     "scale images to [-1, 1] (x / 127.5 - 1 for bytes)")
