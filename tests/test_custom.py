@@ -61,6 +61,32 @@ class WrongShape(Generator):
         return self.net(z)
 
 
+class DoubleG(Generator):
+    def forward(self, z, labels=None):
+        return super().forward(z, labels).double()
+
+
+class BFloat16G(Generator):
+    def forward(self, z, labels=None):
+        return super().forward(z, labels).to(torch.bfloat16)
+
+
+class BatchOf2G(Generator):
+    def forward(self, z, labels=None):
+        return self.net(z).view(2, 1, 8, 8)
+
+
+class LazyD(Discriminator):
+    def __init__(self, width=16, n_classes=0):
+        super().__init__(width, n_classes)
+        self.body = nn.Sequential(nn.Flatten(), nn.LazyLinear(width), nn.LeakyReLU(0.2))
+
+
+class ColumnD(Discriminator):
+    def forward(self, x, labels=None):
+        return self.head(self.body(x))
+
+
 class TwoLogits(Discriminator):
     def forward(self, x, labels=None):
         return torch.cat([self.head(self.body(x))] * 2, 1)
@@ -128,6 +154,7 @@ def make_dataset(size=96, labels=False, scale=1.0, classes=10, relabel=None, spo
 '''
 
 LOSSES = '''
+import torch
 import torch.nn.functional as F
 
 
@@ -142,6 +169,22 @@ class Hinge:
 class NotScalar(Hinge):
     def g_loss(self, fake):
         return -fake
+
+
+class ForColumns:
+    """Written for (B, 1) logits."""
+
+    def d_loss(self, real, fake):
+        return (F.binary_cross_entropy_with_logits(real, torch.ones(real.shape[0], 1))
+                + F.binary_cross_entropy_with_logits(fake, torch.zeros(fake.shape[0], 1)))
+
+    def g_loss(self, fake):
+        return F.binary_cross_entropy_with_logits(fake, torch.ones(fake.shape[0], 1))
+
+
+class Summed(Hinge):
+    def g_loss(self, fake):
+        return F.softplus(-fake).sum()
 '''
 
 CONFIG = '''
@@ -425,6 +468,12 @@ def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not
     ("model.generator={pkg}.nets:WrongShape", "model.generator", "(2, 64)"),
     ("model.z_dim=5", "model.generator", "latents of model.z_dim=5 (the size the trainer draws; generator_args"),
     ("model.discriminator={pkg}.nets:TwoLogits", "model.discriminator", "one logit per sample"),
+    # G's own faults name G, not D's first layer failing on them
+    ("model.generator={pkg}.nets:DoubleG", "model.generator", "returns torch.float64 images"),
+    ("model.generator={pkg}.nets:BFloat16G", "model.generator", "returns torch.bfloat16 images"),
+    ("model.generator={pkg}.nets:BatchOf2G", "model.generator",
+     "on 3 latents failed (RuntimeError: shape '[2, 1, 8, 8]' is invalid"),
+    ("model.discriminator={pkg}.nets:LazyD", "model.discriminator", "lazy module body.1 (LazyLinear)"),
     ("model.discriminator={pkg}.nets:NoDoubleBackward", "loss.r1_gamma", "double backward"),
     ("data.dataset_args={{scale: 3.0}}", "data.dataset", "[-1, 1]"),
     ("data.dataset_args={{spoil: {{0: nan}}}}", "data.dataset", "item 0 holds NaN or infinite values"),
@@ -432,6 +481,9 @@ def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not
     ("data.resolution=16", "data.dataset", "(1, 16, 16)"),
     ("model.task=class-conditional", "data.dataset", "(image, label)"),
     ("loss.kind={pkg}.losses:NotScalar", "loss.kind", "not a scalar"),
+    # D's logits are (B,): the loss is tried on them, not on (2, 1) stand-ins
+    ("loss.kind={pkg}.losses:ForColumns", "loss.kind", "on logits of shape (2,) failed (ValueError: Target size"),
+    ("loss.kind={pkg}.losses:Summed", "loss.kind", "g_loss is"),
     ("loss.kind={pkg}.losses:Absent", "loss.kind", "has no attribute"),
     ("parallel.generator=pipeline", "parallel.generator", "another strategy (ddp, zero1, zero2, fsdp, hsdp)"),
     ("model.kind=dcgan", "model.generator", "model.kind=custom only"),
@@ -454,6 +506,21 @@ def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, overr
     message = result.stderr.strip().splitlines()
     assert len(message) == 1 and f"'{key}'" in message[0] and said in message[0], explain(result)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_loss_is_checked_on_the_logits_d_returns_and_a_sum_is_refused(tmp_path):
+    """The loss written for (B, 1) logits passes with a D returning (B, 1); a sum over samples is refused (on 2 ranks
+    it would train otherwise than on one), saying so."""
+    from ganscale import config as config_mod, preflight
+    from ganscale.config import ConfigError
+
+    recipe = str(write_user_gan(tmp_path, "logit_shape_gan"))
+    columns = ["model.discriminator=logit_shape_gan.nets:ColumnD", "loss.kind=logit_shape_gan.losses:ForColumns"]
+    preflight.check(config_mod.load(recipe, columns), 2, False)
+    with pytest.raises(ConfigError) as refused:
+        preflight.check(config_mod.load(recipe, ["loss.kind=logit_shape_gan.losses:Summed"]), 2, False)
+    assert refused.value.key == "loss.kind" and "a sum over the samples, not a mean" in str(refused.value)
+    assert "take the mean over the batch" in str(refused.value)
 
 
 @pytest.mark.parametrize("label, more", [

@@ -8,10 +8,12 @@ once on a tiny batch (model.kind, data.kind or loss.kind naming the user's code)
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.data import Dataset
 
 from ganscale import augment, objectives, usercode
@@ -599,8 +601,8 @@ def _check_user_code_named(cfg: Config) -> None:
 
 
 def _check_user_code(cfg: Config) -> None:
-    """The user's data set, loss and networks, run once on the CPU (the data set: its first item; the networks:
-    a batch of 2), without touching the global RNG."""
+    """The user's data set, networks and loss, run once on the CPU (the data set: its first item; the networks:
+    batches of 2 and 3; the loss: logits of the shape D returns), without touching the global RNG."""
     if not cfg.names_user_code:
         return
     user_loss = cfg.loss.kind not in SHIPPED_LOSSES
@@ -608,22 +610,38 @@ def _check_user_code(cfg: Config) -> None:
     with torch.random.fork_rng(devices=[]):
         if cfg.data.kind == "custom":
             build_dataset(cfg)  # checks its first item against the task and the sample shape
-        if user_loss:
-            _check_user_loss(cfg.loss.kind)
+        logit_shape = (1,)  # a shipped D's logits per sample
         if cfg.model.kind == "custom":
-            _check_user_networks(cfg)
+            logit_shape = _check_user_networks(cfg)
+        if user_loss:
+            _check_user_loss(cfg.loss.kind, logit_shape)
 
 
-def _check_user_loss(kind: str) -> None:
-    real, fake = torch.randn(2, 1, requires_grad=True), torch.randn(2, 1, requires_grad=True)
-    for term, compute in (("d_loss", lambda: objectives.d_loss(kind, real, fake)),
-                          ("g_loss", lambda: objectives.g_loss(kind, fake))):
-        value = _run("loss.kind", f"{kind}'s {term} on logits of shape (2, 1)", compute,
-                     "make it a function of logit tensors (see objectives.py)")
-        if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.requires_grad):
-            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ConfigError("loss.kind", f"{kind}'s {term} returned {got}, not a scalar computed from the logits",
-                              "return a 0-dim tensor of the logits, e.g. a mean over the batch")
+def _check_user_loss(kind: str, logit_shape: tuple[int, ...]) -> None:
+    """Each term is a scalar of the logits (float32, of the shape D gives per sample) and a mean over the samples:
+    the same logits repeated twice give the same value. The trainer averages the ranks' losses, so a sum would
+    train differently on another number of ranks."""
+    generator = torch.Generator().manual_seed(0)
+    real, fake = (torch.randn(2, *logit_shape, generator=generator) for _ in range(2))
+    batched = f"({', '.join(['B', *map(str, logit_shape)])}{',' if not logit_shape else ''})"
+    for term, compute in (("d_loss", lambda r, f: objectives.d_loss(kind, r, f)),
+                          ("g_loss", lambda r, f: objectives.g_loss(kind, f))):
+        values = []
+        for copies in (1, 2):
+            r, f = (x.repeat(copies, *[1] * len(logit_shape)).requires_grad_(True) for x in (real, fake))
+            value = _run("loss.kind", f"{kind}'s {term} on logits of shape {tuple(r.shape)}", lambda: compute(r, f),
+                         f"make it a function of logit tensors of the shape D returns, {batched} (see "
+                         "objectives.py)")
+            if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.requires_grad):
+                got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ConfigError("loss.kind", f"{kind}'s {term} returned {got}, not a scalar computed from the "
+                                  "logits", "return a 0-dim tensor of the logits, e.g. a mean over the batch")
+            values.append(float(value.detach()))
+        if all(map(math.isfinite, values)) and not math.isclose(*values, rel_tol=1e-4, abs_tol=1e-6):
+            raise ConfigError("loss.kind", f"{kind}'s {term} is {values[0]:g} on 2 samples' logits and {values[1]:g} "
+                              "on the same logits twice over: a sum over the samples, not a mean (each rank's loss "
+                              "is averaged across the ranks, so it would train differently on another number of "
+                              "ranks)", "take the mean over the batch (.mean(), not .sum())")
 
 
 SIGNATURES = {  # how the trainer calls the user's G and D, per task (tasks.py)
@@ -633,41 +651,61 @@ SIGNATURES = {  # how the trainer calls the user's G and D, per task (tasks.py)
 }
 
 
-def _check_user_networks(cfg: Config) -> None:
-    """G's output has the data's sample shape, D gives one logit per sample (per patch, paired), and D can be
-    differentiated twice where R1 or the gradient penalty needs it."""
-    m, shape, batch = cfg.model, cfg.data.sample_shape, 2
+def _check_user_networks(cfg: Config) -> tuple[int, ...]:
+    """No lazy layers; G's output is float32 of the data's sample shape, D gives one logit per sample (per patch,
+    paired), for two batch sizes; D can be differentiated twice where R1 or the gradient penalty needs it.
+    Returns the shape of D's logits per sample."""
+    m, shape = cfg.model, cfg.data.sample_shape
     generator, discriminator = build_networks(cfg)
+    for key, spec, network in (("model.generator", m.generator, generator),
+                               ("model.discriminator", m.discriminator, discriminator)):
+        lazy = [(name, type(module).__name__) for name, module in network.named_modules()
+                if isinstance(module, LazyModuleMixin)]
+        if lazy:
+            raise ConfigError(key, f"{spec} holds the lazy module {lazy[0][0]} ({lazy[0][1]}); lazy modules are not "
+                              "supported: the strategies (DDP, FSDP) need the parameters before the first forward",
+                              "give the layer its input size (in_features, in_channels), e.g. nn.Linear for "
+                              "nn.LazyLinear")
     task = build_task(cfg, previews=False)
     g_call, d_call = SIGNATURES[m.conditioning]
-    labels = torch.randint(m.n_classes, (batch,)) if task.n_classes else None
-    images = torch.zeros(batch, *shape)
-    real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
-    fake = _run("model.generator", f"{m.generator} on {batch} latents",
-                lambda: task.generate(generator, real, torch.randn(batch, m.z_dim), labels),
-                f"give G {g_call}" + (f" for latents of model.z_dim={m.z_dim} (the size the trainer draws; "
-                                      "generator_args may build G for another)" if m.conditioning != "paired" else ""))
-    if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (batch, *shape):
-        got = f"shape {tuple(fake.shape)}" if isinstance(fake, torch.Tensor) else f"a {type(fake).__name__}"
-        raise ConfigError("model.generator", f"{m.generator} returns {got} for {batch} latents of size {m.z_dim}, "
-                          f"but the data's samples are {tuple(shape)}",
-                          f"make G return ({batch}, {', '.join(map(str, shape))}) for {batch} latents, or set "
-                          "data.channels and data.resolution to the shape G draws")
-    critic_input = task.critic_view(real, fake.detach()).requires_grad_(True)
-    logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
-                  lambda: discriminator(critic_input, *task.critic_conditions(None, labels)), f"give D {d_call}")
-    per_patch = m.conditioning == "paired"
-    if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or logits.shape[0] != batch or (
-            not per_patch and logits.numel() != batch):
-        got = f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
-        raise ConfigError("model.discriminator", f"{m.discriminator} returns {got} for {batch} samples, not one "
-                          f"logit per sample{' (or per patch)' if per_patch else ''}",
-                          f"return ({batch},) or ({batch}, 1){f' or ({batch}, 1, h, w)' if per_patch else ''} logits")
+    for batch in (2, 3):  # two sizes: a network written for one batch size fails on the other
+        labels = torch.randint(m.n_classes, (batch,)) if task.n_classes else None
+        images = torch.zeros(batch, *shape)
+        real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
+        fake = _run("model.generator", f"{m.generator} on {batch} latents",
+                    lambda: task.generate(generator, real, torch.randn(batch, m.z_dim), labels),
+                    f"give G {g_call} for any batch size" + (
+                        f", for latents of model.z_dim={m.z_dim} (the size the trainer draws; generator_args may "
+                        "build G for another)" if m.conditioning != "paired" else ""))
+        if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (batch, *shape):
+            got = f"shape {tuple(fake.shape)}" if isinstance(fake, torch.Tensor) else f"a {type(fake).__name__}"
+            raise ConfigError("model.generator", f"{m.generator} returns {got} for {batch} latents of size "
+                              f"{m.z_dim}, but the data's samples are {tuple(shape)}",
+                              f"make G return ({batch}, {', '.join(map(str, shape))}) for {batch} latents, or set "
+                              "data.channels and data.resolution to the shape G draws")
+        if fake.dtype != torch.float32:  # the data and D's weights are float32; train.precision sets autocast's
+            raise ConfigError("model.generator", f"{m.generator} returns {fake.dtype} images, but the data and D "
+                              "are float32 (train.precision's autocast lowers the precision where it is safe)",
+                              "return float32 from G (no .double(), .half() or .to(dtype) at its end); for mixed "
+                              "precision set train.precision=bf16 or fp16")
+        critic_input = task.critic_view(real, fake.detach()).requires_grad_(True)
+        logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
+                      lambda: discriminator(critic_input, *task.critic_conditions(None, labels)),
+                      f"give D {d_call} for any batch size")
+        per_patch = m.conditioning == "paired"
+        if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or logits.shape[0] != batch or (
+                not per_patch and logits.numel() != batch):
+            got = f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
+            raise ConfigError("model.discriminator", f"{m.discriminator} returns {got} for {batch} samples, not one "
+                              f"logit per sample{' (or per patch)' if per_patch else ''}",
+                              f"return ({batch},) or ({batch}, 1){f' or ({batch}, 1, h, w)' if per_patch else ''} "
+                              "logits")
     if cfg.loss.penalises_input_gradient:
         key = "loss.r1_gamma" if cfg.loss.r1_gamma > 0 else "loss.kind"
         _run(key, f"R1 / the gradient penalty through {m.discriminator} (a double backward)",
              lambda: objectives.r1_penalty(logits, critic_input).backward(),
              "set loss.r1_gamma=0 and no gradient penalty, or build D from layers that support double backward")
+    return tuple(logits.shape[1:])
 
 
 def _run(key: str, what: str, compute, fix: str):
