@@ -472,7 +472,7 @@ def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not
     ("model.generator={pkg}.nets:DoubleG", "model.generator", "returns torch.float64 images"),
     ("model.generator={pkg}.nets:BFloat16G", "model.generator", "returns torch.bfloat16 images"),
     ("model.generator={pkg}.nets:BatchOf2G", "model.generator",
-     "on 3 latents failed (RuntimeError: shape '[2, 1, 8, 8]' is invalid"),
+     "on 4 latents failed (RuntimeError: shape '[2, 1, 8, 8]' is invalid"),
     ("model.discriminator={pkg}.nets:LazyD", "model.discriminator", "lazy module body.1 (LazyLinear)"),
     ("model.discriminator={pkg}.nets:NoDoubleBackward", "loss.r1_gamma", "double backward"),
     ("data.dataset_args={{scale: 3.0}}", "data.dataset", "[-1, 1]"),

@@ -668,7 +668,7 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
                               "nn.LazyLinear")
     task = build_task(cfg, previews=False)
     g_call, d_call = SIGNATURES[m.conditioning]
-    for batch in (2, 3):  # two sizes: a network written for one batch size fails on the other
+    for batch in (2, 4):  # two sizes: a network written for one fails on the other (4: minibatch-std groups divide it)
         labels = torch.randint(m.n_classes, (batch,)) if task.n_classes else None
         images = torch.zeros(batch, *shape)
         real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
