@@ -110,6 +110,22 @@ class DropoutDiscriminator(Discriminator):
         return self.head(h).squeeze(1)
 
 
+class FrozenInputLayer(Generator):
+    """The user froze G's first layer: it stays as built."""
+
+    def __init__(self, z_dim, width=16, n_classes=0):
+        super().__init__(z_dim, width, n_classes)
+        self.net[0].requires_grad_(False)
+
+
+class FrozenFeatures(Discriminator):
+    """Fixed random features (frozen by the user), then a trained head."""
+
+    def __init__(self, width=16, n_classes=0):
+        super().__init__(width, n_classes)
+        self.body[1].requires_grad_(False)
+
+
 NOT_A_FACTORY = 3
 '''
 
@@ -236,6 +252,27 @@ def test_a_user_gan_on_two_ranks_equals_one_process(tmp_path, case):
     assert_same_functions(case, one, two, inputs, recipe)
     for rank in two:
         assert max_relative_difference(one["D"], rank["D"]) <= TOLERANCE
+
+
+def _initial_states(trainer) -> dict:
+    return {net: {k: v.clone() for k, v in getattr(trainer, net).model_state().items()} for net in ("G", "D")}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_parameters_the_user_froze_stay_as_built(tmp_path, world):
+    """On one process D's step unfroze them (trained by Adam); on two, DDP had left them out and the replicas
+    differed. zero1 on two: its optimizer state is keyed by the trained parameters' names."""
+    recipe = str(write_user_gan(tmp_path / "code", f"frozen_user_gan_{world}"))
+    case = {"model.generator": f"frozen_user_gan_{world}.nets:FrozenInputLayer",
+            "model.discriminator": f"frozen_user_gan_{world}.nets:FrozenFeatures", "parallel.discriminator": "zero1"}
+    for rank in run_ranks(train_and_collect, world, case, str(tmp_path / "run"), _initial_states, None, recipe):
+        assert rank["summary"]["steps"] == 3
+        initial = rank["extra"]
+        for net, frozen, trained in (("G", "net.0.weight", "net.2.weight"), ("D", "body.1.weight", "head.weight"),
+                                     ("G_ema", "net.0.weight", "net.2.weight")):
+            built = initial[net[0]]
+            assert torch.equal(rank[net][frozen], built[frozen]), net
+            assert not torch.equal(rank[net][trained], built[trained]), net
 
 
 PAIRED = '''

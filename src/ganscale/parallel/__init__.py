@@ -127,6 +127,9 @@ class Wrapped:
         # CPU): it runs the replica itself. FSDP2's and SyncBatchNorm's communication live in the module.
         self.forward_without_grad = net.module if isinstance(net, DistributedDataParallel) else net
         self.frozen = False
+        # What the optimizer updates and trainable() toggles: a parameter the user froze (requires_grad False
+        # when ganscale gets the network) stays frozen, out of DDP, the optimizer and the gradient norm.
+        self.trained_names = [name for name, p in module.named_parameters() if p.requires_grad]
         # DDP: values summed over the ranks by the next gradient all-reduce (see GradientCarrier), or None.
         self.carrier = getattr(net, "carrier", None) if isinstance(net, DistributedDataParallel) else None
 
@@ -159,9 +162,13 @@ class Wrapped:
 
     @cached_property
     def parameters(self) -> list[nn.Parameter]:
-        """The network's parameters, listed once (walking the module tree costs ~10 us a call). The
+        """The network's trained parameters, listed once (walking the module tree costs ~10 us a call). The
         optimizer holds these same tensors, so they live as long as the training does."""
-        return list(self.module.parameters())
+        return self._trained()
+
+    def _trained(self) -> list[nn.Parameter]:
+        trained = set(self.trained_names)
+        return [p for name, p in self.module.named_parameters() if name in trained]
 
     def carry_with_gradients(self, values: Tensor) -> None:
         """Collective, inside the next backward that reduces gradients: sum `values` over the ranks in
@@ -176,7 +183,8 @@ class Wrapped:
         return None if self.carrier is None else self.carrier.take()
 
     def trainable(self, flag: bool) -> None:
-        """Freeze (False) or unfreeze: D is frozen during the G step so G's loss flows through it."""
+        """Freeze (False) or unfreeze the trained parameters: D is frozen during the G step so G's loss flows
+        through it."""
         if self.frozen == (not flag):
             return  # already so (D's step unfreezes a D that G's step left unfrozen)
         for p in self.parameters:
@@ -197,7 +205,7 @@ class Wrapped:
         return self.held(module)
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
-        return optimizer_class(self.module.parameters(), **kwargs)
+        return optimizer_class(self.parameters, **kwargs)
 
     def model_state(self, module: nn.Module | None = None, saving: bool = False) -> dict[str, Tensor]:
         """Full state dict of this network (or of one sharded like it). Collective when sharded. `saving`: for
@@ -250,19 +258,19 @@ class ShardedOptimizerState(Wrapped):
     steps that share, and broadcasts the updated parameters; gradients are still all-reduced by DDP."""
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
-        return ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=optimizer_class, **kwargs)
+        return ZeroRedundancyOptimizer(self.parameters, optimizer_class=optimizer_class, **kwargs)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, saving: bool = False) -> dict:
         optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0 (saving or not)
         if dist.get_rank() != 0:
             return {}
-        by_index = optimizer.state_dict()  # parameters numbered in module.parameters() order
-        names = [name for name, _ in self.module.named_parameters()]
+        by_index = optimizer.state_dict()  # the trained parameters, numbered in module.parameters() order
+        names = self.trained_names
         return {"state": {names[i]: s for i, s in by_index["state"].items()},
                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in by_index["param_groups"]]}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        index = {name: i for i, (name, _) in enumerate(self.module.named_parameters())}
+        index = {name: i for i, name in enumerate(self.trained_names)}
         optimizer.load_state_dict({
             "state": {index[name]: s for name, s in state["state"].items()},
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]})
@@ -293,13 +301,13 @@ class FullyShardedWrapped(Wrapped):
     @property
     def parameters(self) -> list[nn.Parameter]:
         """Listed afresh: FSDP2 registers the sharded or the gathered form of each parameter, by state."""
-        return list(self.module.parameters())
+        return self._trained()
 
     def replicated(self, module: nn.Module | None = None) -> list[tuple[str, Tensor]]:
         return list((module or self.module).named_buffers())  # parameters are sharded by design
 
     def grad_norm(self, max_norm: float) -> Tensor:
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.parameters if p.grad is not None]
         if max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # the global norm over all shards
         else:
@@ -330,7 +338,7 @@ def parameter_bytes(module: nn.Module) -> int:
 
 def held_bytes(wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds for one network: parameters, gradients (allocated during a step), optimizer state."""
-    grads = sum(local(p).numel() * p.element_size() for p in wrapped.module.parameters())
+    grads = sum(local(p).numel() * p.element_size() for p in wrapped.parameters)
     return {"params": parameter_bytes(wrapped.module), "grads": grads, "optim": optimizer_state_bytes(optimizer)}
 
 
