@@ -126,6 +126,22 @@ class FrozenFeatures(Discriminator):
         self.body[1].requires_grad_(False)
 
 
+class UnusedEmbedding(Generator):
+    """An embedding left from a conditional variant that forward does not use (`frozen`: the user froze it)."""
+
+    def __init__(self, z_dim, width=16, n_classes=0, frozen=False):
+        super().__init__(z_dim, width, n_classes)
+        self.class_embed = nn.Embedding(10, z_dim).requires_grad_(not frozen)
+
+
+class AuxHead(Discriminator):
+    """An auxiliary head that forward does not use."""
+
+    def __init__(self, width=16, n_classes=0):
+        super().__init__(width, n_classes)
+        self.aux = nn.Linear(width, 10)
+
+
 NOT_A_FACTORY = 3
 '''
 
@@ -273,6 +289,33 @@ def test_parameters_the_user_froze_stay_as_built(tmp_path, world):
             built = initial[net[0]]
             assert torch.equal(rank[net][frozen], built[frozen]), net
             assert not torch.equal(rank[net][trained], built[trained]), net
+
+
+@pytest.mark.parametrize("override, key, said", [
+    ("model.generator={pkg}.nets:UnusedEmbedding", "model.generator",
+     "G.class_embed.weight gets no gradient from G's loss"),
+    ("model.discriminator={pkg}.nets:AuxHead", "model.discriminator",
+     "D.aux.weight, D.aux.bias get no gradient from D's loss"),
+], ids=["G", "D"])
+def test_a_parameter_forward_does_not_use_is_refused_before_anything_is_written(tmp_path, override, key, said):
+    """On two ranks DDP waited for its gradient (an internal error, after the run directory was written); refused
+    on any world size, so that 1 and N ranks train the same networks. Frozen by the user, it trains."""
+    from ganscale import config as config_mod
+    from ganscale import preflight
+
+    package = f"unused_param_gan_{key[6]}"
+    recipe = write_user_gan(tmp_path, package)
+    result = ganscale("train", str(recipe), "--set", override.format(pkg=package), "--nproc", "2",
+                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
+    message = result.stderr.strip().splitlines()
+    assert len(message) == 1 and f"'{key}'" in message[0] and said in message[0], explain(result)
+    assert "freeze" in message[0] and "requires_grad_(False)" in message[0], explain(result)
+    assert not (tmp_path / "run").exists()
+    if key == "model.generator":
+        frozen = config_mod.load(str(recipe), [override.format(pkg=package),
+                                               "model.generator_args={z_dim: 8, frozen: true}"])
+        preflight.check(frozen, 2, False)
 
 
 PAIRED = '''

@@ -653,7 +653,8 @@ SIGNATURES = {  # how the trainer calls the user's G and D, per task (tasks.py)
 
 def _check_user_networks(cfg: Config) -> tuple[int, ...]:
     """No lazy layers; G's output is float32 of the data's sample shape, D gives one logit per sample (per patch,
-    paired), for two batch sizes; D can be differentiated twice where R1 or the gradient penalty needs it.
+    paired), for two batch sizes; every trained parameter gets a gradient; D can be differentiated twice where R1 or
+    the gradient penalty needs it.
     Returns the shape of D's logits per sample."""
     m, shape = cfg.model, cfg.data.sample_shape
     generator, discriminator = build_networks(cfg)
@@ -688,6 +689,7 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
                               "are float32 (train.precision's autocast lowers the precision where it is safe)",
                               "return float32 from G (no .double(), .half() or .to(dtype) at its end); for mixed "
                               "precision set train.precision=bf16 or fp16")
+        _check_all_trained("G", generator, fake, "model.generator")
         critic_input = task.critic_view(real, fake.detach()).requires_grad_(True)
         logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
                       lambda: discriminator(critic_input, *task.critic_conditions(None, labels)),
@@ -700,12 +702,32 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
                               f"logit per sample{' (or per patch)' if per_patch else ''}",
                               f"return ({batch},) or ({batch}, 1){f' or ({batch}, 1, h, w)' if per_patch else ''} "
                               "logits")
+        _check_all_trained("D", discriminator, logits, "model.discriminator")
     if cfg.loss.penalises_input_gradient:
         key = "loss.r1_gamma" if cfg.loss.r1_gamma > 0 else "loss.kind"
         _run(key, f"R1 / the gradient penalty through {m.discriminator} (a double backward)",
              lambda: objectives.r1_penalty(logits, critic_input).backward(),
              "set loss.r1_gamma=0 and no gradient penalty, or build D from layers that support double backward")
     return tuple(logits.shape[1:])
+
+
+def _check_all_trained(name: str, network: nn.Module, output: torch.Tensor, key: str) -> None:
+    """Every parameter the network trains (all but those the user froze) is reached from its output, so gets a
+    gradient from its loss: on several ranks DDP waits for a gradient that never comes. Refused on one process
+    too, so that a run on 1 and N ranks is the same run."""
+    trained = [(n, p) for n, p in network.named_parameters() if p.requires_grad]
+    if not trained:
+        return
+    grads = (torch.autograd.grad(output.sum(), [p for _, p in trained], allow_unused=True, retain_graph=True)
+             if output.requires_grad else [None] * len(trained))
+    unused = [f"{name}.{n}" for (n, _), g in zip(trained, grads) if g is None]
+    if unused:
+        one = len(unused) == 1
+        raise ConfigError(key, f"{', '.join(unused)} {'gets' if one else 'get'} no gradient from {name}'s loss "
+                          f"({name}'s forward does not use {'it' if one else 'them'}; DDP on several ranks waits for "
+                          "every trained parameter's gradient)",
+                          f"use {'it' if one else 'them'} in forward, remove {'it' if one else 'them'}, or freeze "
+                          f"{'it' if one else 'them'} in __init__ with requires_grad_(False)")
 
 
 def _run(key: str, what: str, compute, fix: str):
