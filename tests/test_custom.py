@@ -56,6 +56,17 @@ class ScaledByItem(Generator):
         return super().forward(z / max(1.0, z.abs().max().item()), labels)
 
 
+class GainFromTensor(Discriminator):
+    """An __init__ that needs real values (`float` of a tensor is `.item()`): it cannot be built on the meta device."""
+
+    def __init__(self, width=16, n_classes=0):
+        super().__init__(width, n_classes)
+        self.gain = float(torch.tensor(2.0).sqrt())
+
+    def forward(self, x, labels=None):
+        return super().forward(x, labels) * self.gain
+
+
 class WrongShape(Generator):
     def forward(self, z, labels=None):
         return self.net(z)
@@ -537,6 +548,24 @@ def test_a_user_g_that_cannot_run_on_meta_trains_and_samples_saying_what_was_not
     drawn = ganscale("sample", str(tmp_path / "run"), "--n", "4", "--out", str(tmp_path / "grid.png"), cwd=tmp_path)
     assert drawn.returncode == 0 and (tmp_path / "grid.png").is_file(), explain(drawn)
     assert "drawing was not estimated" in drawn.stderr and "item()" in drawn.stderr, explain(drawn)
+
+
+def test_a_user_d_that_cannot_be_built_on_meta_trains_with_its_memory_estimated(tmp_path):
+    """The memory estimate built D on the meta device outside its guard: the run was refused as a bad
+    model.discriminator_args. Built on the CPU and moved to meta, it is counted in full."""
+    from ganscale import config as config_mod
+    from ganscale import memory
+
+    recipe = write_user_gan(tmp_path, "gain_user_gan")
+    override = "model.discriminator=gain_user_gan.nets:GainFromTensor"
+    result = ganscale("train", str(recipe), "--nproc", "2", "--set", override, "--run-dir", str(tmp_path / "run"),
+                      cwd=tmp_path, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, explain(result)
+    assert "error" not in result.stderr and "not estimated" not in result.stderr, explain(result)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
+    estimate = memory.training_estimate(config_mod.load(str(recipe), [override]), 2)
+    plain = memory.training_estimate(config_mod.load(str(recipe), []), 2)
+    assert estimate.unestimated is None and estimate.total == plain.total > 0
 
 
 @pytest.mark.parametrize("override, key, said", [

@@ -105,6 +105,13 @@ def user_network(spec: str, args: dict, key: str, code_path: list[str]) -> nn.Mo
 
 
 def meta_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
-    """G and D on torch's meta device: their shapes without memory, and without touching the global RNG."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        return build_networks(cfg)
+    """G and D on torch's meta device: their shapes without memory, and without touching the global RNG. A user's
+    network whose __init__ needs real values (`.item()`, a seeded draw) is built on the CPU, then moved there."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                return build_networks(cfg)
+        except ConfigError:  # the user's factory failed: if it fails on the CPU too, that error is raised
+            if cfg.model.kind != "custom":
+                raise
+        return tuple(network.to("meta") for network in build_networks(cfg))
