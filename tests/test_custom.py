@@ -709,7 +709,9 @@ def test_an_item_that_fails_to_load_on_one_of_two_ranks_exits_2_naming_it(tmp_pa
     lines = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
     assert len(lines) == 1 and "item 5 failed to load (OSError: cannot read image file img_0005.png). Fix: make " \
         "__getitem__ return that item" in lines[0], explain(result)
-    assert "Connection closed" not in result.stderr, explain(result)
+    # Rank 0 may reach its next collective before rank 1 has left: then it says why it stopped, quoting gloo.
+    assert all("another rank failed first" in line for line in result.stderr.splitlines()
+               if "Connection closed" in line), explain(result)
     assert "restarting the workers (" not in result.stderr, explain(result)
 
 
