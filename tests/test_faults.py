@@ -398,6 +398,26 @@ def test_hang_on_one_rank_is_named_with_diagnostics_and_exits_fast(tmp_path):
         assert any("all_reduce" in entry["profiling_name"] for entry in recorded["entries"])
 
 
+def test_a_hang_is_still_caught_and_exits_5_when_its_diagnostics_cannot_be_written(tmp_path):
+    """A full disk, or a file where diagnostics/ should be: the watchdog says so in one line and still exits 5,
+    instead of dying and leaving the ranks to the collective's own (much longer) timeout."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "diagnostics").write_text("x")
+    env = {**clean_env(), "GANSCALE_INJECT_FAULT": "sleep@1:3:120"}
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", "--nproc", "2", "--run-dir", str(run),
+                             "--set", "train.steps=100000", "--set", "log.tensorboard=false",
+                             "--set", "fault.hang_timeout_s=4", "--set", "parallel.timeout_s=100"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 5, result.stderr[-3000:]
+    assert time.time() - started < 4 + 30 + 15
+    assert "hang detected on rank 0" in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"ganscale: rank {rank} could not write its hang diagnostics to {run / 'diagnostics'}: " in result.stderr
+    assert (run / "diagnostics").read_text() == "x"
+
+
 def test_a_data_set_that_does_not_divide_by_ranks_times_batch_does_not_hang(tmp_path):
     # 101 points, global batch 64 on 2 ranks: every rank still gets exactly one micro-batch per step.
     started = time.time()

@@ -196,17 +196,13 @@ class Watchdog:
         location = main_thread_location()
         if location:
             why = f"{why} ({location})"
-        self.diagnostics_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.diagnostics_dir / f"rank{self.rank}-stacks.txt", "w") as f:
-            if location:
-                f.write(f"# {location}\n\n")
-                f.flush()  # faulthandler writes to the descriptor, after this line
-            faulthandler.dump_traceback(file=f, all_threads=True)
-        with open(self.diagnostics_dir / f"rank{self.rank}-collectives.txt", "w") as f:
-            f.write("time\tmark\twhere (ganscale's phases and collectives, torch's compiles, oldest first)\n")
-            for stamp, count, where in self.history:
-                f.write(f"{stamp:.3f}\t{count}\t{where}\n")
-        _write_flight_recorder(self.diagnostics_dir / f"rank{self.rank}-flight-recorder.json")
+        try:  # best effort: a full disk (or a file named diagnostics) must not keep the hang from being reported
+            self._write_diagnostics(location)
+            written = f"Stacks and each rank's last collectives: {self.diagnostics_dir}/"
+        except OSError as e:
+            written = f"No diagnostics were written to {e.filename or self.diagnostics_dir}/"
+            print(f"ganscale: rank {self.rank} could not write its hang diagnostics to "
+                  f"{e.filename or self.diagnostics_dir}: {e.strerror or e}", file=sys.stderr, flush=True)
         progress = self._others()
         progress[self.rank] = (self.count, _shown(self.where, self.compiling))
         ahead = max(count for count, _ in progress.values())
@@ -220,9 +216,23 @@ class Watchdog:
             verdict = f"rank(s) {', '.join(map(str, behind))} did not arrive ({where})"
         else:
             verdict = f"all ranks stopped at the same point ('{self.where}'): a hang inside it"
-        print(f"ganscale: hang detected on rank {self.rank}: {why}. {verdict}. "
-              f"Stacks and each rank's last collectives: {self.diagnostics_dir}/", file=sys.stderr, flush=True)
+        print(f"ganscale: hang detected on rank {self.rank}: {why}. {verdict}. {written}", file=sys.stderr,
+              flush=True)
         os._exit(EXIT_HANG)
+
+    def _write_diagnostics(self, location: str) -> None:
+        """This rank's stacks, last collectives and flight recorder, into diagnostics_dir; an OSError if refused."""
+        self.diagnostics_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.diagnostics_dir / f"rank{self.rank}-stacks.txt", "w") as f:
+            if location:
+                f.write(f"# {location}\n\n")
+                f.flush()  # faulthandler writes to the descriptor, after this line
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        with open(self.diagnostics_dir / f"rank{self.rank}-collectives.txt", "w") as f:
+            f.write("time\tmark\twhere (ganscale's phases and collectives, torch's compiles, oldest first)\n")
+            for stamp, count, where in self.history:
+                f.write(f"{stamp:.3f}\t{count}\t{where}\n")
+        _write_flight_recorder(self.diagnostics_dir / f"rank{self.rank}-flight-recorder.json")
 
 
 def _shown(where: str, compiling: str) -> str:
