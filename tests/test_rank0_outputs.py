@@ -9,10 +9,11 @@ import errno
 import json
 import resource
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from test_cli import ganscale_ranks, metrics
+from test_cli import clean_env, ganscale, ganscale_ranks, metrics
 
 from ganscale import checkpoint
 
@@ -100,6 +101,31 @@ def test_a_record_cut_short_by_a_failed_write_is_dropped_when_the_run_resumes(tm
     RunLog(tmp_path, total_steps=10, start_step=2, tensorboard=False, enabled=True).close({})
     assert [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         '{"step": 1, "loss_d": 1.0}', '{"step": 2, "loss_d": 0.9}']
+
+
+@pytest.mark.slow
+def test_a_resume_that_cannot_rewrite_metrics_names_the_file_and_leaves_no_temporary(tmp_path):
+    """A resume rewrites metrics.jsonl without the steps it redoes; a full disk there (here: a file size limit) is
+    exit 7 with one line naming metrics.jsonl, leaving the file as it was and nothing that is not a run's file."""
+    from ganscale.rundir import RUN_FILES
+
+    run = tmp_path / "run"
+    first = ganscale("train", "ring8", "--run-dir", str(run), *FAST, "--set", "train.steps=2",
+                     "--set", "checkpoint.every=2", "--set", "log.every=1", "--set", "log.sample_every=0", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    padding = json.dumps({"step": 1, "note": "x" * 1000}) + "\n"
+    with open(run / "metrics.jsonl", "a") as f:  # records the resume keeps: its rewrite exceeds the 16 KiB allowed
+        f.write(padding * 20)
+    before = (run / "metrics.jsonl").read_text()
+    limit = 16 * 1024
+    resumed = subprocess.run([sys.executable, "-m", "ganscale", "train", "--run-dir", str(run), "--resume", "auto",
+                              "--set", "train.steps=4"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                             timeout=TIMEOUT_S, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE,
+                                                                                      (limit, limit)))
+    assert resumed.returncode == 7, resumed.stderr[-3000:]
+    assert one_line(resumed).startswith(f"ganscale: File too large: {run / 'metrics.jsonl'}. Fix: ")
+    assert (run / "metrics.jsonl").read_text() == before
+    assert [p.name for p in run.iterdir() if not RUN_FILES.match(p.name)] == []
 
 
 @pytest.mark.slow

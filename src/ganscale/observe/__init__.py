@@ -126,6 +126,5 @@ def drop_records_after(path: Path, step: int) -> None:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    # Whole or not at all: a refused write (a full disk) is an OSError naming `path`, and no temporary file is left.
+    write_output(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)), "--run-dir")
