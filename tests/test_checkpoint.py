@@ -278,8 +278,10 @@ def test_a_failed_sharded_write_leaves_no_staging_folder(tmp_path, monkeypatch):
         (folder / ".step-00000015.dcp.tmp").mkdir()  # left by a write that was killed
         before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if "15" not in p.name)
         monkeypatch.setattr(FileSystem, "create_stream", full_disk)
-        with pytest.raises(checkpoint.CheckpointWriteError, match=r"step-00000020\.dcp: no space left on device"):
+        with pytest.raises(checkpoint.CheckpointWriteError, match=r"step-00000020\.dcp: no space left on device") as e:
             checkpoint.save_sharded(shards, _state(20), run, 20, keep=3)
+    # Every rank gets the failure (dcp gathers each rank's): rank 0 says it, once, for all of them.
+    assert getattr(e.value, "told_by", None) == 0
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
     assert checkpoint.problem(folder / "step-00000010.dcp") is None
 

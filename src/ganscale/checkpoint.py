@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ganscale.config import ConfigError
-from ganscale.fault import CheckpointWriteError, rank0_writes
+from ganscale.fault import CheckpointWriteError, rank0_writes, told_by
 
 PATTERN = re.compile(r"^step-(\d{8,})\.(pt|dcp|tf)$")  # zero-padded to 8 digits; step 10**8 and on take more
 TEMPORARY = re.compile(r"^\.step-\d{8,}\.(pt|json)\.tmp-(\d+)$")  # a file being written by process PID
@@ -444,7 +444,7 @@ def save_sharded(shards: dict, meta: dict, run_dir: Path, step: int, keep: int) 
     except BaseException as e:  # every rank gets the CheckpointException, after every rank stopped writing
         if main:
             remove_written(staging)
-        raise _write_failed(path, e) from e
+        raise told_by(0, _write_failed(path, e)) from e  # the same error on every rank: said once, by rank 0
     with rank0_writes("checkpoint"):  # collective on leaving: one broadcast
         if main:
             missing = _missing_shard_files(staging)
