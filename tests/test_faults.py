@@ -150,7 +150,7 @@ def test_sigterm_to_the_whole_process_group_with_data_workers_still_checkpoints(
 
 def test_sigterm_to_the_launcher_whose_workers_write_no_checkpoint_is_not_exit_3(tmp_path):
     """Exit 3 promises a checkpoint to resume from; here the stop's checkpoint cannot be written (a file named
-    checkpoints where its folder goes), so the launcher says so and exits 1."""
+    checkpoints where its folder goes): the launcher exits with the workers' code, 7, and names them."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").write_text("")
@@ -160,8 +160,9 @@ def test_sigterm_to_the_launcher_whose_workers_write_no_checkpoint_is_not_exit_3
     launcher = start_training(command, run)
     launcher.send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=90)
-    assert launcher.returncode == 1, stderr[-3000:]
-    assert "the workers stopped without writing a checkpoint" in stderr, stderr[-3000:]
+    assert launcher.returncode == 7, stderr[-3000:]
+    assert "SIGTERM received; worker ranks 0, 1 failed with exit code 7" in stderr, stderr[-3000:]
+    assert "asked to checkpoint" not in stderr, stderr[-3000:]
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):

@@ -189,3 +189,44 @@ def test_train_nproc_refuses_the_longer_exit_timeout_before_claiming_the_run_dir
         api.run(None, ["fault.exit_timeout_s=40"], 2, str(tmp_path / "run"), None, 0, print)
     assert info.value.key == "fault.exit_timeout_s"
     assert not (tmp_path / "run").exists()
+
+
+def _signal_during_launch(monkeypatch, tmp_path, exit_codes):
+    """`_launch_once` where SIGTERM reaches the launcher after a periodic checkpoint of this start, and torch's
+    agent then stops workers that exit with `exit_codes` (their ranks in order)."""
+    from types import SimpleNamespace
+
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ganscale import launch
+
+    def elastic_launch(config, entrypoint):
+        def run(*args):
+            (tmp_path / "checkpoints").mkdir()
+            (tmp_path / "checkpoints" / "step-00000005.pt").write_bytes(b"")  # a periodic one, of this start
+            handlers = {rank: SimpleNamespace(proc=SimpleNamespace(poll=lambda code=code: code))
+                        for rank, code in enumerate(exit_codes)}
+            agent = SimpleNamespace(_pcontext=SimpleNamespace(subprocess_handlers=handlers))
+            LocalElasticAgent._shutdown(agent, signal.SIGTERM)
+            raise SignalException("Process got signal: 15", signal.SIGTERM)
+        return run
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch)
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda agent, *args, **kwargs: None)
+    monkeypatch.setattr(launch, "local_agent", lambda *args, **kwargs: None)
+    return launch._launch_once(len(exit_codes), [], tmp_path, 0.0)
+
+
+@pytest.mark.parametrize(("codes", "expected", "said"), [
+    ((7, 7), 7, "SIGTERM received; worker ranks 0, 1 failed with exit code 7"),  # the stop's checkpoint failed
+    ((0, 0), 0, "SIGTERM received as the workers finished training"),  # it came during the last step
+    ((3, 3), 3, "workers were asked to checkpoint. Continue with --resume auto"),
+], ids=["checkpoint-failed", "finished", "checkpointed"])
+def test_a_launcher_stopped_by_a_signal_exits_as_its_workers_did(monkeypatch, tmp_path, capsys, codes, expected,
+                                                                 said):
+    """Exit 3 only where the workers checkpointed and stopped on the signal: a checkpoint written earlier in the
+    same start is no sign of one (a failed stop checkpoint exited 3, and so did a run that finished)."""
+    assert _signal_during_launch(monkeypatch, tmp_path, codes) == (expected, False)
+    assert said in capsys.readouterr().err

@@ -5,6 +5,7 @@ it trains in is decided before (rundir.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -191,10 +192,11 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path, stop_grace_s
     _quiet_agent_logs()
     started = time.time()
     try:
-        elastic_launch(local_agent(nproc, stop_grace_s), sys.executable)("-m", "ganscale", *worker_args)
+        with _worker_exit_codes() as codes:
+            elastic_launch(local_agent(nproc, stop_grace_s), sys.executable)("-m", "ganscale", *worker_args)
     except SignalException as e:
-        # The agent forwarded the signal; workers finish their step and checkpoint before exiting, unless a rank
-        # could not within fault.exit_timeout_s: it then wrote diagnostics (the signal hides the exit codes).
+        # The agent forwarded the signal; workers finish their step and checkpoint before exiting (exit 3), unless
+        # a rank could not within fault.exit_timeout_s: it then wrote diagnostics. Their exit codes say the rest.
         stalled = [p.name.split("-")[0] for p in sorted(Path(run_dir).glob("diagnostics/rank*-stacks.txt"))
                    if p.stat().st_mtime >= started]
         if stalled:
@@ -202,26 +204,65 @@ def _launch_once(nproc: int, worker_args: list[str], run_dir: Path, stop_grace_s
                   f"fault.exit_timeout_s; stacks and collectives are in {run_dir}/diagnostics/; the previous "
                   "checkpoint is kept", file=sys.stderr)
             return EXIT_HANG, False
-        if not any(p.stat().st_mtime >= started for p in checkpoint.list_checkpoints(run_dir)):
+        failed = {rank: code for rank, code in codes.items() if code not in (0, EXIT_PREEMPTED)}
+        if failed and not all(-code in (signal.SIGTERM, signal.SIGINT) for code in failed.values()):
+            return _name_root_cause({rank: (code, 0.0) for rank, code in failed.items()},
+                                    f"{e.sigval.name} received; "), False
+        if failed or not codes:
             # Exit 3 promises a checkpoint: workers that died of the signal, or before training, wrote none.
             print(f"ganscale: {e.sigval.name} received, and the workers stopped without writing a checkpoint (their "
                   "output is above); the previous checkpoint, if any, is kept", file=sys.stderr)
             return 1, False
+        if EXIT_PREEMPTED not in codes.values():
+            print(f"ganscale: {e.sigval.name} received as the workers finished training; nothing to continue",
+                  file=sys.stderr)
+            return 0, False
         print(f"ganscale: {e.sigval.name} received; workers were asked to checkpoint. Continue with --resume auto",
               file=sys.stderr)
         return EXIT_PREEMPTED, False
     except ChildFailedError as e:
-        first_rank, first = min(e.failures.items(), key=lambda item: (root_cause_order(item[1].exitcode),
-                                                                      item[1].timestamp, item[0]))
-        # Ranks that stopped together at one error share its code; one of them printed it (told_by).
-        alike = [str(rank) for rank, failure in sorted(e.failures.items()) if failure.exitcode == first.exitcode]
-        who = f"worker rank {first_rank}" if len(alike) == 1 else f"worker ranks {', '.join(alike)}"
-        print(f"ganscale: {who} failed with exit code {first.exitcode} (see {'their' if alike[1:] else 'its'} output "
-              "above)", file=sys.stderr)
-        # Replicas that differ are restarted: the last checkpoint, checked when written, makes them one again.
-        named = first.exitcode in NOT_RESTARTED or first.exitcode in (EXIT_HANG, EXIT_REPLICAS_DIFFER)
-        return (first.exitcode if named else 1), True
+        return _name_root_cause({rank: (failure.exitcode, failure.timestamp)
+                                 for rank, failure in e.failures.items()}), True
     return 0, False
+
+
+def _name_root_cause(failures: dict[int, tuple[int, float]], prefix: str = "") -> int:
+    """Print which workers failed ({rank: (exit code, when)}), naming the root cause's code; return the launcher's
+    exit code for it: the worker's where README names it, else 1."""
+    first_rank, (first, _) = min(failures.items(), key=lambda item: (root_cause_order(item[1][0]), item[1][1],
+                                                                     item[0]))
+    # Ranks that stopped together at one error share its code; one of them printed it (told_by).
+    alike = [str(rank) for rank, (code, _) in sorted(failures.items()) if code == first]
+    who = f"worker rank {first_rank}" if len(alike) == 1 else f"worker ranks {', '.join(alike)}"
+    print(f"ganscale: {prefix}{who} failed with exit code {first} (see {'their' if alike[1:] else 'its'} output "
+          "above)", file=sys.stderr)
+    # Replicas that differ are restarted: the last checkpoint, checked when written, makes them one again.
+    named = first in NOT_RESTARTED or first in (EXIT_HANG, EXIT_REPLICAS_DIFFER)
+    return first if named else 1
+
+
+@contextlib.contextmanager
+def _worker_exit_codes():
+    """Yields {local rank: exit code}, filled when torch's elastic agent stops the workers: on a signal to this
+    process its SignalException carries no exit codes, so they are read from the agent's workers as it closes
+    them. Empty where no worker was started (or one could not be reaped)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    codes: dict[int, int] = {}
+    shutdown = LocalElasticAgent._shutdown
+
+    def recording(agent, *args, **kwargs):
+        shutdown(agent, *args, **kwargs)
+        handlers = getattr(agent._pcontext, "subprocess_handlers", None) or {}
+        exits = {rank: handler.proc.poll() for rank, handler in handlers.items()}
+        if None not in exits.values():
+            codes.update(exits)
+
+    LocalElasticAgent._shutdown = recording
+    try:
+        yield codes
+    finally:
+        LocalElasticAgent._shutdown = shutdown
 
 
 def _quiet_agent_logs() -> None:
