@@ -253,8 +253,10 @@ def _worker_exit_codes():
 
     def recording(agent, *args, **kwargs):
         shutdown(agent, *args, **kwargs)
-        handlers = getattr(agent._pcontext, "subprocess_handlers", None) or {}
-        exits = {rank: handler.proc.poll() for rank, handler in handlers.items()}
+        # torch's internals: where another version has none of them, no codes are known (the launcher exits 1)
+        handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None) or {}
+        exits = {rank: getattr(getattr(handler, "proc", None), "poll", lambda: None)()
+                 for rank, handler in handlers.items()}
         if None not in exits.values():
             codes.update(exits)
 
