@@ -379,6 +379,17 @@ def test_a_resumed_run_writes_what_an_uninterrupted_one_writes(tmp_path):
     _assert_same_states(straight, resumed, "run")
 
 
+def test_per_rank_batchnorm_statistics_do_not_depend_on_when_samples_are_drawn(tmp_path):
+    """Per-rank BatchNorm (parallel.sync_bn=false): statistics made one before each sample picture, and only there,
+    made the state after it depend on the sample cadence (and a resume from a stop's checkpoint unlike the
+    uninterrupted run): they are made one after every step."""
+    steps = {**SMALL_DCGAN, "train.steps": 6, "parallel.sync_bn": "false"}
+    quiet = run_ranks(train_and_collect, 2, steps, str(tmp_path / "quiet"))[0]
+    sampled = run_ranks(train_and_collect, 2, {**steps, "log.sample_every": 2}, str(tmp_path / "sampled"))[0]
+    for net in ("G", "D", "G_ema"):
+        _assert_same_states(quiet[net], sampled[net], net)
+
+
 def _train_with_nan(rank, world, overrides, run_dir):
     return train_and_collect(rank, world, overrides, run_dir, steps_hook=poison_d_loss_on_rank1(lambda step: step == 2))
 

@@ -44,7 +44,7 @@ from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.speed import choose_convolution_algorithms, compiled, fp32_in_tf32, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
-from ganscale.preflight import cross_rank_batchnorm, penalty_through_batchnorm, reuses_fake
+from ganscale.preflight import cross_rank_batchnorm, has_batchnorm, penalty_through_batchnorm, reuses_fake
 from ganscale.randomness import normal, sample_seeds, seeds_from
 from ganscale.rundir import config_to_write
 from ganscale.runlock import LOCK_NAME, LockWatch
@@ -172,6 +172,10 @@ class Trainer:
         fp32_in_tf32(cfg.train.tf32)
         # Same seed on every rank: identical init; in the memory layout the fast path asks for.
         generator, discriminator = (in_layout(net, cfg.train.channels_last) for net in build_networks(cfg))
+        # Per-rank BatchNorm statistics are averaged after every iteration, not only before outputs: averaged only
+        # there, an output's cadence (a sample, a stop's checkpoint) would change the statistics after it.
+        self.batchnorm_per_rank = world > 1 and not cross_rank_batchnorm(cfg, world) and (
+            has_batchnorm(generator) or has_batchnorm(discriminator))
         warning = per_rank_batchnorm(cfg, world, generator, discriminator)
         if warning and runtime.is_main:
             print(f"ganscale: warning: {warning}", file=sys.stderr, flush=True)
@@ -313,6 +317,8 @@ class Trainer:
                 with self.phase(part="optimizer"):
                     self.update_ema(ema_beta(self.global_batch, self.step * self.global_batch,
                                              cfg.train.ema_half_life_images, cfg.train.ema_rampup))
+            if self.batchnorm_per_rank:  # the same on every rank
+                self.synchronise_buffers()  # collective
             self.fingerprints.after_step(step)  # log.fingerprints: for `ganscale verify`
             if self.step == start_step + 1:  # optimizer state exists after the first step
                 self.memory = self._memory_report()  # collective
