@@ -419,6 +419,19 @@ def test_a_hang_is_still_caught_and_exits_5_when_its_diagnostics_cannot_be_writt
     assert (run / "diagnostics").read_text() == "x"
 
 
+def test_a_rank_that_never_comes_to_start_up_is_one_line_and_exit_5_not_a_traceback(tmp_path):
+    """Outside the steps the hang watchdog watches (here the rendezvous: rank 1 starts after parallel.timeout_s),
+    the rank left waiting says in one line that another rank is stuck or gone, and exits 5."""
+    from test_cli import ganscale_ranks
+
+    args = ["ring8", "--run-dir", "run", "--set", "train.steps=2", "--set", "parallel.timeout_s=3"]
+    late = {1: lambda: time.sleep(10)}  # before rank 1 is even exec'd
+    waited = ganscale_ranks([args, args], cwd=tmp_path, timeout=60, setup=late)[0]
+    assert waited.returncode == 5 and "Traceback" not in waited.stderr, waited.stderr[-3000:]
+    said = [line for line in waited.stderr.splitlines() if line.startswith("ganscale:")]
+    assert len(said) == 1 and "rank 0 waited parallel.timeout_s for another rank, which is stuck or gone" in said[0]
+
+
 def test_a_data_set_that_does_not_divide_by_ranks_times_batch_does_not_hang(tmp_path):
     # 101 points, global batch 64 on 2 ranks: every rank still gets exactly one micro-batch per step.
     started = time.time()

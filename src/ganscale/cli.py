@@ -18,9 +18,9 @@ import click
 
 from ganscale import config as config_mod
 from ganscale.config import DIGIT_DATASETS, ConfigError
-from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
+from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
                             NonFiniteTraining, Preempted, ReplicaDivergence, RunDirectoryTakenOver, is_peer_failure,
-                            peer_failure_summary, told_elsewhere)
+                            is_peer_timeout, peer_failure_summary, told_elsewhere)
 
 
 # A rank that leaves an error to another (told_by) exits this much later: a launcher stops every worker at the
@@ -149,6 +149,12 @@ def leave(error: Exception) -> NoReturn:
         # ~ProcessGroupGloo joins its work thread, holding the GIL that thread needs), and a worker whose launcher
         # died has no one to kill it.
         os._exit(error.exit_code)
+    if is_peer_timeout(error):  # before is_peer_failure: newer torch raises some timeouts as DistBackendError
+        click.echo(f"ganscale: rank {launch.rank_from_environment()} waited parallel.timeout_s for another rank, "
+                   f"which is stuck or gone outside the training steps the hang watchdog watches (start-up, a "
+                   f"checkpoint read, the end) ({peer_failure_summary(error)}). Fix: see the other ranks' output; "
+                   "if it recurs, run `ganscale doctor` on these machines", err=True)
+        sys.exit(EXIT_HANG)
     if isinstance(error, RuntimeError) and is_peer_failure(error):
         click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "
                    f"({peer_failure_summary(error)})", err=True)

@@ -39,6 +39,17 @@ def restart_count() -> int:
 PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
+# What torch says where a collective or the rendezvous gave up waiting for a peer (parallel.timeout_s): gloo, the
+# store, NCCL's watchdog.
+PEER_TIMEOUT_SIGNS = ("Timed out waiting", "Timed out after", "wait timeout after", "collective operation timeout")
+
+
+def is_peer_timeout(error: BaseException) -> bool:
+    """Another rank did not come within parallel.timeout_s: stuck or gone where the hang watchdog does not watch
+    (start-up, a resume's checkpoint read, the end of training)."""
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_TIMEOUT_SIGNS)
+
+
 def is_peer_failure(error: BaseException) -> bool:
     """A communication error caused by another rank dying (gloo reports it at once), not by this rank."""
     import torch.distributed as dist
