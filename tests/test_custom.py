@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -697,18 +698,26 @@ def test_a_float64_data_set_trains(tmp_path):
     assert result.returncode == 0, explain(result)
 
 
+def _bad_item_on_rank_1(tmp_path: Path, package: str, spoil: str, *options: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`--nproc 2` training on a data set whose item 5 (rank 1's) is spoiled: the result, refused with exit 2 and
+    no traceback, and its one line naming data.dataset."""
+    recipe = write_user_gan(tmp_path, package)
+    result = ganscale("train", str(recipe), f"--set=data.dataset_args={{size: 8, spoil: {{5: {spoil}}}}}", "--set",
+                      "train.steps=2", "--nproc", "2", *options, "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                      timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
+    lines = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
+    assert len(lines) == 1, explain(result)
+    return result, lines[0]
+
+
 def test_an_item_that_fails_to_load_on_one_of_two_ranks_exits_2_naming_it(tmp_path):
     """The user's own OSError reading item 5 (rank 1's): one line naming data.dataset, the item and the error's first
     line, exit 2 on every rank (not a traceback and rank 0's 'Connection closed by peer'), and no restart into the
     same item."""
-    recipe = write_user_gan(tmp_path, "unreadable_item_gan")
-    result = ganscale("train", str(recipe), "--set=data.dataset_args={size: 8, spoil: {5: unreadable}}", "--set",
-                      "train.steps=2", "--nproc", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"),
-                      cwd=tmp_path, timeout=300)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
-    lines = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
-    assert len(lines) == 1 and "item 5 failed to load (OSError: cannot read image file img_0005.png). Fix: make " \
-        "__getitem__ return that item" in lines[0], explain(result)
+    result, line = _bad_item_on_rank_1(tmp_path, "unreadable_item_gan", "unreadable", "--max-restarts", "1")
+    assert "item 5 failed to load (OSError: cannot read image file img_0005.png). Fix: make __getitem__ return that " \
+        "item" in line, explain(result)
     # Rank 0 may reach its next collective before rank 1 has left: then it says why it stopped, quoting gloo.
     assert all("another rank failed first" in line for line in result.stderr.splitlines()
                if "Connection closed" in line), explain(result)
@@ -718,14 +727,9 @@ def test_an_item_that_fails_to_load_on_one_of_two_ranks_exits_2_naming_it(tmp_pa
 def test_an_item_unlike_item_0_found_while_training_exits_2_naming_it(tmp_path):
     """Read by a DataLoader worker on one of two ranks: one line naming data.dataset and the item, not torch's
     collate error."""
-    recipe = write_user_gan(tmp_path, "smaller_item_gan")
-    result = ganscale("train", str(recipe), "--set=data.dataset_args={size: 8, spoil: {5: smaller}}", "--set",
-                      "train.steps=2", "--set", "data.workers=1", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
-                      cwd=tmp_path, timeout=300)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
-    lines = [line for line in result.stderr.splitlines() if "'data.dataset'" in line]
-    assert len(lines) == 1 and "item 5 holds a torch.float32 tensor of shape (1, 4, 4)" in lines[0], explain(result)
-    assert "Fix: return from every item the fields" in lines[0], explain(result)
+    result, line = _bad_item_on_rank_1(tmp_path, "smaller_item_gan", "smaller", "--set", "data.workers=1")
+    assert "item 5 holds a torch.float32 tensor of shape (1, 4, 4)" in line, explain(result)
+    assert "Fix: return from every item the fields" in line, explain(result)
 
 
 SHIPPED_DATA = {"data.dataset": "null", "data.dataset_args": "{}"}  # data.dataset belongs to data.kind=custom
