@@ -12,7 +12,9 @@ class MLPGenerator(nn.Module):
         self.z_dim = z_dim
         blocks: list[nn.Module] = []
         for i in range(layers):
-            blocks += [nn.Linear(z_dim if i == 0 else width, width),
+            # No bias before BatchNorm: it subtracts it, and its gradient, zero up to rounding, Adam scales to steps of
+            # the learning rate that differ with the summation order (1 vs N processes), moving the running mean.
+            blocks += [nn.Linear(z_dim if i == 0 else width, width, bias=not batchnorm),
                        nn.BatchNorm1d(width) if batchnorm else nn.Identity(), nn.ReLU(inplace=True)]
         blocks.append(nn.Linear(width, out_dim))
         self.net = nn.Sequential(*blocks)
