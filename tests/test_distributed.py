@@ -166,7 +166,7 @@ def test_no_sync_skips_gradient_all_reduce_on_all_but_last_micro_step(tmp_path):
 
 def _replica_probe(rank, world, overrides, run_dir):
     def before_sync(trainer):
-        # Record per-rank BN statistics just before the trainer synchronises them for a checkpoint.
+        # Record per-rank BN statistics just before the trainer synchronises them (each step, each output).
         seen = []
         original = trainer.synchronise_buffers
 
@@ -208,7 +208,7 @@ def test_replicas_bitwise_identical_at_every_checkpoint(tmp_path):
             assert torch.equal(value, ranks[1][net][key]), f"{net}.{key} differs across ranks"
     # The statistics really were different per rank before synchronisation (so the check has teeth).
     assert not torch.equal(ranks[0]["extra"][0], ranks[1]["extra"][0])
-    assert len(ranks[0]["extra"]) == 4  # checkpoints at steps 2, 4, 6 and the final sample grid
+    assert len(ranks[0]["extra"]) == 6 + 4  # after each of the 6 steps; checkpoints 2, 4, 6 and the final samples
 
 
 def _divergence_probe(rank, world):
