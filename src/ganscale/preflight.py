@@ -689,7 +689,6 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
                               "are float32 (train.precision's autocast lowers the precision where it is safe)",
                               "return float32 from G (no .double(), .half() or .to(dtype) at its end); for mixed "
                               "precision set train.precision=bf16 or fp16")
-        _check_all_trained("G", generator, fake, "model.generator")
         critic_input = task.critic_view(real, fake.detach()).requires_grad_(True)
         logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
                       lambda: discriminator(critic_input, *task.critic_conditions(None, labels)),
@@ -702,7 +701,8 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
                               f"logit per sample{' (or per patch)' if per_patch else ''}",
                               f"return ({batch},) or ({batch}, 1){f' or ({batch}, 1, h, w)' if per_patch else ''} "
                               "logits")
-        _check_all_trained("D", discriminator, logits, "model.discriminator")
+    _check_all_trained("G", generator, fake, "model.generator")  # once: on the last batch's graphs
+    _check_all_trained("D", discriminator, logits, "model.discriminator")
     if cfg.loss.penalises_input_gradient:
         key = "loss.r1_gamma" if cfg.loss.r1_gamma > 0 else "loss.kind"
         _run(key, f"R1 / the gradient penalty through {m.discriminator} (a double backward)",
