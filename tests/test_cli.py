@@ -658,3 +658,20 @@ def test_replicas_that_differ_end_in_one_line_and_their_own_exit_code(tmp_path, 
     result = CliRunner().invoke(main, ["train", *TINY_RUN, "--run-dir", str(tmp_path / "run")])
     assert result.exit_code == EXIT_REPLICAS_DIFFER == 8, result.output
     assert result.output == "ganscale: replicas differ: G.net.0.weight on ranks 0, 1 (it must be bitwise identical)\n"
+
+
+def test_a_short_training_imports_nothing_it_does_not_use(tmp_path):
+    """Start-up is most of a short run: torch's pipelining and scikit-learn (whose digits file is read directly)
+    cost over a second per process, on every rank. Neither is imported by a run that does not pipeline."""
+    script = ("import sys\n"
+              "from ganscale.cli import main\n"
+              "try:\n"
+              "    main(['train', '--set', 'train.steps=1', '--set', 'log.sample_every=0', '--run-dir', 'run'],\n"
+              "         standalone_mode=False)\n"
+              "finally:\n"
+              "    print(sorted(m for m in ('sklearn', 'torch.distributed.pipelining') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=clean_env(), capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, explain(result)
+    assert result.stdout.splitlines()[-1] == "[]", explain(result)
+    assert checkpoint_steps(tmp_path / "run") == [1]

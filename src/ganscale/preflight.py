@@ -23,7 +23,6 @@ from ganscale.data.mnist import mnist_file
 from ganscale.metrics.images import FEWEST_REFERENCES, check_reference_count
 from ganscale.models import biggan, build_networks, meta_networks, stylegan2
 from ganscale.parallel import CAPABILITIES
-from ganscale.parallel.pipeline import split
 from ganscale.tasks import build_task
 from ganscale.versions import require
 
@@ -429,6 +428,8 @@ def _check_torch_features(cfg: Config) -> None:
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:
     """The pipeline strategy (parallel/pipeline.py): what it cannot compute like one process, refused."""
+    from ganscale.parallel.pipeline import split  # imports torch's pipelining, slow: only for pipelined runs
+
     p, t = cfg.parallel, cfg.train
     if p.generator != p.discriminator:
         raise ConfigError("parallel.discriminator",

@@ -40,7 +40,6 @@ from ganscale.observe.reporter import Reporter
 from ganscale.observe.timing import StepTimes
 from ganscale.outputs import write_output
 from ganscale.parallel import Layout, held_bytes, parallelize
-from ganscale.parallel.pipeline import pipeline_networks
 from ganscale.parallel.speed import choose_convolution_algorithms, compiled, fp32_in_tf32, in_layout
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
@@ -181,6 +180,8 @@ class Trainer:
             print(f"ganscale: warning: {warning}", file=sys.stderr, flush=True)
         ema = make_ema(generator)  # copied before sharding: a sharded module cannot be deep-copied
         if cfg.parallel.pipelined:  # the one capability branch: G and D split into stages of one pipeline
+            from ganscale.parallel.pipeline import pipeline_networks  # torch's pipelining: slow to import
+
             self.G, self.D = pipeline_networks(generator, discriminator, runtime, cfg.parallel, cfg.loss.kind)
         else:
             layout = Layout(runtime, cfg.parallel, cross_rank_batchnorm(cfg, world))

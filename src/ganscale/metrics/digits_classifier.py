@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ganscale.config import ConfigError
+from ganscale.data.images import labelled_digits
 
 FORMAT = "ganscale-digits-classifier-v1"
 CLASSES = 10
@@ -51,15 +52,6 @@ class DigitsClassifier(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(images))
-
-
-def labelled_digits() -> tuple[torch.Tensor, torch.Tensor]:
-    """All 1,797 digits scaled to [-1, 1] exactly as the `digits` data source scales them, and their labels."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0
-    return images, torch.tensor(bunch.target, dtype=torch.long)
 
 
 def labelled_mnist() -> tuple[torch.Tensor, torch.Tensor]:
