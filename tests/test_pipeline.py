@@ -180,6 +180,9 @@ def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> Non
         kind, stages, _, microbatches = case
         ref = references[(kind, len(per_rank) // stages * microbatches)]
         G, D = _networks(kind)
+        # BatchNorm's batch statistics are summed in another order per micro-batch, and Adam scales that rounding
+        # (4e-5 seen at another thread count): a looser bound for the case with BatchNorm.
+        tolerance = 1e-4 if kind == "mlp-bn" else TOLERANCE
         # Replicas average BatchNorm's running averages; one process updates them in sequence (checked below).
         running = [k for k in ref["G"] if "running" in k] if len(per_rank) > stages else []
         for result in per_rank:
@@ -195,8 +198,8 @@ def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> Non
                 assert torch.allclose(result["images"], ref["images"], rtol=1e-5, atol=1e-6)
             # The same training as one process.
             assert max_relative_difference({k: v for k, v in ref["G"].items() if k not in running},
-                                           {k: v for k, v in result["G"].items() if k not in running}) < TOLERANCE, case
-            assert max_relative_difference(ref["D"], result["D"]) < TOLERANCE, case
+                                           {k: v for k, v in result["G"].items() if k not in running}) < tolerance, case
+            assert max_relative_difference(ref["D"], result["D"]) < tolerance, case
             assert result["losses"] == pytest.approx(ref["losses"], rel=1e-5), case
             assert result["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), case
             # Each pass fills its own network's gradients only.
@@ -205,7 +208,7 @@ def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> Non
             # Optimizer state in the format a ddp checkpoint has (names, groups, values).
             for opt in ("opt_g", "opt_d"):
                 assert result[opt]["param_groups"] == ref[opt]["param_groups"]
-                assert max_relative_difference(_flat_optimizer_state(ref[opt]), _flat_optimizer_state(result[opt])) < TOLERANCE
+                assert max_relative_difference(_flat_optimizer_state(ref[opt]), _flat_optimizer_state(result[opt])) < tolerance
             # The ddp checkpoint loaded into a pipelined run comes back bit for bit.
             for net in ("G", "D"):
                 assert all(torch.equal(result["loaded"][net][k], v) for k, v in ref[net].items())
@@ -227,9 +230,9 @@ def _check(cases: list[tuple], ranks: list[list[dict]], references: dict) -> Non
         Wrapped(G_loaded, G_loaded).load_model_state(per_rank[0]["G"])
         Wrapped(G_loaded, G_loaded).load_optimizer_state(opt, per_rank[0]["opt_g"])
         assert max_relative_difference({k: v for k, v in ref["G"].items() if k not in running},
-                                       {k: v for k, v in G_loaded.state_dict().items() if k not in running}) < TOLERANCE
+                                       {k: v for k, v in G_loaded.state_dict().items() if k not in running}) < tolerance
         assert max_relative_difference(_flat_optimizer_state(ref["opt_g"]),
-                                       _flat_optimizer_state(Wrapped(G_loaded, G_loaded).optimizer_state(opt))) < TOLERANCE
+                                       _flat_optimizer_state(Wrapped(G_loaded, G_loaded).optimizer_state(opt))) < tolerance
 
 
 @pytest.mark.slow
