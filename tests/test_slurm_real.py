@@ -18,7 +18,7 @@ import torch
 from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 from test_cli import clean_env, explain
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one test cluster: one worker
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # scripts/test.sh runs them after the others, one at a time
 
 TINY = ["--set", "train.batch_size=6", "--set", "log.sample_every=0", "--set", "log.every=1"]
 

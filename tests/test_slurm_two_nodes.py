@@ -17,7 +17,7 @@ from slurm_cluster import TWO_NODES, slurm_two_nodes  # noqa: F401  (the fixture
 from test_cli import clean_env, explain
 from test_slurm_real import TINY, _assert_same_final_checkpoint, _job_log, _train, _wait_job
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one test cluster: one worker
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # scripts/test.sh runs them after the others, one at a time
 
 
 def test_each_node_answers_with_its_own_name_and_resolves_the_other(slurm_two_nodes, tmp_path):  # noqa: F811
