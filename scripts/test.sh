@@ -9,6 +9,9 @@ workers="${GANSCALE_TEST_WORKERS:-2}"
 if [ "$workers" = 0 ]; then
   exec "$venv"/bin/python -m pytest -q "$@"
 fi
+# One math thread per process: each test's processes share the two cores with the other's, and OpenMP's threads
+# spinning beside them cost a fifth more CPU (tests/test_distributed.py, measured).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 status=0
 "$venv"/bin/python -m pytest -q -n "$workers" -m "not alone" "$@" || status=$?
 alone=0
