@@ -15,24 +15,39 @@ COMPILED = {**FAST, "train.compile": "default"}
 GRAPHS = {**FAST, "train.compile": "reduce-overhead"}  # CUDA graphs on a GPU
 
 
-def _trained_g(overrides: dict, run_dir) -> dict:
-    """G's weights after training `overrides` in this process (CUDA-only tests)."""
+def _trainer(overrides: dict, run_dir):
+    """The trainer after training `overrides` in this process (CUDA-only tests)."""
     from ganscale import config
     from dist_helpers import train_in_process
 
-    trainer = train_in_process(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), run_dir)
+    return train_in_process(config.load(None, [f"{k}={v}" for k, v in overrides.items()]), run_dir)
+
+
+def _g_weights(trainer) -> dict:
     return {k: v.detach().cpu() for k, v in trainer.G.model_state().items()}
+
+
+def _trained_g(overrides: dict, run_dir) -> dict:
+    """G's weights after training `overrides` in this process."""
+    return _g_weights(_trainer(overrides, run_dir))
 
 
 def _graphed_g(overrides: dict, run_dir) -> dict:
     """`_trained_g` of a run compiled with CUDA graphs, which must have run as graphs: inductor falls back to
-    plain kernels, silently, where a graph cannot be recorded (a mutated input, a CPU tensor, ...)."""
+    plain kernels, silently, where a graph cannot be recorded (a mutated input, a CPU tensor, ...), and its
+    graph trees where they stay in warm-up or re-record. The step before the last is profiled (which changes
+    nothing trained): by then a step replays its graphs, and neither records one nor runs a compiled call
+    outside one."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    trained = _trained_g(overrides, run_dir)
+    trainer = _trainer({**overrides, "log.profile_after": int(overrides["train.steps"]) - 2, "log.profile_steps": 1},
+                       run_dir)
     assert counters["inductor"]["cudagraph_skips"] == 0, "inductor skipped CUDA graphs (TORCH_LOGS=perf_hints says why)"
-    return trained
+    window = trainer.profiler.window
+    assert window["CUDA graph replays"] > 0 and window["CUDA graphs recorded"] == 0, window
+    assert window["calls outside CUDA graphs"] == 0, window
+    return _g_weights(trainer)
 
 
 def _trainer_layout(rank, world, overrides, run_dir):

@@ -195,7 +195,8 @@ def test_a_budget_or_jobs_not_above_zero_is_one_line_and_exit_2(tmp_path, option
 
 
 def test_the_profile_item_runs_the_table_s_fast_row_and_keeps_the_profile(tmp_path, monkeypatch):
-    """Exercised on the CPU with tiny networks: the profile of steps 31-50 lands in the result folder."""
+    """Exercised on the CPU with tiny networks: the profile of steps 31-50 lands in the result folder; the run
+    goes on past the window (its last step, with the final checkpoint, is not a steady step)."""
     from ganscale.bench.pix2pix import rows
 
     gpu_check = import_gpu_check()
@@ -208,6 +209,7 @@ def test_the_profile_item_runs_the_table_s_fast_row_and_keeps_the_profile(tmp_pa
     assert status == "pass", detail
     assert detail.startswith("steps 31-50 as logged (20),")
     assert (tmp_path / "profile-pix2pix-tiny.txt").read_text().startswith("steps 31-50")
+    assert "done: 60 steps" in (tmp_path / "profile-pix2pix-tiny.log").read_text()
     # torch.compile's reasons for skipped CUDA graphs and recompiles go to the item's log
     assert (tmp_path / "profile-pix2pix-tiny.log").read_text().startswith("$ TORCH_LOGS=perf_hints,recompiles ")
 

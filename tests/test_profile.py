@@ -11,6 +11,7 @@ from torch.autograd import DeviceType
 from dist_helpers import train_in_process
 from ganscale import config, preflight
 from ganscale.config import ConfigError
+from ganscale.observe import profile as step_profile
 from ganscale.observe.profile import compile_line, report
 
 TINY = ["model.z_dim=8", "model.g_width=8", "model.d_width=8", "train.batch_size=8", "train.steps=4",
@@ -52,6 +53,39 @@ def test_graphs_compiled_inside_the_window_are_counted_as_recompiles():
                         {"graphs": 3, "graph breaks": 0, "CUDA graphs skipped": 0})
     assert "9 graphs, 1 graph breaks, 2 CUDA graphs skipped" in line and "profiled steps: 3 graphs compiled" in line
     assert compile_line({"graphs": 0, "graph breaks": 0, "CUDA graphs skipped": 0}, {"graphs": 0}) is None
+
+
+def test_cuda_graph_trees_recorded_graphs_and_calls_outside_them_are_read_from_their_counters(monkeypatch):
+    """The trees number recorded graphs 0, 1, ... and warm-up runs -1, -2, ...: 3 graphs and 7 calls outside."""
+    import itertools
+
+    from torch._inductor import cudagraph_trees
+
+    recorded, warmups = itertools.count(0), itertools.count(start=-1, step=-1)
+    for _ in range(3):
+        next(recorded)
+    for _ in range(7):
+        next(warmups)
+    manager = SimpleNamespace(graph_counter=recorded, warmup_node_counter=warmups)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cudagraph_trees, "get_manager", lambda device, create_if_none_exists: manager)
+    assert step_profile.cuda_graph_tree_counts() == {"CUDA graphs recorded": 3, "calls outside CUDA graphs": 7}
+    assert step_profile.cuda_graph_tree_counts() == {"CUDA graphs recorded": 3, "calls outside CUDA graphs": 7}
+    monkeypatch.setattr(cudagraph_trees, "get_manager", lambda device, create_if_none_exists: None)  # no trees yet
+    assert step_profile.cuda_graph_tree_counts() == {"CUDA graphs recorded": 0, "calls outside CUDA graphs": 0}
+
+
+def test_a_run_with_cuda_graph_trees_is_told_what_they_recorded_and_ran_outside_a_graph():
+    run = {"graphs": 3, "graph breaks": 0, "CUDA graphs skipped": 0, "CUDA graphs recorded": 6,
+           "calls outside CUDA graphs": 90}
+    window = {"graphs": 0, "graph breaks": 0, "CUDA graphs skipped": 0, "CUDA graphs recorded": 0,
+              "calls outside CUDA graphs": 60}
+    line = compile_line(run, window)
+    assert line.endswith("; CUDA-graph trees: 6 graphs recorded and 90 compiled calls run outside a graph in this "
+                         "run, 0 and 60 in the profiled steps (a steady step replays: both 0)")
+    quiet = {**run, "CUDA graphs recorded": 0, "calls outside CUDA graphs": 0}
+    assert "CUDA-graph trees" not in compile_line(quiet, window)
 
 
 def test_a_window_inside_a_run_that_ends_first_is_written_as_far_as_it_went(tmp_path):

@@ -6,11 +6,15 @@ kernels' time (the GPU's busy share), kernel and CUDA-graph launches and host sy
 ops with the most time of their own on the host and, on CUDA, on the device. A step bound by the host shows
 a low busy share and many launches or synchronisations; one bound by the GPU, its kernels. A compiled run also
 gets torch.compile's counts: graphs, graph breaks and CUDA graphs inductor skipped, and the graphs compiled inside
-the window, each a recompile that a steady step should not have.
+the window, each a recompile that a steady step should not have; with CUDA graphs (compile reduce-overhead), the
+graphs their trees recorded and the compiled calls they ran outside a graph, inside the window too: a steady step
+replays graphs and does neither (inductor falls back to plain kernels without counting a skip where the trees
+stay in warm-up or re-record).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -36,6 +40,7 @@ class StepProfiler:
         # torch.compile's counters are the process's: this run's are the differences from here on.
         self._compiled_at_start = compile_counts() if self.enabled else {}
         self._compiled_before: dict[str, int] = {}
+        self.window: dict[str, float] = {}  # once written: the window's compile counts and, on CUDA, graph replays
 
     def step(self, step: int) -> None:
         if not self.enabled:
@@ -64,6 +69,7 @@ class StepProfiler:
         run, within = ({key: now[key] - since[key] for key in now} for since in (self._compiled_at_start,
                                                                                   self._compiled_before))
         self.path.write_text(report(events, self._from_step, step, wall, self.cuda, (run, within)))
+        self.window = {**within, "CUDA graph replays": sum(e.count for e in events if e.key == "cudaGraphLaunch")}
 
 
 def compile_counts() -> dict[str, int]:
@@ -71,7 +77,32 @@ def compile_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {"graphs": counters["stats"]["unique_graphs"], "graph breaks": sum(counters["graph_break"].values()),
-            "CUDA graphs skipped": counters["inductor"]["cudagraph_skips"]}
+            "CUDA graphs skipped": counters["inductor"]["cudagraph_skips"], **cuda_graph_tree_counts()}
+
+
+def cuda_graph_tree_counts() -> dict[str, int]:
+    """CUDA-graph trees on this process's GPU: graphs recorded, and compiled calls run outside a graph (warm-up
+    runs, and the trees' fallback to plain kernels). Read from torch's private tree manager, which counts both by
+    id counters: zeros without CUDA, without trees, or where the manager's form differs."""
+    zeros = {"CUDA graphs recorded": 0, "calls outside CUDA graphs": 0}
+    if not torch.cuda.is_available():
+        return zeros
+    try:
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        recorded, next_warmup = _next_of(manager.graph_counter), _next_of(manager.warmup_node_counter)
+    except Exception:  # noqa: BLE001 - private torch internals: no trees yet, or another torch's form
+        return zeros
+    if recorded is None or next_warmup is None:
+        return zeros
+    return {"CUDA graphs recorded": recorded, "calls outside CUDA graphs": -1 - next_warmup}  # warm-up ids: -1, -2, ...
+
+
+def _next_of(counter) -> int | None:
+    """The value an itertools.count gives next, from its repr ("count(5)", "count(-3, -1)"), without taking it."""
+    found = re.fullmatch(r"count\((-?\d+)(?:, -?\d+)?\)", repr(counter))
+    return int(found.group(1)) if found else None
 
 
 def compile_line(compiled: dict[str, int], within: dict[str, int]) -> str | None:
@@ -79,9 +110,16 @@ def compile_line(compiled: dict[str, int], within: dict[str, int]) -> str | None
     the run compiled nothing)."""
     if not compiled["graphs"]:
         return None
-    return (f"torch.compile in this run: {compiled['graphs']} graphs, {compiled['graph breaks']} graph breaks, "
+    line = (f"torch.compile in this run: {compiled['graphs']} graphs, {compiled['graph breaks']} graph breaks, "
             f"{compiled['CUDA graphs skipped']} CUDA graphs skipped (TORCH_LOGS=perf_hints says why); in the profiled "
             f"steps: {within['graphs']} graphs compiled (recompiles: TORCH_LOGS=recompiles says why)")
+    trees = ("CUDA graphs recorded", "calls outside CUDA graphs")
+    if any(compiled.get(key) for key in trees):  # a run whose CUDA-graph trees did anything
+        line += (f"; CUDA-graph trees: {compiled['CUDA graphs recorded']} graphs recorded and "
+                 f"{compiled['calls outside CUDA graphs']} compiled calls run outside a graph in this run, "
+                 f"{within['CUDA graphs recorded']} and {within['calls outside CUDA graphs']} in the profiled steps "
+                 "(a steady step replays: both 0)")
+    return line
 
 
 def report(events, first: int, end: int, wall: float, cuda: bool,
