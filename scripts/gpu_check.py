@@ -310,7 +310,9 @@ def pix2pix_profile(label: str, overrides: list[str], out: Path) -> tuple[str, s
             "log.sample_every=0", "checkpoint.every=0", "log.profile_after=30", "log.profile_steps=20", *overrides]
     rc = run_logged([sys.executable, "-m", "ganscale", "train", "pix2pix", "--run-dir", str(run_dir),
                      *(word for option in sets for word in ("--set", option))], log, timeout=300,
-                    TORCH_LOGS="perf_hints,recompiles")  # the log says why a CUDA graph was skipped or a graph recompiled
+                    # the log says why a CUDA graph was skipped or a graph recompiled, and (cudagraphs) each
+                    # compiled call the CUDA-graph trees ran in warm-up, recorded or re-recorded, and why
+                    TORCH_LOGS="perf_hints,recompiles,cudagraphs")
     profile = run_dir / "profile" / "rank0.txt"
     if rc != 0 or not profile.exists():
         return "fail", f"train exit {rc} ({log.name})"
