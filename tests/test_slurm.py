@@ -48,7 +48,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
                  "#SBATCH --partition=debug", "#SBATCH --signal=B:USR1@55", "#SBATCH --requeue",
                  f"#SBATCH --output={tmp_path}/run/slurm/%j.out",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1',
-                 "RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))",
+                 "RDZV_PORT=$((10000 + (SLURM_JOB_ID + 7919 * ${SLURM_RESTART_COUNT:-0}) % 20000))",
                  '--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"',
                  '--nnodes "$SLURM_NNODES" --nproc-per-node 2',
                  f"{sys.executable} -m torch.distributed.run",
@@ -196,6 +196,24 @@ def test_a_requeued_job_says_so_and_records_it_in_the_summary(tmp_path):
     assert result.returncode == 0, explain(result)
     assert "Slurm job 77, requeued 2 times" in result.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["requeues"] == 2
+
+
+def test_a_requeued_job_s_run_rendezvouses_on_a_port_of_its_own(tmp_path):
+    """A requeued job keeps its id: its next run's port differs from its last (whose store may still be winding
+    down on a busy node), for the torchrun agents (job.sbatch's RDZV_PORT) and srun tasks (MASTER_PORT) alike."""
+    from ganscale.slurm import RDZV_PORT_LINE, rendezvous_port, task_environment
+
+    for job_id, requeues in [(2, 0), (2, 1), (2, 2), (19999, 3), (123456, 0)]:
+        env = {**os.environ, "SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(requeues)}
+        port = subprocess.run(["bash", "-c", f'{RDZV_PORT_LINE}\necho "$RDZV_PORT"'], env=env, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert int(port) == rendezvous_port(job_id, requeues)
+        tasks = {"SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(requeues), "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+                 "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "2"}
+        assert task_environment(tasks, None)["MASTER_PORT"] == port
+    runs = [rendezvous_port(2, requeues) for requeues in range(4)]
+    assert len(set(runs)) == 4 and all(10000 <= port < 30000 for port in runs)
+    assert rendezvous_port(2, 0) == 10002  # a job never requeued: the port of its id, as before
 
 
 def srun_task(proc_id: int, tasks: int, job_id: int, **extra: str) -> dict[str, str]:

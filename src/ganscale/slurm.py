@@ -27,8 +27,12 @@ SCRIPT = "job.sbatch"
 SLURMCTLD_CHECK_S = 30  # slurmctld's time-limit check interval (PERIODIC_TIMEOUT): a signal may come this much early
 MIN_TRAINING_S = 30  # start-up and at least one step before the earliest signal
 # A job's rendezvous port (torchrun's) or MASTER_PORT (srun tasks) comes from its job id, so jobs sharing a node
-# differ; below Linux's ephemeral range (32768 and up), where the kernel hands out client ports.
-PORT_BASE, PORT_SPAN = 10000, 20000
+# differ, and from its requeues, so a requeued run never joins a store its previous run still holds while it
+# winds down (an agent that finds its port taken joins the store there as a client); below Linux's ephemeral
+# range (32768 and up), where the kernel hands out client ports.
+PORT_BASE, PORT_SPAN, PORT_REQUEUE_STEP = 10000, 20000, 7919
+RDZV_PORT_LINE = (f"RDZV_PORT=$(({PORT_BASE} + (SLURM_JOB_ID + {PORT_REQUEUE_STEP} * ${{SLURM_RESTART_COUNT:-0}})"
+                  f" % {PORT_SPAN}))")
 # Slurm's default KillWait: a signal the scheduler delivers late still leaves the stop this long before SIGKILL.
 SLURM_SLACK_S = 30
 
@@ -170,7 +174,7 @@ def script(job: Job, python: str = sys.executable) -> str:
               f"RUN_DIR={run_dir}",
               f"REQUEUE={int(job.requeue)}",
               'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
-              f"RDZV_PORT=$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))  # from the job id: jobs sharing a node differ",
+              RDZV_PORT_LINE + "  # of this job and this run of it",
               'echo "ganscale: job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0}, rendezvous on $HEAD_NODE:$RDZV_PORT"',
               "",
               "# USR1 (before the time limit) or SIGTERM (scancel, preemption): SIGTERM to the job's steps (torchrun and",
@@ -196,6 +200,11 @@ def script(job: Job, python: str = sys.executable) -> str:
               'exit "$STATUS"',
               ""]
     return "\n".join(lines)
+
+
+def rendezvous_port(job_id: int, requeues: int) -> int:
+    """The rendezvous port of a job's run after `requeues` requeues (job.sbatch computes it in RDZV_PORT_LINE)."""
+    return PORT_BASE + (job_id + PORT_REQUEUE_STEP * requeues) % PORT_SPAN
 
 
 def requeue_count(environ=os.environ) -> int:
@@ -244,7 +253,7 @@ def task_environment(environ, nproc: int | None) -> dict[str, str]:
                           f"ask for one task per GPU: --ntasks-per-node={gpus}")
     return {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ["SLURM_LOCALID"], "WORLD_SIZE": str(tasks),
             "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": first_host(environ["SLURM_NODELIST"]),
-            "MASTER_PORT": str(PORT_BASE + int(environ["SLURM_JOB_ID"]) % PORT_SPAN)}
+            "MASTER_PORT": str(rendezvous_port(int(environ["SLURM_JOB_ID"]), requeue_count(environ)))}
 
 
 def check_sbatch() -> str:
