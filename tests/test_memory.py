@@ -94,6 +94,24 @@ def test_the_estimate_counts_the_real_networks_parameters_gradients_adam_and_ema
         2 * d // 4
 
 
+def test_parameters_the_user_froze_get_no_gradient_or_adam_state_in_the_estimate(monkeypatch):
+    """A network with a frozen part (a pretrained feature extractor in D, say): the optimizer and the gradients
+    leave it out (Wrapped.trained_names), and so does the estimate; the weights themselves still count."""
+    cfg = config.load("digits", ["model.g_width=8", "model.d_width=8"])
+    whole = memory.training_estimate(cfg, 1).state
+    built = memory.meta_networks
+
+    def with_frozen_d(config_):
+        generator, discriminator = built(config_)
+        for p in discriminator.parameters():
+            p.requires_grad_(False)
+        return generator, discriminator
+
+    monkeypatch.setattr(memory, "meta_networks", with_frozen_d)
+    d = sum(p.numel() * p.element_size() for p in built(cfg)[1].parameters())
+    assert memory.training_estimate(cfg, 1).state == whole - 3 * d  # D's gradient and Adam's two moments
+
+
 def test_activations_grow_with_the_micro_batch_and_count_spectrally_normalised_layers():
     small = memory.training_estimate(config.load("digits", ["train.batch_size=64"]), 1)
     large = memory.training_estimate(config.load("digits", ["train.batch_size=128"]), 1)

@@ -2,7 +2,8 @@
 
 G and D are built on torch's meta device (shapes only, nothing allocated) and run forward there, with a hook on
 every module that computes, to count per rank:
-  state        parameters and buffers, gradients, Adam's two moments and G_ema, each divided over the ranks
+  state        parameters and buffers, gradients and Adam's two moments (of parameters the user did not freeze)
+               and G_ema, each divided over the ranks
                that shard it (zero1: Adam; zero2: gradients and Adam; fsdp: all; hsdp: all, over a shard group;
                pipeline: all, over the stages; FSDP's CPU offload on a GPU: none on the device);
   activations  the outputs the heaviest step keeps for backward on one micro-batch (a pipeline rank: its share
@@ -107,9 +108,11 @@ def _bytes(*tensors: Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _network_bytes(net: nn.Module) -> tuple[int, int]:
-    """(parameter bytes, buffer bytes) of a network."""
-    return _bytes(*net.parameters()), _bytes(*net.buffers())
+def _network_bytes(net: nn.Module) -> tuple[int, int, int]:
+    """(parameter bytes, trained parameter bytes, buffer bytes) of a network. Trained: the parameters that
+    require gradients when ganscale gets the network; one the user froze gets no gradient and no Adam state."""
+    return (_bytes(*net.parameters()), _bytes(*(p for p in net.parameters() if p.requires_grad)),
+            _bytes(*net.buffers()))
 
 
 # ------------------------------------------------------------------------------------------------- training
@@ -133,10 +136,10 @@ def _state_bytes(cfg: Config, generator: nn.Module, discriminator: nn.Module, wo
                                     (discriminator, cfg.parallel.discriminator, False)):
         if on_cuda and cfg.parallel.cpu_offload and strategy in FULLY_SHARDED:
             continue  # shards, gradients and Adam's state live in host memory
-        params, buffers = _network_bytes(net)
+        params, trained, buffers = _network_bytes(net)
         on_params, on_grads, on_adam = _divisors(cfg, strategy, world, local_ranks)
         copies = 2 if with_ema else 1  # G_ema: placed and sharded like G
-        total += copies * (params + buffers) // on_params + params // on_grads + 2 * params // on_adam
+        total += copies * (params + buffers) // on_params + trained // on_grads + 2 * trained // on_adam
     return total
 
 
