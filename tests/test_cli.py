@@ -135,10 +135,13 @@ def test_resume_auto_that_finds_no_run_says_it_starts_a_new_one(tmp_path):
     assert len(list((tmp_path / "runs").iterdir())) == 1
 
 
-def test_missing_recipe_exits_2(tmp_path):
-    result = ganscale("train", "no-such-recipe", "--run-dir", "X", cwd=tmp_path)
+@pytest.mark.parametrize("name, shown", [("no-such-recipe", "no-such-recipe"),
+                                         ("no-such\nrecipe\x1b[2J", "no-such\\nrecipe\\x1b[2J")])
+def test_missing_recipe_exits_2(tmp_path, name, shown):
+    """Named in one line; a newline or a terminal escape in the name is shown escaped, not acted on."""
+    result = ganscale("train", name, "--run-dir", "X", cwd=tmp_path)
     assert result.returncode == 2, explain(result)
-    assert "no-such-recipe" in result.stderr
+    assert result.stderr.count("\n") == 1 and f"'{shown}' is neither a shipped recipe" in result.stderr, explain(result)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import traceback
+import unicodedata
 from pathlib import Path
 from typing import NoReturn
 
@@ -28,11 +29,17 @@ from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_PEER
 SAID_GRACE_S = 2.0
 
 
+def one_line(message: str) -> str:
+    """`message` with its control characters escaped: a value quoted in it (a recipe name, a path) that holds a
+    newline or a terminal escape cannot split the one line a refusal is, or act on the terminal."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in message)
+
+
 def _fail(error: Exception) -> None:
     if told_elsewhere(error):
         time.sleep(SAID_GRACE_S)
     else:
-        click.echo(f"ganscale: {error}", err=True)
+        click.echo(one_line(f"ganscale: {error}"), err=True)
     import torch.distributed as dist
 
     from ganscale import launch
@@ -76,7 +83,7 @@ class _Commands(click.Group):
             known = _known_failure(e)
             if known is None:
                 raise
-            click.echo(known[0], err=True)
+            click.echo(one_line(known[0]), err=True)
             sys.exit(known[1])
 
 
