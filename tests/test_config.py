@@ -172,9 +172,14 @@ def test_dcgan_model_with_2d_data_is_rejected():
     ("digits", ["loss.gp_weight=5"], "loss.gp_weight", "the gradient penalty only"),
     ("digits", ["model.n_classes=5"], "model.n_classes", "class-conditional models, not model.kind=dcgan"),
     ("digits-stylegan2", ["model.n_classes=5"], "model.n_classes", "model.conditional=false"),
+    ("digits", ["data.path=/data/faces"], "data.path", "data.kind=folder, zip and paired, not data.kind=digits"),
+    ("digits", ["data.direction=BtoA"], "data.direction", "data.kind=paired only"),
+    ("digits", ["data.load_size=64"], "data.load_size", "data.kind=paired only"),
+    ("digits", ["data.size=5"], "data.size", "2D mixtures"),
 ])
 def test_an_option_nothing_reads_in_this_config_is_refused_naming_it(recipe, overrides, key, said):
-    """A value other than the default of an option that this model, augmentation or loss never reads."""
+    """A value other than the default of an option that this model, augmentation, loss or data source never reads
+    (data.direction on a data set of pairs that is not data.kind=paired: the run trained AtoB, its config said BtoA)."""
     with pytest.raises(ConfigError) as info:
         preflight.check(config.load(recipe, overrides), 1, False)
     assert info.value.key == key and said in str(info.value), str(info.value)
@@ -190,6 +195,7 @@ def test_an_option_nothing_reads_in_this_config_is_refused_naming_it(recipe, ove
     ("digits-stylegan2", ["model.g_width=64", "model.norm=batch"]),  # defaults, even where nothing reads them
     # augmentation switched off keeps its settings (to switch it on again): not refused
     ("digits", ["augment.kind=none", "augment.p=0.5", "augment.policy=[color]"]),
+    ("ring8", ["data.size=500"]),
 ])
 def test_options_the_config_reads_or_left_at_their_default_pass(recipe, overrides):
     preflight.check(config.load(recipe, overrides), 1, False)
@@ -511,3 +517,15 @@ def test_file_paths_are_recorded_absolute_and_a_run_s_own_config_loads_back_unch
     user_yaml = project / "gan.yaml"  # a user's own YAML file: its folder is searched for their modules
     user_yaml.write_text(config.to_yaml(cfg))
     assert config.load(str(user_yaml)).code_path == [str(project)]
+
+
+def test_a_code_path_folder_that_does_not_exist_is_refused_naming_it(tmp_path):
+    """A mistyped folder was skipped silently: the user's modules then came from another folder on the path."""
+    (tmp_path / "nets").mkdir()
+    user_yaml = tmp_path / "gan.yaml"
+    user_yaml.write_text("code_path: [nets, netz]\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(str(user_yaml))
+    assert info.value.key == "code_path" and f"{tmp_path / 'netz'} is not a folder" in str(info.value)
+    user_yaml.write_text("code_path: [nets]\n")
+    assert config.load(str(user_yaml)).code_path == [str(tmp_path / "nets"), str(tmp_path)]

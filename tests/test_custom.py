@@ -94,6 +94,12 @@ class LazyD(Discriminator):
         self.body = nn.Sequential(nn.Flatten(), nn.LazyLinear(width), nn.LeakyReLU(0.2))
 
 
+class FrozenD(Discriminator):
+    def __init__(self, width=16, n_classes=0):
+        super().__init__(width, n_classes)
+        self.requires_grad_(False)
+
+
 class ColumnD(Discriminator):
     def forward(self, x, labels=None):
         return self.head(self.body(x))
@@ -229,6 +235,11 @@ class ForColumns:
 class Summed(Hinge):
     def g_loss(self, fake):
         return F.softplus(-fake).sum()
+
+
+class Detached(Hinge):
+    def g_loss(self, fake):
+        return -fake.mean().detach()
 '''
 
 CONFIG = '''
@@ -584,16 +595,19 @@ def test_a_user_d_that_cannot_be_built_on_meta_trains_with_its_memory_estimated(
     ("model.generator={pkg}.nets:BatchOf2G", "model.generator",
      "on 4 latents failed (RuntimeError: shape '[2, 1, 8, 8]' is invalid"),
     ("model.discriminator={pkg}.nets:LazyD", "model.discriminator", "lazy module body.1 (LazyLinear)"),
+    ("model.discriminator={pkg}.nets:FrozenD", "model.discriminator", "D has no parameter to train"),
     ("model.discriminator={pkg}.nets:NoDoubleBackward", "loss.r1_gamma", "double backward"),
     ("data.dataset_args={{scale: 3.0}}", "data.dataset", "[-1, 1]"),
     ("data.dataset_args={{spoil: {{0: nan}}}}", "data.dataset", "item 0 holds NaN or infinite values"),
     ("data.dataset_args={{spoil: {{0: unreadable}}}}", "data.dataset", "item 0 failed to load (OSError: cannot read"),
+    ("data.dataset_args={{dtype: uint8}}", "data.dataset", "holds a torch.uint8 tensor, not a floating-point one"),
     ("data.resolution=16", "data.dataset", "(1, 16, 16)"),
     ("model.task=class-conditional", "data.dataset", "(image, label)"),
     ("loss.kind={pkg}.losses:NotScalar", "loss.kind", "not a scalar"),
     # D's logits are (B,): the loss is tried on them, not on (2, 1) stand-ins
     ("loss.kind={pkg}.losses:ForColumns", "loss.kind", "on logits of shape (2,) failed (ValueError: Target size"),
     ("loss.kind={pkg}.losses:Summed", "loss.kind", "g_loss is"),
+    ("loss.kind={pkg}.losses:Detached", "loss.kind", "g_loss returned a scalar with no gradient to the logits"),
     ("loss.kind={pkg}.losses:Absent", "loss.kind", "has no attribute"),
     ("parallel.generator=pipeline", "parallel.generator", "another strategy (ddp, zero1, zero2, fsdp, hsdp)"),
     ("model.kind=dcgan", "model.generator", "model.kind=custom only"),

@@ -137,6 +137,8 @@ def _kinds(*kinds: str):
 
 _STYLEGAN2 = ("stylegan2 only", _kinds("stylegan2"), "use model.kind=stylegan2")
 _MLP = ("the mlp networks only", _kinds("mlp"), "use model.kind=mlp (ring8/grid25)")
+_PAIRED = ("data.kind=paired only", lambda cfg: cfg.data.kind == "paired",
+           "use data.kind=paired (a data.kind=custom data set of pairs gives (input, target) in the order to learn)")
 # augment.kind=none switches augmentation off and leaves its settings as they are: only the other kind's are refused.
 _ADA = ("augment.kind=ada only", lambda cfg: cfg.augment.kind in ("ada", "none"), "set augment.kind=ada")
 
@@ -150,7 +152,7 @@ def _conditioning(cfg: Config) -> str:
         else f"model.kind={m.kind}"
 
 
-# Options that only some models, augmentations or losses read: key -> (where it applies, whether this config is
+# Options that only some models, augmentations, losses or data sources read: key -> (where it applies, whether this config is
 # there, how to get there[, what this config is, where the section's kind does not say it]). Elsewhere nothing reads them, so a value other than the field's default is refused.
 # As the recipes carry only their own model's options, a default comparison suffices (a recipe's value that
 # equals the default is not the user's choice, and a non-default one sits under the model that reads it).
@@ -188,12 +190,20 @@ SCOPED_OPTIONS = {
                        "set augment.kind=diffaugment"),
     "loss.gp_weight": ("the gradient penalty only", lambda cfg: cfg.loss.with_gradient_penalty,
                        "use loss.kind=wgan-gp or loss.gradient_penalty=true"),
+    "data.path": ("data.kind=folder, zip and paired", lambda cfg: cfg.data.kind in ("folder", "zip", "paired"),
+                  "use data.kind=folder, zip or paired (data.kind=custom: give your data set its path in "
+                  "data.dataset_args)"),
+    "data.direction": _PAIRED,
+    "data.load_size": _PAIRED,
+    "data.size": ("the 2D mixtures (data.kind=ring8 and grid25) only", lambda cfg: cfg.data.kind in ("ring8", "grid25"),
+                  "use data.kind=ring8 or grid25 (data.max_images trains on a subset of any data set)"),
 }
 
 
 def _setting(cfg: Config, key: str) -> str:
     return {"model": f"model.kind={cfg.model.kind}", "augment": f"augment.kind={cfg.augment.kind}",
-            "loss": f"loss.kind={cfg.loss.kind} without a gradient penalty"}[key.split(".")[0]]
+            "loss": f"loss.kind={cfg.loss.kind} without a gradient penalty",
+            "data": f"data.kind={cfg.data.kind}"}[key.split(".")[0]]
 
 
 def _check_scoped_options(cfg: Config) -> None:
@@ -633,7 +643,11 @@ def _check_user_loss(kind: str, logit_shape: tuple[int, ...]) -> None:
             value = _run("loss.kind", f"{kind}'s {term} on logits of shape {tuple(r.shape)}", lambda: compute(r, f),
                          f"make it a function of logit tensors of the shape D returns, {batched} (see "
                          "objectives.py)")
-            if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.requires_grad):
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad:
+                raise ConfigError("loss.kind", f"{kind}'s {term} returned a scalar with no gradient to the logits "
+                                  "(detached, or computed outside autograd: .item(), numpy, torch.no_grad)",
+                                  "compute it from the logits with torch operations, without .detach()")
+            if not (isinstance(value, torch.Tensor) and value.dim() == 0):
                 got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ConfigError("loss.kind", f"{kind}'s {term} returned {got}, not a scalar computed from the "
                                   "logits", "return a 0-dim tensor of the logits, e.g. a mean over the batch")
@@ -717,8 +731,10 @@ def _check_all_trained(name: str, network: nn.Module, output: torch.Tensor, key:
     gradient from its loss: on several ranks DDP waits for a gradient that never comes. Refused on one process
     too, so that a run on 1 and N ranks is the same run."""
     trained = [(n, p) for n, p in network.named_parameters() if p.requires_grad]
-    if not trained:
-        return
+    if not trained:  # Adam would get an empty parameter list
+        raise ConfigError(key, f"{name} has no parameter to train (none at all, or all frozen with "
+                          "requires_grad_(False)): ganscale updates G and D in turn",
+                          f"give {name} at least one parameter that requires a gradient")
     grads = (torch.autograd.grad(output.sum(), [p for _, p in trained], allow_unused=True, retain_graph=True)
              if output.requires_grad else [None] * len(trained))
     unused = [f"{name}.{n}" for (n, _), g in zip(trained, grads) if g is None]

@@ -111,9 +111,12 @@ def item_problem(item: tuple, index: int, task: str, shape: tuple[int, ...], n_c
         return (f"item {index} is {_describe(item)}; model task {task} takes {expected}",
                 f"return {ITEMS[task]} from __getitem__, or change model.task")
     for image in images:
-        if not image.is_floating_point() or tuple(image.shape) != shape:
+        if not image.is_floating_point():
+            return (f"item {index} holds a {image.dtype} tensor, not a floating-point one",
+                    "return float images in [-1, 1] (x / 127.5 - 1 for bytes)")
+        if tuple(image.shape) != shape:
             return (f"item {index} holds a {image.dtype} tensor of shape {tuple(image.shape)}, not {shape}",
-                    "return float images, or set data.channels and data.resolution to the data's shape")
+                    "return images of that shape, or set data.channels and data.resolution to the data's shape")
         if not bool(image.isfinite().all()):
             return (f"item {index} holds NaN or infinite values", "return finite images in [-1, 1]")
         if image.numel() and not -1 <= float(image.min()) <= float(image.max()) <= 1:
