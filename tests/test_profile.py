@@ -70,8 +70,9 @@ def test_cuda_graph_trees_recorded_graphs_and_calls_outside_them_are_read_from_t
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cudagraph_trees, "get_manager", lambda device, create_if_none_exists: manager)
-    assert step_profile.cuda_graph_tree_counts() == {"CUDA graphs recorded": 3, "calls outside CUDA graphs": 7}
-    assert step_profile.cuda_graph_tree_counts() == {"CUDA graphs recorded": 3, "calls outside CUDA graphs": 7}
+    counts = {"CUDA graphs recorded": 3, "calls outside CUDA graphs": 7}
+    assert step_profile.cuda_graph_tree_counts() == counts
+    assert step_profile.cuda_graph_tree_counts() == counts  # read from the counters, not taken from them
     monkeypatch.setattr(cudagraph_trees, "get_manager", lambda device, create_if_none_exists: None)  # no trees yet
     assert step_profile.cuda_graph_tree_counts() == {"CUDA graphs recorded": 0, "calls outside CUDA graphs": 0}
 

@@ -198,7 +198,7 @@ def test_a_requeued_job_says_so_and_records_it_in_the_summary(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["requeues"] == 2
 
 
-def test_a_requeued_job_s_run_rendezvouses_on_a_port_of_its_own(tmp_path):
+def test_a_requeued_job_s_run_rendezvouses_on_a_port_of_its_own():
     """A requeued job keeps its id: its next run's port differs from its last (whose store may still be winding
     down on a busy node), for the torchrun agents (job.sbatch's RDZV_PORT) and srun tasks (MASTER_PORT) alike."""
     from ganscale.slurm import RDZV_PORT_LINE, rendezvous_port, task_environment
@@ -208,8 +208,9 @@ def test_a_requeued_job_s_run_rendezvouses_on_a_port_of_its_own(tmp_path):
         port = subprocess.run(["bash", "-c", f'{RDZV_PORT_LINE}\necho "$RDZV_PORT"'], env=env, capture_output=True,
                               text=True, check=True).stdout.strip()
         assert int(port) == rendezvous_port(job_id, requeues)
-        tasks = {"SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(requeues), "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
-                 "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "2"}
+        tasks = {"SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(requeues), "SLURM_NTASKS": "2",
+                 "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODELIST": "n1",
+                 "SLURM_TASKS_PER_NODE": "2"}
         assert task_environment(tasks, None)["MASTER_PORT"] == port
     runs = [rendezvous_port(2, requeues) for requeues in range(4)]
     assert len(set(runs)) == 4 and all(10000 <= port < 30000 for port in runs)

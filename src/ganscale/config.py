@@ -650,9 +650,11 @@ def load(source: str | None, overrides: list[str] | tuple[str, ...] = (), files_
     # The current folder, where a new run finds the user's modules, is recorded too (files_here: this machine's).
     records_cwd = files_here and not own_config and cfg.names_user_code
     cfg.code_path = _absolute_folders(cfg.code_path, None if own_config else yaml_folder, records_cwd)
-    missing = next((folder for folder in cfg.code_path if not Path(folder).is_dir()), None)
-    if files_here and not own_config and missing:  # else a mistyped folder leaves the modules to another one's copy
-        raise ConfigError("code_path", f"{missing} is not a folder", "fix the folder's path in code_path, or remove it")
+    if files_here and not own_config:  # else a mistyped folder leaves the modules to another folder's copy
+        missing = next((folder for folder in cfg.code_path if not Path(folder).is_dir()), None)
+        if missing:
+            raise ConfigError("code_path", f"{missing} is not a folder",
+                              "fix the folder's path in code_path, or remove it")
     # Recorded as read from where the run started: a resume or eval from another folder reads the same files.
     if files_here and cfg.data.path:  # empty: refused where the data is read
         cfg.data.path = os.path.abspath(cfg.data.path)

@@ -152,8 +152,9 @@ def _conditioning(cfg: Config) -> str:
         else f"model.kind={m.kind}"
 
 
-# Options that only some models, augmentations, losses or data sources read: key -> (where it applies, whether this config is
-# there, how to get there[, what this config is, where the section's kind does not say it]). Elsewhere nothing reads them, so a value other than the field's default is refused.
+# Options that only some models, augmentations, losses or data sources read: key -> (where it applies, whether
+# this config is there, how to get there[, what this config is, where the section's kind does not say it]).
+# Elsewhere nothing reads them, so a value other than the field's default is refused.
 # As the recipes carry only their own model's options, a default comparison suffices (a recipe's value that
 # equals the default is not the user's choice, and a non-default one sits under the model that reads it).
 SCOPED_OPTIONS = {

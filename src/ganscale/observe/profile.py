@@ -22,7 +22,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
+GRAPH_LAUNCH = "cudaGraphLaunch"  # one CUDA graph replayed
+LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", GRAPH_LAUNCH}
 SYNCHRONISATIONS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
 ROWS = 30  # of each table
 
@@ -69,7 +70,7 @@ class StepProfiler:
         run, within = ({key: now[key] - since[key] for key in now} for since in (self._compiled_at_start,
                                                                                   self._compiled_before))
         self.path.write_text(report(events, self._from_step, step, wall, self.cuda, (run, within)))
-        self.window = {**within, "CUDA graph replays": sum(e.count for e in events if e.key == "cudaGraphLaunch")}
+        self.window = {**within, "CUDA graph replays": sum(e.count for e in events if e.key == GRAPH_LAUNCH)}
 
 
 def compile_counts() -> dict[str, int]:
@@ -135,7 +136,7 @@ def report(events, first: int, end: int, wall: float, cuda: bool,
         lines += [f"CUDA kernels {kernel_ms:.2f} ms a step: the GPU busy {100 * kernel_ms / (1e3 * wall / n):.0f}% "
                   "of the wall time",
                   f"launches a step: {sum(count.get(k, 0) for k in LAUNCHES) / n:.0f} "
-                  f"(of them CUDA graph replays: {count.get('cudaGraphLaunch', 0) / n:.0f}); host synchronisations "
+                  f"(of them CUDA graph replays: {count.get(GRAPH_LAUNCH, 0) / n:.0f}); host synchronisations "
                   f"a step: {sum(count.get(k, 0) for k in SYNCHRONISATIONS) / n:.1f}, device-to-host copies "
                   f"{sum(e.count for e in kernels if 'DtoH' in e.key) / n:.1f}"]
     said = compile_line(*compilation) if compilation else None
