@@ -206,7 +206,6 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
 
     One task per node runs torchrun (c10d rendezvous on the first node); before the time limit the job
     checkpoints, stops and, with --requeue, comes back and resumes from the same run directory."""
-    from ganscale import preflight, rundir
     from ganscale import slurm as slurming
 
     try:
@@ -214,6 +213,8 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         shape = slurming.layout(nodes, gpus_per_node, procs_per_node)
         slurming.check_time(time_limit)
         cfg = config_mod.load(recipe, overrides)
+        from ganscale import preflight, rundir  # torch's import (~2 s) only once the options and config are read
+
         preflight.check(cfg, shape.world_size, gpus_per_node > 0)
         sbatch = None if dry_run else slurming.check_sbatch()
         # A run directory that holds a run is continued (the job trains with --resume auto).

@@ -11,9 +11,8 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ganscale.parallel import local
+from ganscale.parallel import is_sharded, local
 
 
 def make_ema(generator: nn.Module) -> nn.Module:
@@ -52,7 +51,7 @@ class EmaUpdate:
     def __init__(self, ema: nn.Module, generator: nn.Module):
         self.ema, self.generator = ema, generator
         tensors = [*ema.parameters(), *generator.parameters(), *ema.buffers(), *generator.buffers()]
-        self.fixed = not any(isinstance(t, DTensor) for t in tensors)
+        self.fixed = not any(is_sharded(t) for t in tensors)
         if self.fixed:
             self.pairs = (list(ema.parameters()), list(generator.parameters()))
             self.buffers = (list(ema.buffers()), list(generator.buffers()))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from ganscale.observe import drop_records_after
 from ganscale.outputs import to_json
+from ganscale.parallel import is_sharded
 
 FILE = "fingerprints.jsonl"
 # A gradient element below this share of its network's largest is zero up to fp32 rounding (terms that cancel):
@@ -46,7 +46,7 @@ def rounding_noise(gradients: dict[str, Tensor]) -> dict[str, list[list[float]]]
 
 
 def _full(tensor: Tensor) -> Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective when sharded
+    return tensor.full_tensor() if is_sharded(tensor) else tensor  # collective when sharded
 
 
 def _drawn_state(device: torch.device) -> list[Tensor]:

@@ -25,19 +25,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils.spectral_norm import SpectralNorm
 
@@ -46,6 +42,12 @@ from ganscale.models.spectral import power_iteration_paused, spectral_norms
 from ganscale.parallel.syncbn import average_batchnorm_stats, convert_batchnorm
 from ganscale.runtime import Runtime
 from ganscale.versions import ddp_no_buffer_sync
+
+# torch's sharding stack (DTensor, FSDP2, ZeRO, the distributed state-dict API) takes ~1 s of CPU to import: each
+# is imported where it is used, so a command that only checks a config or launches workers starts without it.
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.fsdp import OffloadPolicy
 
 
 
@@ -70,8 +72,12 @@ CAPABILITIES = {
 }
 FULLY_SHARDED = tuple(name for name, can in CAPABILITIES.items() if can.fully_sharded)
 
-FULL = StateDictOptions(full_state_dict=True)
-SAVED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered into rank 0's host memory only
+
+def state_dict_options(saving: bool = False) -> StateDictOptions:
+    """Full (unsharded) state; `saving`: gathered into rank 0's host memory only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=saving)
 
 
 @dataclass
@@ -104,12 +110,21 @@ class Layout:
         return DeviceMesh.from_group(dist.group.WORLD, self.runtime.device.type)  # no new process group
 
     def offload(self) -> OffloadPolicy:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
         return CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy()
+
+
+def is_sharded(tensor: Tensor) -> bool:
+    """Whether `tensor` is a DTensor (an FSDP2 shard). A DTensor exists only once its module is loaded: asking
+    about a replica's tensors loads nothing."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def local(tensor: Tensor) -> Tensor:
     """This rank's part of a tensor (the tensor itself unless it is sharded)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 class Wrapped:
@@ -210,31 +225,43 @@ class Wrapped:
     def model_state(self, module: nn.Module | None = None, saving: bool = False) -> dict[str, Tensor]:
         """Full state dict of this network (or of one sharded like it). Collective when sharded. `saving`: for
         rank 0 to write, in host memory, and {} on the other ranks: no GPU holds a full copy of a sharded network."""
-        return get_model_state_dict(module or self.module, options=SAVED if saving else FULL)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(module or self.module, options=state_dict_options(saving))
 
     def load_model_state(self, state: dict[str, Tensor], module: nn.Module | None = None) -> None:
-        set_model_state_dict(module or self.module, state, options=FULL)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(module or self.module, state, options=state_dict_options())
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, saving: bool = False) -> dict:
         """Full optimizer state keyed by parameter name. Collective when sharded. `saving`: as for model_state."""
-        return get_optimizer_state_dict(self.module, optimizer, options=SAVED if saving else FULL)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, optimizer, options=state_dict_options(saving))
 
     def sharded_state(self, optimizer: torch.optim.Optimizer, ema: nn.Module | None = None) -> dict:
         """This rank's part of the network's (and its EMA's) weights and optimizer state, as DTensor shards
         (or plain tensors when replicated), for torch.distributed.checkpoint."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         state = {"model": get_model_state_dict(self.module), "optim": get_optimizer_state_dict(self.module, optimizer)}
         if ema is not None:
             state["ema"] = get_model_state_dict(ema)
         return state
 
     def load_sharded_state(self, state: dict, optimizer: torch.optim.Optimizer, ema: nn.Module | None = None) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
         set_model_state_dict(self.module, state["model"])
         set_optimizer_state_dict(self.module, optimizer, state["optim"])
         if ema is not None:
             set_model_state_dict(ema, state["ema"])
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        set_optimizer_state_dict(self.module, optimizer, state, options=FULL)
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, optimizer, state, options=state_dict_options())
 
     def synchronise_batchnorm(self, *modules: nn.Module) -> None:
         """Collective: average BatchNorm running statistics of `modules` over the ranks that hold them."""
@@ -258,6 +285,8 @@ class ShardedOptimizerState(Wrapped):
     steps that share, and broadcasts the updated parameters; gradients are still all-reduced by DDP."""
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(self.parameters, optimizer_class=optimizer_class, **kwargs)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, saving: bool = False) -> dict:
@@ -284,6 +313,8 @@ class FullyShardedWrapped(Wrapped):
     def __init__(self, module: nn.Module, **shard_options):
         super().__init__(module, module)
         self.shard_options = shard_options  # reshard_after_forward, mesh, offload_policy
+        from torch.distributed.fsdp import fully_shard
+
         fully_shard(module, **shard_options)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
@@ -294,6 +325,8 @@ class FullyShardedWrapped(Wrapped):
     def shard_like(self, module: nn.Module) -> nn.Module:
         """Sharded on the same mesh as this network. Always resharded after its forward: a module that runs no
         backward (G_ema) would otherwise stay gathered after one under ZeRO-2, its shards no longer like G's."""
+        from torch.distributed.fsdp import fully_shard
+
         module.to(next(self.module.parameters()).device)
         fully_shard(module, **{**self.shard_options, "reshard_after_forward": True})
         return module
@@ -312,7 +345,7 @@ class FullyShardedWrapped(Wrapped):
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # the global norm over all shards
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return norm.full_tensor() if is_sharded(norm) else norm
 
 
 @contextlib.contextmanager
