@@ -120,6 +120,43 @@ def test_compiled_ddp_reusing_d_steps_samples_equals_one_eager_process(tmp_path)
             assert max_relative_difference(eager[net], rank[net]) <= 1e-4, net
 
 
+def test_compiled_networks_run_their_graphs_in_every_step(tmp_path, monkeypatch, capsys):
+    """torch.compile runs a compiled forward that it meets under a dispatch mode eagerly, and that forward's code
+    eagerly for the rest of the process, without a word: the traffic meter's mode on the third step turned the
+    fast path back to eager from there on. A compiled run does not measure its traffic, and says so. The graphs
+    are counted by a backend that runs dynamo's graph as it is (no inductor: fast on a CPU)."""
+    from ganscale import config
+    from ganscale.trainer import Trainer
+    from dist_helpers import train_in_process
+
+    torch._dynamo.reset()  # no earlier test's graphs or skipped code
+    at_step, graph_calls = [None], []
+    compile_ = torch.compile
+
+    def counted(model, mode):
+        def backend(graph, example_inputs):
+            def run(*args):
+                graph_calls.append(at_step[0])
+                return graph.forward(*args)
+            return run
+        return compile_(model, backend=backend)
+
+    begin_step = Trainer._begin_step
+
+    def noting_step(trainer, step, start_step):
+        at_step[0] = step
+        begin_step(trainer, step, start_step)
+
+    monkeypatch.setattr(torch, "compile", counted)
+    monkeypatch.setattr(Trainer, "_begin_step", noting_step)
+    steps = 5
+    train_in_process(config.load(None, [f"{k}={v}" for k, v in {**SMALL_DCGAN, **COMPILED,
+                                                                   "train.steps": steps}.items()]), tmp_path)
+    per_step = [graph_calls.count(step) for step in range(steps)]
+    assert min(per_step) > 0 and len(set(per_step)) == 1, per_step  # G's and D's graphs, alike in every step
+    assert "communicated per step  not measured (train.compile=default" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("overrides, says", [
     ({"train.compile": "default", "loss.r1_gamma": 1}, "double backward"),
     ({"train.compile": "default", "loss.kind": "wgan-gp"}, "double backward"),

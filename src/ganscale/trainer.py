@@ -40,7 +40,8 @@ from ganscale.observe.reporter import Reporter
 from ganscale.observe.timing import StepTimes
 from ganscale.outputs import write_output
 from ganscale.parallel import Layout, held_bytes, parallelize
-from ganscale.parallel.speed import choose_convolution_algorithms, compiled, fp32_in_tf32, in_layout
+from ganscale.parallel.speed import (choose_convolution_algorithms, compiled, fp32_in_tf32, in_layout,
+                                     traffic_unmeasurable)
 from ganscale.parallel.traffic import TrafficMeter
 from ganscale.precision import Precision
 from ganscale.preflight import cross_rank_batchnorm, has_batchnorm, penalty_through_batchnorm, reuses_fake
@@ -215,7 +216,7 @@ class Trainer:
         self.taken_over = False              # set when rank 0 found the run directory's lock lost (agreed there too)
         self._verify_lock = False            # whether this iteration ends in writes: rank 0 reads its lock first
         self.memory: list[dict] = [{"G": {}, "D": {}}]  # bytes held per rank, measured after the first step
-        self.traffic = TrafficMeter()  # bytes communicated per step, measured on one step
+        self.traffic = TrafficMeter(traffic_unmeasurable(cfg.train.compile))  # bytes communicated per step, on one
         self.times = StepTimes(device, cfg.log.step_times)  # where each step's wall time goes
         self.profiler = StepProfiler(cfg.log.profile_steps, cfg.log.profile_after, self.run_dir, runtime.rank, device)
         # Test-only hook; a no-op unless GANSCALE_INJECT_FAULT is set.

@@ -50,6 +50,12 @@ def compiled(wrapped: Wrapped, mode: str) -> Wrapped:
     return wrapped
 
 
+def traffic_unmeasurable(mode: str) -> str | None:
+    """Why a run compiled in `mode` cannot have its communication measured (parallel/traffic.py), or None: the
+    meter's dispatch mode would turn the compiled networks back to eager for the rest of the run."""
+    return None if mode == "off" else f"train.compile={mode}: a dispatch mode would make the networks run eagerly"
+
+
 def records_cuda_graphs(mode: str) -> bool:
     """Whether torch.compile's `mode` records CUDA graphs (reduce-overhead and max-autotune do). Unmarked, their
     graph trees start a new iteration at every compiled call, which frees the outputs of the one before: the

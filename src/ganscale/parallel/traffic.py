@@ -64,15 +64,20 @@ _NOTHING = contextlib.nullcontext()
 
 
 class TrafficMeter:
-    """Bytes communicated per phase of a step ("d_step", "g_step"), measured while `enabled`."""
+    """Bytes communicated per phase of a step ("d_step", "g_step"), measured while `enabled`.
 
-    def __init__(self) -> None:
+    `unmeasurable`: why nothing can be measured in this run, or None. A network compiled by torch.compile is one
+    such reason: a compiled forward called under a dispatch mode runs eagerly, and torch then runs that forward's
+    code eagerly for the rest of the process, without a word."""
+
+    def __init__(self, unmeasurable: str | None = None) -> None:
         self.enabled = False
+        self.unmeasurable = unmeasurable
         self.by_phase: dict[str, dict[str, int]] = {}
 
     def measure(self, phase: str) -> contextlib.AbstractContextManager:
         """`with meter.measure(phase):` counts the block's collectives while enabled (a shared no-op else)."""
-        if not self.enabled:
+        if not self.enabled or self.unmeasurable:
             return _NOTHING
         return _Counter(self.by_phase.setdefault(phase, defaultdict(int)))
 
@@ -81,6 +86,8 @@ class TrafficMeter:
         return {phase: sum(v for k, v in kinds.items() if k != "ops") for phase, kinds in self.by_phase.items()}
 
     def report(self) -> str:
+        if self.unmeasurable:
+            return f"not measured ({self.unmeasurable})"
         lines = []
         for phase, kinds in self.by_phase.items():
             parts = ", ".join(f"{kind} {n / 2**20:.3f} MiB" for kind, n in kinds.items() if kind != "ops" and n)
