@@ -43,9 +43,11 @@ def test_a_compiled_run_is_told_its_graphs_and_the_recompiles_inside_the_window(
                 if line.startswith("torch.compile"))
     graphs = counters["stats"]["unique_graphs"] - before
     assert before >= 1 and graphs >= 2  # G and D at least
+    calls = int(line.rsplit(", ", 1)[1].split()[0])
+    assert calls >= 4  # G's and D's graphs in each of the two steps: the networks did not run eagerly
     assert line == (f"torch.compile in this run: {graphs} graphs, 0 graph breaks, 0 CUDA graphs skipped "
                     "(TORCH_LOGS=perf_hints says why); in the profiled steps: 0 graphs compiled (recompiles: "
-                    "TORCH_LOGS=recompiles says why)")
+                    f"TORCH_LOGS=recompiles says why), {calls} calls of compiled code")
 
 
 def test_graphs_compiled_inside_the_window_are_counted_as_recompiles():

@@ -23,6 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 GRAPH_LAUNCH = "cudaGraphLaunch"  # one CUDA graph replayed
+COMPILED_REGION = "Torch-Compiled Region"  # torch.compile's mark around each call of a compiled frame
 LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", GRAPH_LAUNCH}
 SYNCHRONISATIONS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
 ROWS = 30  # of each table
@@ -69,6 +70,7 @@ class StepProfiler:
         now = compile_counts()
         run, within = ({key: now[key] - since[key] for key in now} for since in (self._compiled_at_start,
                                                                                   self._compiled_before))
+        within["compiled calls"] = sum(e.count for e in events if e.key.startswith(COMPILED_REGION))
         self.path.write_text(report(events, self._from_step, step, wall, self.cuda, (run, within)))
         self.window = {**within, "CUDA graph replays": sum(e.count for e in events if e.key == GRAPH_LAUNCH)}
 
@@ -114,6 +116,8 @@ def compile_line(compiled: dict[str, int], within: dict[str, int]) -> str | None
     line = (f"torch.compile in this run: {compiled['graphs']} graphs, {compiled['graph breaks']} graph breaks, "
             f"{compiled['CUDA graphs skipped']} CUDA graphs skipped (TORCH_LOGS=perf_hints says why); in the profiled "
             f"steps: {within['graphs']} graphs compiled (recompiles: TORCH_LOGS=recompiles says why)")
+    if "compiled calls" in within:  # read from the profile: 0 where the compiled networks ran eagerly
+        line += f", {within['compiled calls']} calls of compiled code"
     trees = ("CUDA graphs recorded", "calls outside CUDA graphs")
     if any(compiled.get(key) for key in trees):  # a run whose CUDA-graph trees did anything
         line += (f"; CUDA-graph trees: {compiled['CUDA graphs recorded']} graphs recorded and "
