@@ -40,17 +40,17 @@ def _fail(error: Exception) -> None:
         time.sleep(SAID_GRACE_S)
     else:
         click.echo(one_line(f"ganscale: {error}"), err=True)
-    import torch.distributed as dist
-
-    from ganscale import launch
-
     # A worker leaves at once, as on any error: the process group's teardown could wait on peers that left, and
     # gloo's, even after the group is destroyed, sometimes aborts the interpreter's exit (the launcher then names
-    # this rank's signal instead of its exit 2).
-    if launch.under_launcher() or (dist.is_available() and dist.is_initialized()):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_CONFIG)
+    # this rank's signal instead of its exit 2). Where torch is not even loaded, there is nothing to tear down.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        from ganscale import launch
+
+        if launch.under_launcher() or (dist.is_available() and dist.is_initialized()):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_CONFIG)
     sys.exit(EXIT_CONFIG)
 
 
