@@ -68,6 +68,30 @@ def test_bad_config_exits_2_and_writes_nothing(tmp_path, override, key, hint):
 TINY_RUN = ["--set", "train.steps=2", "--set", "train.batch_size=6", "--set", "log.sample_every=0"]
 
 
+def test_checking_options_and_config_leaves_torch_s_sharding_stack_unloaded(tmp_path):
+    """Start-up: a refusal of `ganscale slurm`'s options loads no torch at all, and the modules that check a config
+    (preflight, the memory estimate, the strategies' rules) load no DTensor, FSDP2, ZeRO or distributed state-dict
+    API (~1 s of CPU at every command and launch), which only a strategy that uses them loads."""
+    script = """
+import sys
+from ganscale import cli
+try:
+    cli.main(["slurm", "digits", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2",
+              "--time", "90 minutes", "--run-dir", "run"])
+except SystemExit as e:
+    assert e.code == 2, e.code
+assert "torch" not in sys.modules, "a refused option loaded torch"
+import ganscale.memory, ganscale.parallel, ganscale.preflight
+sharding = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.optim",
+            "torch.distributed.checkpoint")
+assert not [m for m in sharding if m in sys.modules], [m for m in sharding if m in sys.modules]
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=clean_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, explain(result)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("problem", ["not an image", "a decompression bomb"])
 def test_an_image_that_does_not_decode_exits_2_naming_it(tmp_path, problem):
     from PIL import Image

@@ -7,7 +7,6 @@ import random
 import numpy as np
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ganscale import usercode
 from ganscale.config import Config, ConfigError
@@ -110,22 +109,9 @@ def meta_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
     network whose __init__ needs real values (`.item()`, a seeded draw) is built on the CPU, then moved there."""
     with torch.random.fork_rng(devices=[]):
         try:
-            with torch.device("meta"), _NoDrawsOnMeta():
+            with torch.device("meta"):
                 return build_networks(cfg)
         except ConfigError:  # the user's factory failed: if it fails on the CPU too, that error is raised
             if cfg.model.kind != "custom":
                 raise
         return tuple(network.to("meta") for network in build_networks(cfg))
-
-
-class _NoDrawsOnMeta(TorchFunctionMode):
-    """Around a build on the meta device: torch.nn.init's fills and `Tensor.normal_` return their tensor as it is. A
-    meta tensor has no values to draw, and torch's meta `normal_` loads its compiler (~1 s of CPU at every launch)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.normal_ or getattr(func, "__module__", None) == "torch.nn.init":
-            tensor = args[0] if args else kwargs.get("tensor")  # every fill's first argument
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                return tensor
-        return func(*args, **kwargs)
