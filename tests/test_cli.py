@@ -523,6 +523,23 @@ def test_a_resume_without_a_recipe_continues_with_the_run_s_own_config(tmp_path)
     assert yaml.safe_load((tmp_path / "RUN" / "config.resumed-00000005.yaml").read_text())["optim"]["g"]["lr"] == 0.0002
 
 
+def test_a_refused_resume_without_a_recipe_says_only_its_refusal(tmp_path):
+    """The note naming the run's own config came before the refusal (two lines for one refused command): it is said
+    once the run starts (in one process: once the checkpoint has loaded)."""
+    first = ganscale("train", "ring8", "--set", "train.steps=2", "--set", "train.batch_size=8", "--set",
+                     "log.tensorboard=false", "--run-dir", "RUN", cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    for refused_set in ("train.stepz=3", "model.pack=3"):  # refused by the config's loading, and by preflight
+        for nproc in ([], ["--nproc", "2"]):
+            refused = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", refused_set, *nproc,
+                               cwd=tmp_path)
+            assert refused.returncode == 2 and refused.stdout == "", explain(refused)
+            assert refused.stderr.count("\n") == 1 and refused_set.split("=")[0] in refused.stderr, explain(refused)
+    misfit = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "model.g_width=32", "--set",
+                      "train.steps=3", cwd=tmp_path)  # refused as the checkpoint loads
+    assert misfit.returncode == 2 and misfit.stdout == "" and misfit.stderr.count("\n") == 1, explain(misfit)
+
+
 def test_a_resume_without_a_recipe_of_a_run_missing_its_config_file_is_refused(tmp_path):
     """Not the default recipe in its place (a misfit error that blamed the missing file, or another training): one
     line naming it; the run's RECIPE given, the resume goes on."""

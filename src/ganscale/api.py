@@ -73,10 +73,10 @@ def train(config: str | os.PathLike | dict | Config | None = None, *, overrides:
     worker = launch.under_launcher()
     try:
         run_dir = None if run_dir is None else os.fspath(run_dir)
-        source = own_config(source_name(config), run_dir, resume, worker, print)
+        source, note = own_config(source_name(config), run_dir, resume, worker)
         source, sets = command(config, overrides, {"generator": generator, "discriminator": discriminator,
                                                    "dataset": dataset, "loss": loss}, source)
-        trained = run(source, sets, nproc, run_dir, resume, max_restarts, print, workers)
+        trained = run(source, sets, nproc, run_dir, resume, max_restarts, print, workers, note)
     except Exception as e:
         if worker:
             from ganscale.cli import leave
@@ -102,9 +102,11 @@ def check_arguments(config, overrides, nproc, max_restarts, workers) -> None:
 
 
 def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir: str | None, resume: str | None,
-        max_restarts: int, say: Callable[[str], None], workers: int | None = None) -> tuple[Path, dict] | None:
+        max_restarts: int, say: Callable[[str], None], workers: int | None = None,
+        note: str | None = None) -> tuple[Path, dict] | None:
     """`ganscale train`: (run directory, summary), or None where the run is already trained (said on rank 0).
-    Raises ConfigError before anything is written, WorkersFailed when `nproc` workers fail, or a training's error."""
+    Raises ConfigError before anything is written, WorkersFailed when `nproc` workers fail, or a training's error.
+    `note`: which config a resume without a recipe continues with, where the caller found it (`own_config`)."""
     import torch
 
     from ganscale import launch, memory, preflight, rundir
@@ -120,11 +122,13 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     if max_restarts and not nproc and not worker:
         nproc = 1  # restarts need a launcher
     launching = bool(nproc) and not worker
-    recipe = own_config(recipe, run_dir, resume, worker, say)
+    recipe, found = own_config(recipe, run_dir, resume, worker)
+    note = note or found
     try:
         cfg = config_mod.load(recipe, overrides)
         if cfg.train.engine == "tensorflow":
-            trained = _train_tensorflow(cfg, recipe, overrides, nproc, workers, run_dir, resume, max_restarts, worker)
+            trained = _train_tensorflow(cfg, recipe, overrides, nproc, workers, run_dir, resume, max_restarts, worker,
+                                        lambda: say(note) if note else None)
             if trained is not None and launch.rank_from_environment() == 0 and not (workers and not worker):
                 say(f"done: {trained[1]['steps']} steps, {trained[1]['img_per_s']:.0f} img/s, "
                     f"run directory {trained[0]}")
@@ -140,8 +144,10 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
             memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run
             run_dir, resume, held = rundir.claim_run(cfg, run_dir, resume)
             with held or contextlib.nullcontext():  # the run directory is this run's through every restart
+                if note:
+                    say(note)
                 return _launch_workers(cfg, recipe, overrides, nproc, run_dir, resume, held, max_restarts)
-        resolved_dir, summary = launch.run_worker(cfg, run_dir, resume)
+        resolved_dir, summary = launch.run_worker(cfg, run_dir, resume, note)
     except rundir.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
         if launch.rank_from_environment() == 0:
             say(f"ganscale: {e}")
@@ -153,10 +159,11 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
 
 def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str], nproc: int | None,
                       workers: int | None, run_dir: str | None, resume: str | None, max_restarts: int,
-                      worker: bool) -> tuple[Path, dict] | None:
+                      worker: bool, starting: Callable[[], object]) -> tuple[Path, dict] | None:
     """`ganscale train` on the tensorflow engine: its refusals, then `nproc` replicas in this process, or `workers`
     local worker processes (MultiWorkerMirroredStrategy, started as the torch engine's), or this process as one
-    such worker under a launcher (ganscale.tf). Raises ConfigError before anything is written."""
+    such worker under a launcher (ganscale.tf). Raises ConfigError before anything is written. `starting` is
+    called once the run directory is claimed, before training starts."""
     from ganscale import preflight, rundir
     from ganscale.tf import capabilities
 
@@ -176,6 +183,7 @@ def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str],
         preflight.check(cfg, workers * max(gpus, 1), gpus > 0)  # refused here, before any worker starts
         path, source, held = rundir.claim_run(cfg, run_dir, resume)
         with held or contextlib.nullcontext():  # the workers run under this process's hold
+            starting()
             return _launch_workers(cfg, recipe, overrides, workers, path, source, held, 0)
     if worker:
         from ganscale.tf import workers as tf_workers
@@ -190,21 +198,24 @@ def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str],
     preflight.check(cfg, strategy.num_replicas_in_sync, devices.on_gpus(strategy))
     path, source, held = rundir.claim_run(cfg, run_dir, resume)
     with held or contextlib.nullcontext():
+        starting()
         return path, loop.train(cfg, strategy, path, source, run_lock=held)
 
 
-def own_config(recipe: str | None, run_dir: str | None, resume: str | None, worker: bool,
-               say: Callable[[str], None]) -> str | None:
-    """The recipe to load: `recipe`, or for a resume without one the run's own config (`rundir.own_config`).
-    Not in a torchrun worker: each node would decide alone, from what its own disk shows (the CLI's parent
-    decides for its --nproc workers, and passes the recipe on)."""
+def own_config(recipe: str | None, run_dir: str | None, resume: str | None, worker: bool
+               ) -> tuple[str | None, str | None]:
+    """(The recipe to load, the line that says so or None): `recipe`, or for a resume without one the run's own
+    config (`rundir.own_config`). Not in a torchrun worker: each node would decide alone, from what its own disk
+    shows (the CLI's parent decides for its --nproc workers, and passes the recipe on).
+    The line is said once the run starts: a refused command says only its refusal."""
     from ganscale import launch, rundir
 
+    note = None
     if recipe is None and resume is not None and not worker and (own := rundir.own_config(run_dir, resume)):
         recipe = str(own)  # continue the run as it was configured, not with the default recipe; --set still applies
         if launch.rank_from_environment() == 0:
-            say(f"ganscale: resuming with the run's own config, {own} (give a RECIPE to use another)")
-    return recipe
+            note = f"ganscale: resuming with the run's own config, {own} (give a RECIPE to use another)"
+    return recipe, note
 
 
 def _launch_workers(cfg: Config, recipe: str | None, overrides: Sequence[str], nproc: int, run_dir: Path,

@@ -277,9 +277,11 @@ def _quiet_agent_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Path, dict]:
+def run_worker(cfg: Config, run_dir: str | None, resume: str | None, note: str | None = None
+               ) -> tuple[Path, dict]:
     """Train in this process as one rank of the group described by the environment; (run directory, summary).
-    Raises AlreadyTrained on every rank when rank 0 finds the run finished."""
+    Raises AlreadyTrained on every rank when rank 0 finds the run finished. `note`: said by rank 0 once the
+    checkpoint it resumes from has loaded, before training starts."""
     import torch
 
     from ganscale import memory, slurm
@@ -304,7 +306,10 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None) -> tuple[Pa
             print(said, flush=True)
         if held is None and runtime.is_main:  # an `--nproc` worker: the launcher holds it, rank 0 watches it
             held = runlock.watch_parent_hold(run_path)
-        summary = Trainer(cfg, runtime, run_path, resume_from, run_lock=held).fit()
+        trainer = Trainer(cfg, runtime, run_path, resume_from, run_lock=held)  # refuses a checkpoint that misfits
+        if runtime.is_main and note:
+            print(note, flush=True)
+        summary = trainer.fit()
         dist.barrier()  # no rank tears down its connections while a peer still uses them
     except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining, ReplicaDivergence, RunDirectoryTakenOver):
         runtime.close()  # decisions every rank reached together: leave together
