@@ -152,9 +152,18 @@ def test_a_value_that_would_break_a_line_of_the_script_is_refused_before_anythin
     assert not (bin_dir / "sbatch.calls").exists()
 
 
-def test_sbatch_refusal_is_one_line(tmp_path):
+def test_sbatch_refusal_is_one_line_and_leaves_the_run_directory_as_it_was(tmp_path):
+    """The refused job's script stayed in the run directory (made for it), or replaced an earlier script."""
     bin_dir = tool(tmp_path / "bin", "sbatch", 'echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1').parent
     _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), "invalid partition")
+    assert not (tmp_path / "run").exists()
+    scripts = tmp_path / "kept" / "slurm"
+    scripts.mkdir(parents=True)
+    (scripts / "job.sbatch").write_text("#!/bin/bash\n# submitted before\n")
+    (scripts / "job.1.sbatch").write_text("#!/bin/bash\n# kept before\n")
+    before = {p.name: p.read_text() for p in scripts.iterdir()}
+    _refused(slurm(*CPU_JOB, "--run-dir", "kept", cwd=tmp_path, path_dirs=(bin_dir,)), "invalid partition")
+    assert {p.name: p.read_text() for p in scripts.iterdir()} == before
 
 
 def test_the_script_stops_on_usr1_checkpoints_and_requeues(tmp_path):

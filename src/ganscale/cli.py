@@ -228,12 +228,11 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         if dry_run:
             click.echo(text, nl=False)
             return
-        path, kept = slurming.write_script(job.run_dir, text)
-        if kept:
-            click.echo(f"ganscale: the earlier script is kept as {kept}")
-        job_id = slurming.submit(sbatch, path)
+        job_id, path, kept = slurming.write_and_submit(sbatch, job.run_dir, text)
     except ConfigError as e:
         _fail(e)
+    if kept:
+        click.echo(f"ganscale: the earlier script is kept as {kept}")
     click.echo(f"submitted job {job_id}: {path} (logs in {path.parent})")
 
 

@@ -9,6 +9,7 @@ from the same run directory (`--resume auto`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -288,6 +289,28 @@ def submit(sbatch: str, path: Path) -> str:
     done = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
-        raise ConfigError("sbatch", f"refused {path}: {said[-1] if said else f'exit {done.returncode}'}",
-                          "fix the option it names (--partition, --account, --time, --nodes) and submit again")
+        raise ConfigError("sbatch", f"refused the job: {said[-1] if said else f'exit {done.returncode}'}",
+                          "fix the option it names (--partition, --account, --time, --nodes) and submit again "
+                          "(--dry-run prints the script)")
     return done.stdout.strip().split(";")[0]
+
+
+def write_and_submit(sbatch: str, run_dir: Path, text: str) -> tuple[str, Path, Path | None]:
+    """(job id, script path, where an earlier, different script was kept): the script written and submitted.
+    A job sbatch refuses leaves the run directory as it was: the script is taken back, an earlier one put back in
+    its place, and the folders this made removed."""
+    made = [folder for folder in (run_dir, run_dir / "slurm") if not folder.exists()]
+    path = run_dir / "slurm" / SCRIPT
+    existed = path.exists()
+    path, kept = write_script(run_dir, text)
+    try:
+        return submit(sbatch, path), path, kept
+    except ConfigError:
+        if kept is not None:
+            os.replace(kept, path)
+        elif not existed:
+            path.unlink()
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):  # left where something else wrote into it meanwhile
+                folder.rmdir()
+        raise
