@@ -242,7 +242,20 @@ def test_exception_on_one_rank_stops_all_fast_with_its_traceback(tmp_path):
     assert elapsed < 60, f"took {elapsed:.0f} s to stop"
 
 
+def test_a_malformed_injection_is_one_line_exit_2_before_anything_is_written(tmp_path):
+    """It raised a traceback from the trainer, once per rank, after the run directory was made."""
+    env = {**clean_env(), "GANSCALE_INJECT_FAULT": "raise@x:3"}
+    for nproc in ([], ["--nproc", "2"]):
+        result = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", *nproc, "--run-dir",
+                                 str(tmp_path / "r"), "--set", "train.steps=2"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+        assert "'GANSCALE_INJECT_FAULT'" in result.stderr and "KIND@RANK:STEP[:SECONDS]" in result.stderr
+        assert not (tmp_path / "r").exists()
+
+
 def test_injection_spec_is_parsed_and_fires_only_where_asked():
+    from ganscale.config import ConfigError
     from ganscale.fault import InjectedFault, injected_fault
 
     fire = injected_fault({"GANSCALE_INJECT_FAULT": "raise@1:3"})
@@ -251,8 +264,9 @@ def test_injection_spec_is_parsed_and_fires_only_where_asked():
     with pytest.raises(InjectedFault):
         fire(3, 1)
     injected_fault({})(3, 1)  # unset: never fires
-    with pytest.raises(ValueError, match="unknown fault kind"):
-        injected_fault({"GANSCALE_INJECT_FAULT": "explode@1:3"})
+    for malformed in ("explode@1:3", "raise@x:3", "raise@1", "sleep@1:3:soon", "raise@1:3:"):
+        with pytest.raises(ConfigError, match="'GANSCALE_INJECT_FAULT'.*KIND@RANK:STEP"):
+            injected_fault({"GANSCALE_INJECT_FAULT": malformed})
     import time as clock
     nap = injected_fault({"GANSCALE_INJECT_FAULT": "sleep@0:2:0.2"})
     started = clock.monotonic()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import socket
 import sys
@@ -326,14 +327,27 @@ class InjectedFault(RuntimeError):
     """Raised by the test-only fault injection."""
 
 
+INJECTION = re.compile(r"(raise|sleep|slow|noise)@(\d+):(\d+)(?::(\d+\.?\d*|\.\d+))?")
+
+
 def _parse_injection(spec: str | None) -> tuple[str, int, int, float] | None:
     if not spec:
         return None
-    kind, _, where = spec.partition("@")
-    if kind not in ("raise", "sleep", "slow", "noise"):
-        raise ValueError(f"{INJECT_ENV}: unknown fault kind {kind!r} (known: raise, sleep, slow, noise)")
-    rank, step, *seconds = where.split(":")
-    return kind, int(rank), int(step), float(seconds[0]) if seconds else 3600.0
+    found = INJECTION.fullmatch(spec)
+    if found is None:
+        from ganscale.config import ConfigError
+
+        raise ConfigError(INJECT_ENV, f"'{spec}' is no fault to inject",
+                          "set it to KIND@RANK:STEP[:SECONDS] with KIND raise, sleep, slow or noise (e.g. raise@1:3, "
+                          "sleep@1:3:300), or unset it (it is for ganscale's own tests)")
+    kind, rank, step, seconds = found.groups()
+    return kind, int(rank), int(step), float(seconds) if seconds else 3600.0
+
+
+def check_injection(environ=os.environ) -> None:
+    """A ConfigError naming GANSCALE_INJECT_FAULT where its value is malformed (checked before anything is
+    written; each rank reads it again as training starts)."""
+    _parse_injection(environ.get(INJECT_ENV))
 
 
 def _per_rank_noise(module, args, output):

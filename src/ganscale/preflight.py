@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.data import Dataset
 
-from ganscale import augment, objectives, usercode
+from ganscale import augment, fault, objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset, subset
 from ganscale.data.mnist import mnist_file
@@ -29,6 +29,7 @@ from ganscale.versions import require
 
 def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
     """Combinations that cannot be right, checked once the world size is known."""
+    fault.check_injection()
     _check_user_code_named(cfg)
     _check_torch_features(cfg)
     t = cfg.train
