@@ -176,6 +176,9 @@ def test_dcgan_model_with_2d_data_is_rejected():
     ("digits", ["data.direction=BtoA"], "data.direction", "data.kind=paired only"),
     ("digits", ["data.load_size=64"], "data.load_size", "data.kind=paired only"),
     ("digits", ["data.size=5"], "data.size", "2D mixtures"),
+    ("digits", ["loss.pl_interval=8"], "loss.pl_interval", "path length regularisation only, not model.kind=dcgan"),
+    ("digits-biggan", ["loss.pl_batch_shrink=4"], "loss.pl_batch_shrink", "not model.kind=biggan"),
+    ("ring8", ["loss.pl_decay=0.5"], "loss.pl_decay", "not model.kind=mlp"),
 ])
 def test_an_option_nothing_reads_in_this_config_is_refused_naming_it(recipe, overrides, key, said):
     """A value other than the default of an option that this model, augmentation, loss or data source never reads
@@ -196,6 +199,9 @@ def test_an_option_nothing_reads_in_this_config_is_refused_naming_it(recipe, ove
     # augmentation switched off keeps its settings (to switch it on again): not refused
     ("digits", ["augment.kind=none", "augment.p=0.5", "augment.policy=[color]"]),
     ("ring8", ["data.size=500"]),
+    # as augment.kind=none, a regularisation switched off keeps its settings (the recipe's loss.r1_interval=16)
+    ("digits-stylegan2", ["loss.r1_gamma=0", "loss.pl_weight=0", "loss.pl_interval=8", "loss.pl_decay=0.5"]),
+    ("digits-stylegan2", ["loss.pl_batch_shrink=4"]),
 ])
 def test_options_the_config_reads_or_left_at_their_default_pass(recipe, overrides):
     preflight.check(config.load(recipe, overrides), 1, False)

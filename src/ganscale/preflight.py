@@ -142,6 +142,12 @@ _PAIRED = ("data.kind=paired only", lambda cfg: cfg.data.kind == "paired",
            "use data.kind=paired (a data.kind=custom data set of pairs gives (input, target) in the order to learn)")
 # augment.kind=none switches augmentation off and leaves its settings as they are: only the other kind's are refused.
 _ADA = ("augment.kind=ada only", lambda cfg: cfg.augment.kind in ("ada", "none"), "set augment.kind=ada")
+# Likewise loss.pl_weight=0 (and loss.r1_gamma=0, so loss.r1_interval has no entry) switches a regularisation off and
+# keeps its settings (a stylegan2 recipe's, ablated with --set); only a model without path length regularisation
+# refuses them.
+_PATH_LENGTH = ("stylegan2's path length regularisation only", _kinds("stylegan2"),
+                "use model.kind=stylegan2 with loss.pl_weight > 0 (StyleGAN2: 2)",
+                lambda cfg: f"model.kind={cfg.model.kind}")
 
 
 def _conditioning(cfg: Config) -> str:
@@ -192,6 +198,9 @@ SCOPED_OPTIONS = {
                        "set augment.kind=diffaugment"),
     "loss.gp_weight": ("the gradient penalty only", lambda cfg: cfg.loss.with_gradient_penalty,
                        "use loss.kind=wgan-gp or loss.gradient_penalty=true"),
+    "loss.pl_interval": _PATH_LENGTH,
+    "loss.pl_batch_shrink": _PATH_LENGTH,
+    "loss.pl_decay": _PATH_LENGTH,
     "data.path": ("data.kind=folder, zip and paired", lambda cfg: cfg.data.kind in ("folder", "zip", "paired"),
                   "use data.kind=folder, zip or paired (data.kind=custom: give your data set its path in "
                   "data.dataset_args)"),
