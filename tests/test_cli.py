@@ -696,7 +696,7 @@ def test_replicas_that_differ_end_in_one_line_and_their_own_exit_code(tmp_path, 
     from ganscale.cli import main
     from ganscale.fault import EXIT_REPLICAS_DIFFER, ReplicaDivergence
 
-    def diverged(cfg, run_dir, resume):
+    def diverged(cfg, run_dir, resume, note=None):
         raise ReplicaDivergence("replicas differ: G.net.0.weight on ranks 0, 1 (it must be bitwise identical)")
     monkeypatch.setattr(launch, "run_worker", diverged)
     result = CliRunner().invoke(main, ["train", *TINY_RUN, "--run-dir", str(tmp_path / "run")])
