@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# What every rank imports; the server holds no thread, so forking it is as safe as spawning.
+# What every rank imports. Importing them starts no thread in the server, so forking it is as safe as spawning.
 mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "ganscale.trainer", "ganscale.runtime",
                            "ganscale.preflight", "dist_helpers"])
 

@@ -157,6 +157,8 @@ def test_sbatch_refusal_is_one_line_and_leaves_the_run_directory_as_it_was(tmp_p
     bin_dir = tool(tmp_path / "bin", "sbatch", 'echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1').parent
     _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), "invalid partition")
     assert not (tmp_path / "run").exists()
+    _refused(slurm(*CPU_JOB, "--run-dir", "new/runs/run", cwd=tmp_path, path_dirs=(bin_dir,)), "invalid partition")
+    assert not (tmp_path / "new").exists()  # nor the folders above the run directory it made
     scripts = tmp_path / "kept" / "slurm"
     scripts.mkdir(parents=True)
     (scripts / "job.sbatch").write_text("#!/bin/bash\n# submitted before\n")

@@ -299,7 +299,8 @@ def write_and_submit(sbatch: str, run_dir: Path, text: str) -> tuple[str, Path, 
     """(job id, script path, where an earlier, different script was kept): the script written and submitted.
     A job sbatch refuses leaves the run directory as it was: the script is taken back, an earlier one put back in
     its place, and the folders this made removed."""
-    made = [folder for folder in (run_dir, run_dir / "slurm") if not folder.exists()]
+    scripts = run_dir / "slurm"
+    made = [folder for folder in (scripts, *scripts.parents) if not folder.exists()]  # deepest first
     path = run_dir / "slurm" / SCRIPT
     existed = path.exists()
     path, kept = write_script(run_dir, text)
@@ -310,7 +311,7 @@ def write_and_submit(sbatch: str, run_dir: Path, text: str) -> tuple[str, Path, 
             os.replace(kept, path)
         elif not existed:
             path.unlink()
-        for folder in reversed(made):
+        for folder in made:
             with contextlib.suppress(OSError):  # left where something else wrote into it meanwhile
                 folder.rmdir()
         raise
