@@ -525,7 +525,7 @@ def test_a_resume_without_a_recipe_continues_with_the_run_s_own_config(tmp_path)
 
 def test_a_refused_resume_without_a_recipe_says_only_its_refusal(tmp_path):
     """The note naming the run's own config came before the refusal (two lines for one refused command): it is said
-    once the run starts (in one process: once the checkpoint has loaded)."""
+    once the run starts (once the checkpoint has loaded; with --nproc, by the workers' rank 0)."""
     first = ganscale("train", "ring8", "--set", "train.steps=2", "--set", "train.batch_size=8", "--set",
                      "log.tensorboard=false", "--run-dir", "RUN", cwd=tmp_path)
     assert first.returncode == 0, explain(first)
@@ -535,9 +535,15 @@ def test_a_refused_resume_without_a_recipe_says_only_its_refusal(tmp_path):
                                cwd=tmp_path)
             assert refused.returncode == 2 and refused.stdout == "", explain(refused)
             assert refused.stderr.count("\n") == 1 and refused_set.split("=")[0] in refused.stderr, explain(refused)
-    misfit = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "model.g_width=32", "--set",
-                      "train.steps=3", cwd=tmp_path)  # refused as the checkpoint loads
-    assert misfit.returncode == 2 and misfit.stdout == "" and misfit.stderr.count("\n") == 1, explain(misfit)
+    for nproc in ([], ["--nproc", "2"]):  # refused as the checkpoint loads (with --nproc: in a worker)
+        misfit = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "model.g_width=32", "--set",
+                          "train.steps=3", *nproc, cwd=tmp_path)
+        said = misfit.stderr.splitlines()  # with --nproc, the launcher's line naming the workers follows
+        assert misfit.returncode == 2 and misfit.stdout == "" and len(said) == 1 + bool(nproc), explain(misfit)
+        assert "does not fit this run's model/optimizer config" in said[0], explain(misfit)
+    resumed = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "train.steps=3", "--nproc", "2",
+                       cwd=tmp_path)
+    assert resumed.returncode == 0 and resumed.stdout.count("resuming with the run's own config") == 1, explain(resumed)
 
 
 def test_a_resume_without_a_recipe_of_a_run_missing_its_config_file_is_refused(tmp_path):

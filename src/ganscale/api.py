@@ -35,6 +35,7 @@ from ganscale.config import Config, ConfigError
 OPTIONS = {"generator": "model.generator", "discriminator": "model.discriminator", "dataset": "data.dataset",
            "loss": "loss.kind"}
 CUSTOM = {"generator": "model.kind=custom", "discriminator": "model.kind=custom", "dataset": "data.kind=custom"}
+RESUME_NOTE_ENV = "GANSCALE_RESUME_NOTE"  # the --nproc parent's resume note, for its workers' rank 0 to say
 
 
 class WorkersFailed(Exception):
@@ -123,7 +124,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
         nproc = 1  # restarts need a launcher
     launching = bool(nproc) and not worker
     recipe, found = own_config(recipe, run_dir, resume, worker)
-    note = note or found
+    note = note or found or (os.environ.get(RESUME_NOTE_ENV) if worker else None)
     try:
         cfg = config_mod.load(recipe, overrides)
         if cfg.train.engine == "tensorflow":
@@ -144,9 +145,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
             memory.check_before_launch(cfg, nproc)  # each worker checks again, before deciding the run
             run_dir, resume, held = rundir.claim_run(cfg, run_dir, resume)
             with held or contextlib.nullcontext():  # the run directory is this run's through every restart
-                if note:
-                    say(note)
-                return _launch_workers(cfg, recipe, overrides, nproc, run_dir, resume, held, max_restarts)
+                return _launch_workers(cfg, recipe, overrides, nproc, run_dir, resume, held, max_restarts, note)
         resolved_dir, summary = launch.run_worker(cfg, run_dir, resume, note)
     except rundir.AlreadyTrained as e:  # a finished run resumed (a requeued job, say): leave it as it is
         if launch.rank_from_environment() == 0:
@@ -219,14 +218,18 @@ def own_config(recipe: str | None, run_dir: str | None, resume: str | None, work
 
 
 def _launch_workers(cfg: Config, recipe: str | None, overrides: Sequence[str], nproc: int, run_dir: Path,
-                    resume: Path | None, held, max_restarts: int) -> tuple[Path, dict] | None:
-    """`nproc` local workers running `ganscale train RECIPE --set ...`: (run directory, rank 0's summary)."""
+                    resume: Path | None, held, max_restarts: int, note: str | None = None
+                    ) -> tuple[Path, dict] | None:
+    """`nproc` local workers running `ganscale train RECIPE --set ...`: (run directory, rank 0's summary).
+    `note`: said by the workers' rank 0 once the checkpoint has loaded (a worker's refusal is then said alone)."""
     from ganscale import launch
     from ganscale.fault import stop_grace_s
 
     args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
     grace = stop_grace_s(cfg.fault.exit_timeout_s)  # the workers' longest exit after a stop signal
     with _launcher_state_kept():
+        if note:
+            os.environ[RESUME_NOTE_ENV] = note
         code = launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held, grace)
     if code:
         raise WorkersFailed(code)
