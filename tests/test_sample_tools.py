@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -362,6 +363,26 @@ def test_a_writer_error_without_a_message_is_named_by_its_type(tmp_path, error):
     with pytest.raises(config.ConfigError, match=f"could not write .*: {type(error).__name__}"):
         write_output(tmp_path / "s.png", fail)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_removes_what_a_killed_write_of_the_same_file_left_on_this_host(tmp_path):
+    """SIGKILL runs no cleanup: its temporary file stayed beside the output for good. A write now removes those of
+    processes that are gone; a live writer's, another host's and other files are kept."""
+    import socket
+    import subprocess
+    import sys
+
+    from ganscale.outputs import write_output
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    abandoned = [f".s.tmp-{host}-{gone.stdout.strip()}.png"]
+    kept = [f".s.tmp-{host}-{os.getppid()}.png", f".s.tmp-elsewhere-{gone.stdout.strip()}.png",
+            f".s.tmp-{host}-{gone.stdout.strip()}.jpg", f".t.tmp-{host}-{gone.stdout.strip()}.png", "notes.txt"]
+    for name in abandoned + kept:
+        (tmp_path / name).write_bytes(b"half")
+    write_output(tmp_path / "s.png", lambda tmp: tmp.write_bytes(b"picture"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "s.png"])
 
 
 def test_interpolate_refuses_more_frames_than_memory_holds_naming_count_and_steps(dcgan_run, tmp_path, monkeypatch):

@@ -297,7 +297,9 @@ def remove_written(path: Path) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def writer_alive(pid: int) -> bool:
+    """Process `pid`, which wrote a temporary file on this host, may still be writing it (this process is not:
+    it removes such files only before writing its own)."""
     if pid <= 0 or pid == os.getpid():  # this process writes no checkpoint while it sweeps
         return False
     try:
@@ -319,7 +321,7 @@ def sweep(run_dir: Path) -> list[Path]:
     removed = []
     for entry in sorted(folder.iterdir()):
         temporary = TEMPORARY.match(entry.name)
-        if ((temporary and entry.is_file() and not entry.is_symlink() and not _alive(int(temporary.group(2))))
+        if ((temporary and entry.is_file() and not entry.is_symlink() and not writer_alive(int(temporary.group(2))))
                 or (STAGING.match(entry.name) and entry.is_dir() and not entry.is_symlink())):
             remove_written(entry)
             removed.append(entry)

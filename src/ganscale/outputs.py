@@ -8,9 +8,12 @@ place: a failed write (a full disk) leaves nothing, and its error names the file
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import math
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,13 +101,32 @@ def _launcher_stop(error: BaseException) -> bool:
     return isinstance(error, SignalException)
 
 
+def _temporary_prefix(out: Path, host: str) -> str:
+    """The start of the temporary names `write_output` writes `out` under on `host` (the writer's pid and `out`'s
+    suffix follow)."""
+    return f".{out.stem}.tmp-{host}-"
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Remove what a killed write of `out` on this host left (SIGKILL runs no cleanup): a temporary name of a
+    process that is gone. Another host's are left alone: its processes cannot be seen from here."""
+    prefix = _temporary_prefix(out, socket.gethostname())
+    for tmp in out.parent.glob(f"{glob.escape(prefix)}*{glob.escape(out.suffix)}"):
+        pid = tmp.name[len(prefix):len(tmp.name) - len(out.suffix)]
+        if pid.isdigit() and not checkpoint.writer_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
 def write_output(out: Path, write: Callable[[Path], None], option: str = "--out") -> Path:
     """`write(temporary)` writes the file beside `out`, which is then renamed into place (with the permissions of
     any new file). A refused write is an OSError naming `out` (the CLI's one line and exit 7); another failure a
     ConfigError at `option`. Either way nothing of this write is left, and what was at `out` is untouched."""
-    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")  # the suffix kept: it picks the format
+    tmp = out.with_name(f"{_temporary_prefix(out, socket.gethostname())}{os.getpid()}{out.suffix}")  # the suffix
+    # kept: it picks the format
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(out)
         with terminate_unwinds():  # a SIGTERM (or Ctrl-C) lands in the except below: the temporary file is removed
             write(tmp)
         umask = os.umask(0)
