@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Build the wheel folder gpu-check.sh installs missing dependencies from (never torch: the machine's own is used):
-#   scripts/gpu-wheels.sh DIR [PYTHON_VERSION [PACKAGE...]]   e.g. scripts/gpu-wheels.sh .whl 3.12 pydantic
+#   scripts/gpu-wheels.sh DIR PYTHON_VERSION [PACKAGE...]   e.g. scripts/gpu-wheels.sh .whl 3.12 pydantic
+# PYTHON_VERSION is the GPU machine's (`python3 --version` there), not this one's: compiled wheels fit one version.
 # With no PACKAGE, all of ganscale's dependencies but torch (about 85 MiB for cp312, over a 64 MiB carry); name
 # only what the machine lacks to keep it small. Binary manylinux x86_64 wheels only: no compiler needed there.
 set -euo pipefail
-dir=${1:?usage: scripts/gpu-wheels.sh DIR [PYTHON_VERSION [PACKAGE...]]}
-version=${2:-3.11}
+usage="usage: scripts/gpu-wheels.sh DIR PYTHON_VERSION [PACKAGE...] (the GPU machine's Python, e.g. 3.12)"
+dir=${1:?$usage}
+version=${2:?$usage}
 cd "$(dirname "$0")/.."
 if [ $# -gt 2 ]; then wanted=("${@:3}"); else mapfile -t wanted < <("${PYTHON:-python3}" scripts/gpu_check.py --requirements); fi
 "${PYTHON:-python3}" -m pip download --dest "$dir" --only-binary=:all: \

@@ -171,7 +171,7 @@ def train_in_process(cfg, run_dir):
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
-    runtime = start("cpu")
+    runtime = start("cuda" if cfg.train.device == "cuda" else "cpu")  # "auto" stays on the CPU on a GPU machine
     try:
         trainer = Trainer(cfg, runtime, Path(run_dir))
         trainer.fit()

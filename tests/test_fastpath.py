@@ -13,6 +13,9 @@ from test_distributed import SMALL_DCGAN, SMALL_MLP
 FAST = {"train.channels_last": "true", "optim.fused": "true"}
 COMPILED = {**FAST, "train.compile": "default"}
 GRAPHS = {**FAST, "train.compile": "reduce-overhead"}  # CUDA graphs on a GPU
+# TF32 off in both legs: TF32 convolutions round to 10 bits by whichever algorithm cuDNN picks for a layout, and Adam's
+# first steps move a weight by ~lr whatever its gradient's size, so eager and graphs would part by far more than 1e-3.
+CUDA_FP32 = {"train.device": "cuda", "train.tf32": "false"}
 
 
 def _trainer(overrides: dict, run_dir):
@@ -197,8 +200,7 @@ def test_channels_last_with_fsdp2_networks_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_batch_one_step_trains_like_eager(tmp_path):
     """reduce-overhead (CUDA graphs) at batch 1 on a small pix2pix-like conv GAN: same training as eager."""
-    base = {**SMALL_DCGAN, "train.device": "cuda", "train.batch_size": 1, "model.g_batchnorm": "false",
-            "train.steps": 4}
+    base = {**SMALL_DCGAN, **CUDA_FP32, "train.batch_size": 1, "model.g_batchnorm": "false", "train.steps": 4}
     eager, graphs = _trained_g(base, tmp_path / "eager"), _graphed_g({**base, **GRAPHS}, tmp_path / "graphs")
     assert max_relative_difference(eager, graphs) <= 1e-3
 
@@ -221,8 +223,8 @@ def test_pix2pix_fast_path_on_cuda_trains_like_eager(tmp_path):
     from test_tasks import tiny_pix2pix  # 32 px: no dropout, so eager and graphs draw nothing random
 
     facades = write_synthetic_facades(tmp_path / "facades", n=4, seed=0, size=(96, 48))
-    base = {**tiny_pix2pix(facades), "train.device": "cuda", "train.batch_size": 1, "model.norm": "batch",
-            "train.steps": 4, "log.every": 1}
+    base = {**tiny_pix2pix(facades), **CUDA_FP32, "train.batch_size": 1, "model.norm": "batch", "train.steps": 4,
+            "log.every": 1}
     eager, fast = _trained_g(base, tmp_path / "eager"), _graphed_g({**base, **GRAPHS}, tmp_path / "fast")
     assert max_relative_difference(eager, fast) <= 1e-3
 

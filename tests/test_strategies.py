@@ -364,13 +364,15 @@ def test_cpu_offload_runs_host_memory_collectives_on_gloo_beside_nccl():
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="FSDP2's CPU offload needs a CUDA device")
 def test_cpu_offload_keeps_shards_and_optimizer_state_in_host_memory(tmp_path):
-    """ZeRO-offload on one GPU: FSDP2 over a group of one (NCCL), parameters and Adam state on the CPU."""
+    """ZeRO-offload on one GPU: FSDP2 over a group of one (NCCL), parameters and Adam state on the CPU; BatchNorm's
+    statistics, which fully_shard leaves on the GPU, beside them (samples and checkpoints check both for NaN)."""
     from ganscale import config, preflight
     from ganscale.runtime import start
     from ganscale.trainer import Trainer
 
     cfg = config.load(None, [f"{k}={v}" for k, v in {**MLP_ADAM, "train.device": "cuda", "parallel.generator": "fsdp",
-                                                       "parallel.cpu_offload": "true"}.items()])
+                                                       "parallel.cpu_offload": "true", "model.g_batchnorm": "true",
+                                                       "checkpoint.every": 2}.items()])
     preflight.check(cfg, 1, True)
     runtime = start("cuda", cpu_collectives=True)  # as launch.run_worker starts it for cpu_offload
     try:

@@ -43,7 +43,10 @@ def first_non_finite(tensors: dict[str, list[tuple[str, Tensor]]]) -> str | None
         floating = [(name, local(t).detach()) for name, t in named if t.is_floating_point() and local(t).numel()]
         if not floating:
             continue
-        peaks = torch.stack(torch._foreach_norm([t for _, t in floating], ord=float("inf")))
+        peaks = torch._foreach_norm([t for _, t in floating], ord=float("inf"))
+        # FSDP2's CPU offload keeps parameter shards on the CPU and buffers (BatchNorm's statistics) on the GPU
+        device = next((p.device for p in peaks if p.device.type != "cpu"), peaks[0].device)
+        peaks = torch.stack([p.to(device) for p in peaks])
         if not bool(peaks.isfinite().all()):
             return f"{prefix}.{floating[int((~peaks.isfinite()).nonzero()[0])][0]}"
     return None

@@ -127,7 +127,8 @@ def overhead(ctx: click.Context, steps: int, repeats: int, warmup: int, batch: i
 @click.option("--iters", type=click.IntRange(min=1), default=5, show_default=True, help="Timed iterations.")
 @click.option("--warmup", type=click.IntRange(min=1), default=2, show_default=True, help="Untimed iterations.")
 @click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Peak for MFU (default on CUDA: H100 SXM dense, 989 bf16 / 67 fp32).")
+              help="Peak for MFU (default on CUDA: the GPU's dense peak where ganscale knows it, e.g. H100 SXM "
+                   "and H200: 989 bf16 / 67 fp32).")
 @click.option("--engine", type=click.Choice(["torch", "tensorflow"]), default="torch", show_default=True,
               help="tensorflow: each DCGAN row also on the tensorflow engine's step, next to torch's (dcgan only).")
 @THREADS
@@ -172,7 +173,9 @@ def throughput(ctx: click.Context, device: str | None, batches: tuple[int, ...],
              "DCGAN nonsaturating loss, BigGAN hinge loss with 10 classes, StyleGAN2 nonsaturating loss (main phases: "
              "no R1 or path length; style mixing and noise on; width = channel_base)",
              "FLOPs from torch.utils.flop_counter.FlopCounterMode over one iteration (forward + backward)",
-             f"MFU against {rows[0]['peak_tflops']} TFLOP/s" if rows[0]["peak_tflops"] else "MFU: no peak given on CPU",
+             f"MFU against {rows[0]['peak_tflops']} TFLOP/s" if rows[0]["peak_tflops"] else
+             f"MFU: no peak known for {torch.cuda.get_device_name(device)}; pass --peak-tflops" if on_cuda else
+             "MFU: no peak given on CPU",
              f"{threads} thread(s)" if not on_cuda else "CUDA: cudnn.allow_tf32 is torch's default (True)"]
     if tensorflow_rows:
         notes.append("tensorflow rows: the engine's own D and G steps (ganscale.tf.step, one replica, tf.function "

@@ -8,9 +8,10 @@ Real images are random tensors of the right shape; the numbers depend only on sh
 Model FLOPs are counted by torch.utils.flop_counter.FlopCounterMode over one whole iteration
 (forward and backward of both networks; convolutions, matmuls and attention: the operators it
 knows; elementwise work and the optimizer are not counted). MFU = FLOPs per iteration / median
-iteration time / peak. Peaks (H100 SXM, dense): bf16 989 TFLOP/s, fp32 67 TFLOP/s (the fp32 peak
-without tensor cores; cuDNN runs fp32 convolutions as TF32 by default, so fp32 MFU can exceed what
-that peak suggests). `--peak-tflops` sets another peak (on CPU there is none by default).
+iteration time / peak. Peaks are the GPU's dense ones, found by its name (GPU_PEAKS: H100 SXM and H200:
+bf16 989 TFLOP/s, fp32 67 TFLOP/s, the fp32 peak without tensor cores; cuDNN runs fp32 convolutions as
+TF32 by default, so fp32 MFU can exceed what that peak suggests). `--peak-tflops` sets another peak; a GPU
+not in the table, or a CPU, has none by default (no MFU).
 """
 
 from __future__ import annotations
@@ -29,9 +30,17 @@ from ganscale.models.biggan import BigGANDiscriminator, BigGANGenerator
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.stylegan2 import StyleGAN2Discriminator, StyleGAN2Generator
 
-PEAK_TFLOPS = {"bf16": 989.0, "fp32": 67.0}  # H100 SXM dense
+# Dense peaks in TFLOP/s (NVIDIA's data sheets) by what torch.cuda.get_device_name contains; the first match counts.
+GPU_PEAKS = (("H200 NVL", {"bf16": 835.0, "fp32": 60.0}), ("H200", {"bf16": 989.0, "fp32": 67.0}),
+             ("H100 NVL", {"bf16": 835.0, "fp32": 60.0}), ("H100 PCIe", {"bf16": 756.0, "fp32": 51.0}),
+             ("H100", {"bf16": 989.0, "fp32": 67.0}), ("A100", {"bf16": 312.0, "fp32": 19.5}))
 N_CLASSES = 10
 STYLEGAN2_Z = 512  # z and w, as StyleGAN2's configs
+
+
+def gpu_peak_tflops(gpu_name: str, precision: str) -> float | None:
+    """The dense peak of the GPU named `gpu_name` at `precision` (GPU_PEAKS), or None for a GPU not in it."""
+    return next((peaks[precision] for name, peaks in GPU_PEAKS if name in gpu_name), None)
 
 
 @dataclass
@@ -119,7 +128,7 @@ def measure(model: str, batch: int, resolution: int, width: int, device: torch.d
         times.append(time.perf_counter() - started)
     step = statistics.median(times)
     if peak_tflops is None and device.type == "cuda":
-        peak_tflops = PEAK_TFLOPS[precision]
+        peak_tflops = gpu_peak_tflops(torch.cuda.get_device_name(device), precision)
     row = {"model": model, "resolution": resolution, "width": width, "batch": batch, "precision": precision,
            "params_G": sum(p.numel() for p in pair.G.parameters()),
            "params_D": sum(p.numel() for p in pair.D.parameters()),
