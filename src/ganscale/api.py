@@ -28,7 +28,6 @@ from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from ganscale import config as config_mod
-from ganscale import usercode
 from ganscale.config import Config, ConfigError
 
 # The option each Python object fills in; the kinds it switches to custom.
@@ -108,6 +107,9 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     """`ganscale train`: (run directory, summary), or None where the run is already trained (said on rank 0).
     Raises ConfigError before anything is written, WorkersFailed when `nproc` workers fail, or a training's error.
     `note`: which config a resume without a recipe continues with, where the caller found it (`own_config`)."""
+    # A config refused before torch is imported (~2 s). Unless this resumes without a recipe: then the run
+    # directory (own_config) says which config to load.
+    cfg = config_mod.load(recipe, overrides) if recipe is not None or resume is None else None
     import torch
 
     from ganscale import launch, memory, preflight, rundir
@@ -126,7 +128,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     recipe, found = own_config(recipe, run_dir, resume, worker)
     note = note or found or (os.environ.get(RESUME_NOTE_ENV) if worker else None)
     try:
-        cfg = config_mod.load(recipe, overrides)
+        cfg = cfg or config_mod.load(recipe, overrides)
         if cfg.train.engine == "tensorflow":
             trained = _train_tensorflow(cfg, recipe, overrides, nproc, workers, run_dir, resume, max_restarts, worker,
                                         lambda: say(note) if note else None)
@@ -310,6 +312,8 @@ def import_path(obj: Any, argument: str) -> tuple[str, str | None]:
         raise ConfigError(key, f"{qualname} is defined in {module_name} (a script or a notebook), which workers and "
                           "resumes cannot import by name", fix)
     spec = f"{module_name}:{qualname}"
+    from ganscale import usercode  # imports torch: not before `ganscale train` has checked its config
+
     if usercode.find(spec, key, network=argument in ("generator", "discriminator")) is not obj:
         raise ConfigError(key, f"{spec} names another object than the one given (redefined, or decorated "
                           "without functools.wraps)", fix)

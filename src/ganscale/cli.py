@@ -115,12 +115,14 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
 def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, workers: int | None,
           run_dir: str | None, resume: str | None, max_restarts: int) -> None:
     """Train RECIPE (a shipped recipe name or a YAML file; default: digits)."""
-    from ganscale import api, launch
+    from ganscale import api
 
     try:
         api.run(recipe, overrides, nproc, run_dir, resume, max_restarts, click.echo, workers)
     except Exception as e:  # noqa: BLE001 - each kind ends as `leave` says
         leave(e)
+    from ganscale import launch
+
     if launch.under_launcher():
         # A finished worker (everything written, its process group destroyed) leaves without the interpreter's
         # teardown: about one exit in ten aborted there in C++ ("terminate called without an active exception",
@@ -133,12 +135,12 @@ def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, wor
 def leave(error: Exception) -> NoReturn:
     """How `train` (and `ganscale.train` in a torchrun worker) ends on an error: one line and its exit code; a
     worker leaves at once, without tearing down its process group."""
+    if isinstance(error, ConfigError):
+        _fail(error)
     from ganscale import launch
     from ganscale.api import WorkersFailed
 
     worker = launch.under_launcher()
-    if isinstance(error, ConfigError):
-        _fail(error)
     if isinstance(error, WorkersFailed):  # they said why, and the launcher named the rank
         sys.exit(error.exit_code)
     if isinstance(error, (Preempted, NonFiniteTraining, ReplicaDivergence, RunDirectoryTakenOver)):
