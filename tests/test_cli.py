@@ -523,13 +523,17 @@ def test_a_resume_without_a_recipe_continues_with_the_run_s_own_config(tmp_path)
     assert yaml.safe_load((tmp_path / "RUN" / "config.resumed-00000005.yaml").read_text())["optim"]["g"]["lr"] == 0.0002
 
 
-def test_train_refuses_a_config_error_before_importing_torch(tmp_path):
+def test_commands_refuse_a_config_error_before_importing_torch(tmp_path):
     """Importing torch takes seconds; a mistyped option is answered without it, and writes nothing."""
     probe = ("import sys\nfrom ganscale.cli import main\ntry:\n    main(sys.argv[1:])\n"
              "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)")
-    for key, refused in (("train.stepz", ["--set", "train.stepz=3"]),
-                         ("train.steps", ["ring8", "--set", "train.steps=x", "--nproc", "2"])):
-        result = subprocess.run([sys.executable, "-c", probe, "train", *refused, "--run-dir", "RUN"], cwd=tmp_path,
+    for key, refused in (("train.stepz", ["train", "--set", "train.stepz=3"]),
+                         ("train.steps", ["train", "ring8", "--set", "train.steps=x", "--nproc", "2"]),
+                         ("train.stepz", ["verify", "ring8", "--set", "train.stepz=3"]),
+                         ("train.stepz", ["k8s", "--set", "train.stepz=3", "--nodes", "2", "--gpus-per-node", "1",
+                                          "--image", "img"]),
+                         ("train.stepz", ["slurm", "--set", "train.stepz=3", "--nodes", "2", "--gpus-per-node", "1"])):
+        result = subprocess.run([sys.executable, "-c", probe, *refused, "--run-dir", "RUN"], cwd=tmp_path,
                                 capture_output=True, text=True)
         assert result.stdout == "2 False\n" and result.stderr.count("\n") == 1, explain(result)
         assert f"'{key}'" in result.stderr and not (tmp_path / "RUN").exists(), explain(result)

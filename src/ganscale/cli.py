@@ -248,6 +248,10 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
 def verify(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, run_dir: str | None) -> None:
     """Check that RECIPE (a shipped recipe or a YAML file) trains on N processes as on one: EQUAL (exit 0), or
     DIFFERENT (exit 1) with the step where the runs part, the first tensor that differs and the probable cause."""
+    try:
+        config_mod.load(recipe, overrides)  # a config mistake refused before torch is imported (~2 s)
+    except ConfigError as e:
+        _fail(e)
     from ganscale import verify as verifying
 
     try:

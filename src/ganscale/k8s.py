@@ -16,7 +16,6 @@ from pathlib import Path
 import yaml
 
 from ganscale import config as config_mod
-from ganscale import outputs, preflight, rundir
 from ganscale.config import Config, ConfigError, refuse_control_characters
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -195,6 +194,8 @@ def write(recipe: str | None, overrides: tuple[str, ...], layout: Layout, run_di
     RUN_DIR/k8s/job.yaml). Raises ConfigError before anything is written."""
     cfg = config_mod.load(recipe, overrides, files_here=False)  # the pods' paths, as given
     check_layout(layout)
+    from ganscale import outputs, preflight, rundir  # torch's import (~2 s) only once the options and config are read
+
     try:
         preflight.check(cfg, layout.world_size, cuda_available=True)  # the pods have the GPUs asked for
     except ConfigError as e:
