@@ -157,6 +157,40 @@ def test_a_run_dir_that_holds_files_is_refused_and_kept(tmp_path):
     assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]
 
 
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of this machine's processes that contain `text`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if text in command:
+            found.append(command)
+    return found
+
+
+def test_sigterm_stops_verify_s_training_and_removes_its_temporary_folder(tmp_path):
+    """SIGTERM (timeout's, Slurm's, Kubernetes') killed verify alone: its training went on under init and its
+    temporary folder stayed."""
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "ganscale", "verify", "ring8", "--steps", "2000", "--set", "train.batch_size=8"]
+    verifying = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    started = verifying.stdout.readline()  # "training ... in FOLDER"
+    folder = Path(started.rsplit(" in ", 1)[-1].strip())
+    deadline = time.monotonic() + 120
+    while not (folder / "one" / "metrics.jsonl").exists() and time.monotonic() < deadline:  # training, not starting
+        time.sleep(0.2)
+    verifying.send_signal(signal.SIGTERM)
+    out, err = verifying.communicate(timeout=120)
+    assert verifying.returncode == 128 + signal.SIGTERM, (started, out, err)
+    assert err.strip().splitlines()[-1] == "ganscale: verify stopped by SIGTERM; its trainings were stopped first", err
+    assert not folder.exists() and not _processes_naming(str(folder)), _processes_naming(str(folder))
+
+
 # ------------------------------------------------------------------------------ the catalogue on its own
 def _cause(overrides: list[str], nproc: int = 2, many: list[dict] = ()) -> str:
     from ganscale.verify import Evidence, probable_cause

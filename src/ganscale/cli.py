@@ -8,6 +8,7 @@ process starts or anything is written.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -253,14 +254,20 @@ def verify(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: in
     except ConfigError as e:
         _fail(e)
     from ganscale import verify as verifying
+    from ganscale.fault import terminate_unwinds
 
     try:
-        code = verifying.run(recipe, overrides, nproc, steps, run_dir, click.echo)
+        with terminate_unwinds():  # a SIGTERM stops the trainings and removes the temporary folder, as Ctrl-C does
+            code = verifying.run(recipe, overrides, nproc, steps, run_dir, click.echo)
     except ConfigError as e:
         _fail(e)
     except verifying.TrainingFailed as e:
         click.echo(f"ganscale: {e}", err=True)
         sys.exit(e.exit_code)
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:
+            click.echo("ganscale: verify stopped by SIGTERM; its trainings were stopped first", err=True)
+        raise
     sys.exit(code)
 
 
