@@ -670,3 +670,21 @@ def test_the_flight_recorder_dumped_is_the_backend_s_own(tmp_path, monkeypatch, 
     monkeypatch.setattr(watchdog.dist, "get_backend", lambda *group: backend)
     watchdog._write_flight_recorder(tmp_path / "fr.json")
     assert (tmp_path / "fr.json").read_bytes() == written
+
+
+def test_an_interrupted_training_process_is_stopped_as_a_scheduler_stops_it():
+    """A benchmark's or verify's training, timed out or interrupted: SIGTERM first (it checkpoints and leaves), its
+    output kept on the exception; subprocess.run sent SIGKILL on a timeout, and nothing at all on a SIGTERM."""
+    import subprocess
+    import sys
+
+    from ganscale.fault import run_training_process
+
+    training = ("import signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *_: (print('stopping', flush=True), sys.exit(3)))\n"
+                "print('training', flush=True)\ntime.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        run_training_process([sys.executable, "-c", training], 1.0, 5.0, stdout=subprocess.PIPE, text=True)
+    assert stopped.value.stdout == "training\nstopping\n"
+    done = run_training_process([sys.executable, "-c", "print('done')"], 1.0, stdout=subprocess.PIPE, text=True)
+    assert done.returncode == 0 and done.stdout == "done\n"

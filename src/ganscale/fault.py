@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -310,6 +311,32 @@ def stop_grace_s(exit_timeout_s: float) -> float:
     """The longest a rank takes from a stop signal to its exit: fault.exit_timeout_s, then the diagnosis (the hang
     watchdog wakes at that deadline). A launcher's or scheduler's grace (SIGTERM, then SIGKILL) must be longer."""
     return exit_timeout_s + DIAGNOSIS_S
+
+
+LAUNCHER_TEARDOWN_S = 15.0  # a `--nproc` launcher's own exit once its workers have left
+
+
+def run_training_process(command: list[str], exit_timeout_s: float, timeout_s: float | None = None,
+                         **popen: object) -> subprocess.CompletedProcess:
+    """subprocess.run of a `ganscale train` command that, interrupted (Ctrl-C, a SIGTERM under terminate_unwinds,
+    `timeout_s`), stops the training as a scheduler would (SIGTERM, its grace for fault.exit_timeout_s to
+    checkpoint and leave, then SIGKILL) before the exception goes on: subprocess.run left it running under init
+    on a SIGTERM."""
+    grace_s = stop_grace_s(exit_timeout_s) + LAUNCHER_TEARDOWN_S
+    with subprocess.Popen(command, **popen) as training:
+        try:
+            out, err = training.communicate(timeout=timeout_s)
+        except BaseException as e:
+            training.terminate()
+            try:
+                out, err = training.communicate(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                training.kill()
+                out, err = training.communicate()
+            if isinstance(e, subprocess.TimeoutExpired):
+                e.stdout, e.stderr = out, err  # as subprocess.run gives them
+            raise
+    return subprocess.CompletedProcess(command, training.returncode, out, err)
 
 
 # ----------------------------------------------------------------------------------- fault injection

@@ -30,7 +30,7 @@ from torch import Tensor
 from ganscale import checkpoint, preflight
 from ganscale import config as config_mod
 from ganscale.config import Config, ConfigError
-from ganscale.fault import EXIT_CONFIG, stop_grace_s
+from ganscale.fault import EXIT_CONFIG, run_training_process
 from ganscale.observe import fingerprints
 from ganscale.preflight import cross_rank_batchnorm
 
@@ -54,7 +54,6 @@ TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": Tolerance(1e-4, 1e-1,
               "fp16": Tolerance(1e-4, 1e-1, 2e-2)}
 FIXED_INPUTS = 64  # samples G, G_ema and D are run on after the last step
 RESULTS = {"one": "one", "many": "n{}"}  # run folders under the verify folder
-STOP_MARGIN_S = 15.0  # a stopped training's launcher, after its workers' grace: the agent's teardown
 KINDS = {"loss": "losses", "gradient": "gradients", "buffer": "buffers", "output": "outputs"}  # in reporting order
 
 
@@ -359,25 +358,16 @@ class TrainingFailed(Exception):
         self.exit_code = code
 
 
-def train(recipe: str | None, sets: list[str], nproc: int, run_dir: Path, stop_grace_s: float) -> None:
+def train(recipe: str | None, sets: list[str], nproc: int, run_dir: Path, exit_timeout_s: float) -> None:
     """`ganscale train` with `--nproc nproc` into `run_dir`, its output into run_dir.log; TrainingFailed on an
-    error (a config error keeps exit 2 and its own line). Interrupted (Ctrl-C, or SIGTERM under
-    fault.terminate_unwinds), it stops the training first: given SIGTERM, and `stop_grace_s` to leave."""
+    error (a config error keeps exit 2 and its own line). Interrupted, it stops the training first
+    (fault.run_training_process)."""
     command = [sys.executable, "-m", "ganscale", "train", *([recipe] if recipe else []),
                *sum((["--set", s] for s in sets), []), "--nproc", str(nproc), "--run-dir", str(run_dir)]
     log = run_dir.with_name(run_dir.name + ".log")
     with open(log, "w") as out:
-        training = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            code = training.wait()
-        except BaseException:
-            training.terminate()  # its launcher stops its workers
-            try:
-                training.wait(stop_grace_s)
-            except subprocess.TimeoutExpired:
-                training.kill()
-                training.wait()
-            raise
+        code = run_training_process(command, exit_timeout_s, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL).returncode
     if code:
         lines = log.read_text(errors="replace").splitlines()
         said = [line for line in lines if line.startswith("ganscale: ")]
@@ -405,7 +395,7 @@ def run(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, 
         say(f"training {steps} steps of '{cfg.name}' on 1 process and on {nproc} (global batch "
             f"{cfg.train.batch_size}, {cfg.train.precision}) in {folder}")
         for world, where in ((1, one), (nproc, many)):
-            train(recipe, sets, world, where, stop_grace_s(cfg.fault.exit_timeout_s) + STOP_MARGIN_S)
+            train(recipe, sets, world, where, cfg.fault.exit_timeout_s)
         records = [fingerprints.read(one), fingerprints.read(many)]
         differences = compare_steps(*records, tolerance)
         differences += compare_outputs(cfg, one, many, steps, tolerance.state)

@@ -61,8 +61,12 @@ def publish(ctx: click.Context, command: str, columns: list[str], rows: list[dic
 
 
 @click.group()
-def bench() -> None:
+@click.pass_context
+def bench(ctx: click.Context) -> None:
     """Benchmarks: trainer overhead, model throughput, parallel strategies, DDP scaling, the pix2pix table."""
+    from ganscale.fault import terminate_unwinds
+
+    ctx.with_resource(terminate_unwinds())  # a SIGTERM stops the trainings a benchmark started, and its scratch goes
 
 
 @bench.command()

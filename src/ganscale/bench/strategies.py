@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 from ganscale.bench.report import median, quantile, spread
+from ganscale.config import FaultConfig
+from ganscale.fault import run_training_process
 
 SETUP_STEPS = 3
 PAIRS = {"ddp": ("ddp", "ddp"), "zero1": ("zero1", "zero1"), "zero2": ("zero2", "zero2"), "fsdp": ("fsdp", "fsdp"),
@@ -52,7 +54,8 @@ def run_training(recipe: str, overrides: list[str], nproc: int, run_dir: Path, t
     sets = [arg for override in [*QUIET, *overrides] for arg in ("--set", override)]
     command = [sys.executable, "-m", "ganscale", "train", recipe, *sets,
                "--nproc", str(nproc), "--run-dir", str(run_dir)]
-    done = subprocess.run(command, env=worker_env(threads), capture_output=True, text=True, timeout=timeout_s)
+    done = run_training_process(command, FaultConfig().exit_timeout_s, timeout_s, env=worker_env(threads),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise RunFailed(f"`{' '.join(command[1:])}` exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
