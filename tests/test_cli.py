@@ -364,6 +364,24 @@ def test_torchrun_max_restarts_without_a_run_directory_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("variable, value, said", [
+    ("MASTER_PORT", "abc", "'MASTER_PORT': 'abc' is not a port number (1-65535)"),
+    ("MASTER_PORT", "99999", "'MASTER_PORT': '99999' is not a port number (1-65535)"),
+    ("WORLD_SIZE", "abc", "'WORLD_SIZE': 'abc' is not a process count"),
+    ("RANK", "1", "'RANK': 1 is not below WORLD_SIZE=1"),
+    ("LOCAL_WORLD_SIZE", "1", "'LOCAL_RANK': 1 is not below LOCAL_WORLD_SIZE=1"),
+])
+def test_a_malformed_launcher_variable_is_refused_by_name_before_anything_is_written(tmp_path, variable, value,
+                                                                                     said):
+    env = {**clean_env(), "RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29999", variable: value}  # was a ValueError's traceback, exit 1
+    result = subprocess.run([sys.executable, "-m", "ganscale", "train", *TINY_RUN, "--run-dir", "RUN"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(f"ganscale: config error at {said}"), explain(result)
+    assert len(result.stderr.splitlines()) == 1 and "Fix: " in result.stderr, explain(result)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_checkpoint_renamed_with_its_marker_resumes_into_a_named_run_directory(tmp_path):
     finished = ganscale("train", *TINY_RUN, "--run-dir", "RUN", cwd=tmp_path)  # trained to step 2
     assert finished.returncode == 0, explain(finished)

@@ -228,6 +228,18 @@ def test_empty_image_folder_is_a_config_error(tmp_path):
     assert info.value.key == "data.path"
 
 
+def test_a_folder_named_like_an_image_is_searched_not_read(tmp_path):
+    (tmp_path / "holiday.jpg").mkdir()  # was listed as an image: "[Errno 21] Is a directory" once training read it
+    Image.new("RGB", (8, 8)).save(tmp_path / "holiday.jpg" / "beach.png")
+    ds = ImageFolder(tmp_path, resolution=8)
+    assert ds.files == [tmp_path / "holiday.jpg" / "beach.png"]
+    assert ds[0][0].shape == (3, 8, 8)
+    (tmp_path / "holiday.jpg" / "beach.png").unlink()
+    with pytest.raises(ConfigError) as info:  # only folders: no images, refused before training
+        ImageFolder(tmp_path, resolution=8)
+    assert info.value.key == "data.path"
+
+
 # ---------------------------------------------------------------------------------------- digits
 def test_digits():
     ds = digits()

@@ -251,6 +251,19 @@ def test_stale_launcher_variables_warn():
     assert found["env MASTER_ADDR=h"].status == PASS
 
 
+def test_a_launcher_variable_train_refuses_fails():
+    env = {"MASTER_PORT": "abc", "RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "x",
+           "OMP_NUM_THREADS": "1"}
+    found = by_name(doctor.environment_checks(env, 1, 2, "gloo"))  # MASTER_PORT=abc was a PASS
+    port = found["env MASTER_PORT=abc"]
+    assert port.status == FAIL and "'abc' is not a port number (1-65535)" in port.cause and "MASTER_PORT" in port.fix
+    assert found["env RANK=2"].status == FAIL and "not below WORLD_SIZE=2" in found["env RANK=2"].cause
+    assert found["env LOCAL_WORLD_SIZE=x"].status == FAIL
+    assert found["env WORLD_SIZE=2"].status == WARN and found["env LOCAL_RANK=0"].status == WARN  # well-formed
+    fine = by_name(doctor.environment_checks({"MASTER_PORT": "29500"}, 1, 2, "gloo"))
+    assert fine["env MASTER_PORT=29500"].status == PASS
+
+
 def test_every_warn_and_fail_prints_cause_and_fix():
     everything = {name: "1" for name in doctor.ENV_EXPLANATIONS}
     everything |= {"NCCL_ALGO": "Ring", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "CUDA_VISIBLE_DEVICES": "0,0"}

@@ -105,6 +105,8 @@ def test_a_broken_manifest_fails_the_schema(tmp_path, validator, break_it):
     (["--image", "i", "--set", "train.steps=-1"], "train.steps"),
     (["--nodes", "1000000001", "--image", "i", "--volume", "c:/p"], "--nodes"),  # pod names past 63 characters
     (["--image", "example/ganscale:1\nkind: Secret"], "--image"),
+    (["--image", "reg/g:1 --privileged"], "--image"),  # was written into the manifest
+    (["--image", "example/GanScale:1"], "--image"),
     (["--image", "i", "--namespace", "My Team"], "--namespace"),
     (["--nodes", "2", "--image", "i", "--volume", "c:/p\tq"], "--volume"),
     (["--nodes", "2", "--image", "i", "--volume", "c:/mnt/$(GANSCALE_NODE_RANK)"], "--volume"),
@@ -116,6 +118,25 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option)
     assert not (tmp_path / "run").exists()
     if option == "train.batch_size":
         assert "(--nodes 5 x --gpus-per-node 1)" in result.stderr
+
+
+@pytest.mark.parametrize("image, valid", [
+    ("i", True), ("example/ganscale:1", True), ("localhost:5000/team/gan_scale__x--y:v1.0-rc", True),
+    ("ghcr.io/team/ganscale@sha256:" + "0" * 64, True), ("[::1]:5000/g:latest@sha256:" + "a" * 64, True),
+    ("reg/g:1 --privileged", False), ("reg/g:1\t", False), ("Reg/G", False), ("a//b", False), ("a/b:", False),
+    ("a:b:c", False), ("a/b:-x", False), ("a@sha256:abc", False), ("a-", False), ("r/g:" + "t" * 129, False),
+    ("r/" + "g" * 254, False), ("r/g\u00e9", False),
+])
+def test_the_image_is_an_oci_reference(image, valid):
+    from ganscale import k8s
+    from ganscale.config import ConfigError
+
+    layout = k8s.Layout(1, 1, image, "default", None, 0)
+    if valid:
+        k8s.check_layout(layout)
+    else:
+        with pytest.raises(ConfigError, match="^config error at '--image'"):
+            k8s.check_layout(layout)
 
 
 @pytest.mark.parametrize("run_dir", ["/", "runs/lr$(GANSCALE_NODE_RANK)", "runs/a$$b", "runs/a\nb", "runs/a\rb"])

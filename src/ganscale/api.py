@@ -70,6 +70,7 @@ def train(config: str | os.PathLike | dict | Config | None = None, *, overrides:
     from ganscale import launch
 
     check_arguments(config, overrides, nproc, max_restarts, workers)
+    launch.check_environment()  # own_config below may read RANK
     worker = launch.under_launcher()
     try:
         run_dir = None if run_dir is None else os.fspath(run_dir)
@@ -116,6 +117,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     from ganscale.runtime import environment_world_size
 
     launch.adopt_slurm_task(nproc)
+    launch.check_environment()  # here, where the launcher's variables (or Slurm's, just adopted) are first read
     worker = launch.under_launcher()
     if worker and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and run_dir is None:
         raise ConfigError("--run-dir", "torchrun --max-restarts restarts the workers, and they must find the run "

@@ -11,7 +11,8 @@ One line per check, `STATUS  name  detail`, in this order:
    at all), and N ranks against the CPU cores of a CPU run.
 3. Backend for the hardware: nccl without CUDA is a FAIL, gloo on GPUs a WARN.
 4. Environment variables that change how distributed runs behave, each printed with a one-line
-   explanation when set (`ENV_EXPLANATIONS`), plus OMP_NUM_THREADS against N x cores.
+   explanation when set (`ENV_EXPLANATIONS`), plus OMP_NUM_THREADS against N x cores. A launcher variable
+   `ganscale train` refuses (MASTER_PORT not a port, RANK not below WORLD_SIZE, ...) is a FAIL.
 5. A real collective: N workers started through torch's elastic launcher exactly as
    `ganscale train --nproc N` starts them (c10d rendezvous on 127.0.0.1, the same OMP_NUM_THREADS
    default), each on the same runtime (`ganscale.runtime.start`) as training. Each rank all-reduces a
@@ -103,10 +104,11 @@ ENV_EXPLANATIONS: dict[str, str] = {
     "RANK": "this process's global rank; set by a launcher for each worker",
     "WORLD_SIZE": "number of processes in the group; set by a launcher for each worker",
     "LOCAL_RANK": "this process's rank on its node (its GPU index); set by a launcher for each worker",
+    "LOCAL_WORLD_SIZE": "number of processes on this node; set by a launcher for each worker",
     "TORCHELASTIC_RUN_ID": "the elastic launcher's job id; set for each worker",
     "GANSCALE_INJECT_FAULT": "test-only fault injection: a rank raises, sleeps or adds noise at a given step on purpose",
 }
-_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
 @dataclass
@@ -276,7 +278,9 @@ def backend_checks(requested: str, backend: str, on_cuda: bool, nccl_available: 
 def environment_checks(environ: Mapping[str, str], nproc: int, cores: int, backend: str) -> list[Check]:
     """One line per distributed-related variable that is set, and OMP_NUM_THREADS against the cores."""
     from ganscale.fault import INJECT_ENV
+    from ganscale.launch import environment_errors
 
+    malformed = environment_errors(environ)  # what `ganscale train` refuses
     names = [n for n in ENV_EXPLANATIONS if n in environ]
     names += sorted(n for n in environ if (n.startswith("NCCL_") or n.startswith("TORCH_NCCL_")) and n not in names)
     checks = []
@@ -286,7 +290,10 @@ def environment_checks(environ: Mapping[str, str], nproc: int, cores: int, backe
         shown = value if value and not re.search(r"\s", value) else repr(value)
         label, detail = f"env {name}={shown}", explanation
         unused = " (no effect on this gloo run, but on every NCCL run from this shell)" if backend != "nccl" else ""
-        if name == "NCCL_P2P_DISABLE" and value.strip() not in ("", "0"):
+        if name in malformed:
+            checks.append(Check(FAIL, label, detail, f"{malformed[name].problem}: `ganscale train` refuses it",
+                                malformed[name].fix))
+        elif name == "NCCL_P2P_DISABLE" and value.strip() not in ("", "0"):
             checks.append(Check(WARN, label, detail,
                                 "P2P disabled: intra-node traffic goes through host memory" + unused,
                                 "unset NCCL_P2P_DISABLE unless P2P is broken on this machine (then fix the "

@@ -33,6 +33,16 @@ DNS_LABEL_LIMIT = 63
 NAME_LIMIT = 40
 MAX_NODES = 10 ** (DNS_LABEL_LIMIT - len("-abcde") - NAME_LIMIT - len(f"-{REPLICATED_JOB}-0-"))
 NAME_HASH_CHARS = 8  # 32 bits: two of 1000 changed names share a hash with odds of about 1 in 10,000
+# An image reference as the OCI distribution grammar has it (distribution/reference's regexp.go):
+# [registry[:port]/]path[:tag][@digest], path components lower-case; the name (registry and path) 255 at most.
+_ALNUM = r"[a-z0-9]+"
+_PATH_COMPONENT = rf"{_ALNUM}(?:(?:[._]|__|-+){_ALNUM})*"
+_HOST_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = rf"(?:{_HOST_COMPONENT}(?:\.{_HOST_COMPONENT})*|\[[a-fA-F0-9:]+\])"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+IMAGE_REFERENCE = re.compile(rf"(?P<name>(?:{_HOST}(?::[0-9]+)?/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*)"
+                             rf"(?::\w[\w.-]{{0,127}})?(?:@{_DIGEST})?", re.ASCII)
+IMAGE_NAME_LIMIT = 255
 # Kubernetes rewrites these in a container's command: $(VAR) becomes the variable's value (GANSCALE_NODE_RANK
 # differs per pod, so would the run directory), and $$ becomes $.
 EXPANDED = ("$(", "$$")
@@ -85,6 +95,11 @@ def check_layout(layout: Layout) -> Volume:
         raise ConfigError("--image", "the pods need a container image with ganscale installed",
                           "pass --image REGISTRY/IMAGE:TAG")
     refuse_control_characters("--image", layout.image)
+    reference = IMAGE_REFERENCE.fullmatch(layout.image)
+    if reference is None or len(reference["name"]) > IMAGE_NAME_LIMIT:
+        raise ConfigError("--image", f"{layout.image!r} is not a container image reference",
+                          "pass [REGISTRY[:PORT]/]PATH[:TAG][@DIGEST] without spaces, the path in lower case, e.g. "
+                          "ghcr.io/team/ganscale:1.0")
     if not (DNS_LABEL.fullmatch(layout.namespace) and len(layout.namespace) <= DNS_LABEL_LIMIT):
         raise ConfigError("--namespace", f"{layout.namespace!r} is not a Kubernetes namespace name",
                           "pass at most 63 lower-case letters, digits and '-', starting and ending with a letter or "

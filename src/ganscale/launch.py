@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
@@ -47,6 +48,51 @@ def check_gpus(cfg: Config, nproc: int, visible: int) -> None:
 
 def rank_from_environment() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+MAX_RANKS = 2**31 - 1  # torch keeps ranks and group sizes in a C int
+# The launcher's integer variables: (least, most, what a value must be). torch reads each with int().
+LAUNCHER_INTEGERS = {"RANK": (0, MAX_RANKS - 1, "a rank"), "LOCAL_RANK": (0, MAX_RANKS - 1, "a rank"),
+                     "WORLD_SIZE": (1, MAX_RANKS, "a process count"),
+                     "LOCAL_WORLD_SIZE": (1, MAX_RANKS, "a process count"),
+                     "MASTER_PORT": (1, 65535, "a port number")}
+
+
+def environment_errors(environ: Mapping[str, str]) -> dict[str, ConfigError]:
+    """The launcher variables set in `environ` that no process group can have (not an integer in range, a rank
+    not below its group's size), each with its ConfigError; {} where all are fine or unset."""
+    errors, values = {}, {}
+    for name, (least, most, what) in LAUNCHER_INTEGERS.items():
+        if name not in environ:
+            continue
+        value = _integer(environ[name])
+        if value is not None and least <= value <= most:
+            values[name] = value
+        else:
+            fix = ("the TCP port of rank 0's store, e.g. 29500" if name == "MASTER_PORT"
+                   else f"an integer from {least}")
+            errors[name] = ConfigError(name, f"{environ[name]!r} is not {what} ({least}-{most})",
+                                       f"set {name} to {fix}, or unset it (a launcher sets it for each worker)")
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in values and size in values and values[rank] >= values[size]:
+            errors[rank] = ConfigError(rank, f"{values[rank]} is not below {size}={values[size]} (ranks count "
+                                       "from 0)", f"set {rank} below {values[size]}, or {size} to the number "
+                                       "of processes")
+    return errors
+
+
+def _integer(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def check_environment(environ: Mapping[str, str] = os.environ) -> None:
+    """A ConfigError naming the first malformed launcher variable, before anything reads it (int() raised)."""
+    errors = environment_errors(environ)
+    if errors:
+        raise next(iter(errors.values()))
 
 
 # A worker's exit that a restart cannot mend: a config, data or checkpoint error (the same again), a stop

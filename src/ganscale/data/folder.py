@@ -54,7 +54,8 @@ class UnreadableImage(BadItem, OSError):
 class ImageFolder(Dataset):
     def __init__(self, root: str | Path, resolution: int, channels: int = 3):
         self.root = Path(root)
-        self.files = sorted(p for p in self.root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        # Files only: a folder named like an image (holiday.jpg/) would fail to open mid-training (EISDIR).
+        self.files = sorted(p for p in self.root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
         if not self.files:
             raise ConfigError("data.path", f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {self.root}",
                               "point data.path at a folder that holds them")
