@@ -152,6 +152,22 @@ def test_eval_of_a_run_on_fewer_images_than_density_coverage_need_is_one_line_an
     assert not (run / "eval.json").exists()
 
 
+def test_eval_of_an_image_run_whose_images_moved_says_how_to_point_at_them(tmp_path):
+    """eval has no data.path option: "point data.path at a folder that holds them" could not be followed."""
+    import shutil
+
+    images = write_noise_pngs(tmp_path / "images", 8)
+    run = tmp_path / "run"
+    _train(run, None, ["data.kind=folder", f"data.path={images}", "data.resolution=16", "data.channels=3",
+                       "train.batch_size=4", "model.g_width=8", "model.d_width=8"])
+    shutil.move(images, tmp_path / "moved")
+    with pytest.raises(ConfigError) as scored:
+        evaluate(run, features="digits", samples=10)
+    assert scored.value.key == "data.path" and "the run's training images" in scored.value.problem
+    assert scored.value.fix == (f"put them back at {images}, or set data.path in the run's config.yaml to where they "
+                                "are now") and not (run / "eval.json").exists()
+
+
 def test_an_unreadable_inception_file_is_refused_by_eval_in_one_line(digits_run, tmp_path):
     from click.testing import CliRunner
 
@@ -241,6 +257,8 @@ def test_eval_options_the_run_is_not_scored_with_are_refused_naming_them(request
     with pytest.raises(ConfigError) as info:
         evaluate(run_dir, **{k: Path(v) if k in ("pairs", "inception_weights") else v for k, v in options.items()})
     assert info.value.key == refused and f"drop {refused}" in info.value.fix
+    # Only the inception options are read once --features inception is given (--pairs was told so too).
+    assert ("add --features inception" in info.value.fix) == (run == "digits" and refused.startswith("--inception"))
     assert not (run_dir / "eval.json").exists()
 
 

@@ -104,11 +104,7 @@ def sample_picture(run_dir: Path, n: int | None, out: Path, seed: int = 0, label
         try:
             task = build_task(cfg, choose=lambda count: chosen_pairs(count, n, seed))
         except ConfigError as e:
-            if e.key != "data.path":
-                raise
-            raise ConfigError("data.path", f"the run's pairs, which sample draws its rows from: {e.problem}",
-                              f"put the pairs back at {cfg.data.path}, or set data.path in the run's config.yaml "
-                              "to where they are now") from None
+            raise run_data_moved(cfg, e, "the run's pairs, which sample draws its rows from") from None
         n = len(task.preview_pairs)
     else:
         n, task = n or SAMPLES, build_task(cfg)
@@ -123,6 +119,15 @@ def sample_picture(run_dir: Path, n: int | None, out: Path, seed: int = 0, label
     modes = MIXTURE_MODES.get(cfg.data.kind)
     picture = scatter(samples, modes()) if modes else image_grid(samples, cols=task.grid_columns)
     return write_output(out, lambda tmp: write_png(picture, tmp))
+
+
+def run_data_moved(cfg: Config, error: ConfigError, what: str) -> ConfigError:
+    """`error` of reading a finished run's data, told as such: these commands have no data.path option (the loaders'
+    fix, "point data.path at ...", cannot be followed), the run's config.yaml has it. Other errors as they are."""
+    if error.key != "data.path":
+        return error
+    return ConfigError("data.path", f"{what}: {error.problem}", f"put them back at {cfg.data.path}, or set data.path "
+                       "in the run's config.yaml to where they are now")
 
 
 def chosen_pairs(count: int, n: int | None, seed: int) -> list[int]:
@@ -164,8 +169,10 @@ def evaluate(run_dir: Path, samples: int | None = None, seed: int | None = None,
         reads = ("--samples", "--seed", "--features")
         if features == "inception":
             reads += ("--inception-weights", "--inception-preprocess")
+        inception_only = {} if features == "inception" else {
+            option: ", or add --features inception" for option in ("--inception-weights", "--inception-preprocess")}
         _refuse_unread(options, reads, f"image runs are scored on {features} features of generated samples",
-                       "" if features == "inception" else ", or add --features inception")
+                       inception_only)
         result = {"step": step, "data": cfg.data.kind, "seed": seed,
                   **score_images(cfg, generator, samples, seed, features, inception_weights, reference_limit,
                                  inception_preprocess or cfg.eval.inception_preprocess)}
@@ -174,11 +181,14 @@ def evaluate(run_dir: Path, samples: int | None = None, seed: int | None = None,
     return result
 
 
-def _refuse_unread(options: dict, reads: tuple[str, ...], scored: str, other_fix: str = "") -> None:
-    """The first given option (not None) of `options` that this run's scoring does not `read`, refused by name."""
+def _refuse_unread(options: dict, reads: tuple[str, ...], scored: str, other_fixes: dict[str, str] | None = None
+                   ) -> None:
+    """The first given option (not None) of `options` that this run's scoring does not `read`, refused by name
+    (`other_fixes`: what else makes an option read, after "drop OPTION")."""
     for option, value in options.items():
         if value is not None and option not in reads:
-            raise ConfigError(option, f"{scored}, which does not read {option}", f"drop {option}{other_fix}")
+            raise ConfigError(option, f"{scored}, which does not read {option}",
+                              f"drop {option}{(other_fixes or {}).get(option, '')}")
 
 
 def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, features: str,
@@ -189,7 +199,10 @@ def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, fea
     if samples < 6:
         raise ConfigError("--samples", f"{samples} samples are too few for density/coverage (k = 5)",
                           "use at least 6 (thousands for stable numbers)")
-    training_images = build_dataset(cfg, whole=True)
+    try:
+        training_images = build_dataset(cfg, whole=True)
+    except ConfigError as e:
+        raise run_data_moved(cfg, e, "the run's training images, which eval compares its samples with") from None
     check_reference_count(cfg, len(training_images), f"score a run trained on at least {FEWEST_REFERENCES} "
                           "images (thousands for stable numbers)")
     extractor = build_extractor(features, "cpu", inception_weights, inception_preprocess=inception_preprocess)
