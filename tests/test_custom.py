@@ -524,6 +524,11 @@ def test_a_resume_from_another_folder_imports_the_code_the_run_started_with(tmp_
     resumed = ganscale("train", "--run-dir", run, "--resume", "auto", "--set", "train.steps=3", cwd=elsewhere.parent)
     assert resumed.returncode == 0, explain(resumed)
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss_d") == 3
+    (here / "cwd_user_gan").rename(tmp_path / "away")  # the fix names the folders searched (not the current one)
+    lost = ganscale("train", "--run-dir", run, "--resume", "auto", "--set", "train.steps=4", cwd=elsewhere.parent)
+    assert lost.returncode == 2 and lost.stderr.count("\n") == 1, explain(lost)
+    assert (f"Fix: put the module in a code_path folder ({tmp_path / 'configs'}, {here}) or on PYTHONPATH, and fix "
+            "its import") in lost.stderr, explain(lost)
 
 
 @pytest.mark.slow

@@ -30,11 +30,15 @@ from torch import nn
 from ganscale.config import ConfigError
 
 
+_searched: list[str] = []  # the config folders `search` put first on the module search path, in order
+
+
 def search(code_path: Sequence[str]) -> None:
     """Put the config's folders first on this process's module search path."""
     for folder in reversed(code_path):
         if folder not in sys.path:
             sys.path.insert(0, folder)
+    _searched[:0] = [folder for folder in code_path if folder not in _searched]
 
 
 def find(spec: str, key: str, code_path: Sequence[str] = (), network: bool = False) -> Any:
@@ -53,9 +57,10 @@ def find(spec: str, key: str, code_path: Sequence[str] = (), network: bool = Fal
     try:
         found = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - the module's own error while importing is the user's to see
+        # A run's own config (a resume, sample, export) searches the folders it recorded, not the current one.
+        where = f"in a code_path folder ({', '.join(_searched)})" if _searched else "in a code_path folder"
         raise ConfigError(key, f"'{module_name}' does not import ({one_line(e)})",
-                          "put the module beside the YAML file, in the current directory, on PYTHONPATH or in a "
-                          "code_path folder, and fix its import") from None
+                          f"put the module {where} or on PYTHONPATH, and fix its import") from None
     for part in attribute.split("."):
         if not hasattr(found, part):
             raise ConfigError(key, f"'{module_name}' has no attribute '{attribute}'",
