@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -576,7 +577,13 @@ def _files_under(folder) -> dict:
             ("link" if p.is_symlink() else "folder" if p.is_dir() else "other") for p in folder.rglob("*")}
 
 
-@pytest.mark.parametrize("command", ["export", "sample"])
+# What a run's training (and eval, slurm) wrote there, each kept byte for byte by every refusal below.
+RUN_RECORDS = ["metrics.jsonl", "fingerprints.jsonl", "summary.json", "run.lock", "run.lock.stale-0a1b",
+               "samples/step-00000010.png", "tensorboard/events.out.tfevents.1.host", "diagnostics/rank0-stacks.txt",
+               "profile/rank0.txt", "eval.json", "slurm/job.sbatch"]
+
+
+@pytest.mark.parametrize("command", ["export", "sample", "interpolate", "style-mix"])
 @pytest.mark.parametrize("out, why", [
     ("", "the file name is empty"),
     ("run/checkpoints/step-00000020.pt", "is inside the checkpoints of run"),
@@ -584,6 +591,20 @@ def _files_under(folder) -> dict:
     ("run/config.yaml", "is the config of run"),
     ("run/config.resumed-00000010.yaml", "is the config of run"),
     ("to-config.yaml", "is the config of run"),  # a link to it
+    # The log a resume appends to (an export over it became a safetensors file), the summary the API reads, ...
+    ("run/metrics.jsonl", "is the metrics.jsonl of run"),
+    ("run/fingerprints.jsonl", "is the fingerprints.jsonl of run"),
+    ("run/summary.json", "is the summary.json of run"),
+    ("run/run.lock", "is the run.lock of run"),
+    ("run/run.lock.stale-0a1b", "is the run.lock.stale-0a1b of run"),
+    ("run/samples/step-00000010.png", "is inside the samples/ of run"),
+    ("run/samples/step-00000020.png", "is inside the samples/ of run"),  # one the next sample step writes
+    ("to-samples/step-00000010.png", "is inside the samples/ of run"),  # through a link to the folder
+    ("run/tensorboard/events.out.tfevents.1.host", "is inside the tensorboard/ of run"),
+    ("run/diagnostics/rank0-stacks.txt", "is inside the diagnostics/ of run"),
+    ("run/profile/rank0.txt", "is inside the profile/ of run"),
+    ("run/eval.json", "is the eval.json of run {run}, which no command but eval writes"),
+    ("run/slurm/job.sbatch", "is inside the slurm/ of run {run}, which no command but slurm writes"),
     ("folder", "exists and is not a regular file"),
     ("fifo", "exists and is not a regular file"),  # as a device node: a rename would have replaced it
     ("existing.png", "already exists"),
@@ -593,13 +614,20 @@ def test_an_output_is_never_written_over_a_run_s_files_nor_a_non_regular_or_exis
     run = tmp_path / "run"
     _two_checkpoints(run)
     (run / "config.yaml").write_text("name: test\n")
+    for record in RUN_RECORDS:
+        (run / record).parent.mkdir(exist_ok=True)
+        (run / record).write_bytes(b"the run's " + record.encode())
     (tmp_path / "folder").mkdir()
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "existing.png").write_bytes(b"mine")
     (tmp_path / "to-config.yaml").symlink_to(run / "config.yaml")
+    (tmp_path / "to-samples").symlink_to(run / "samples")
     before = _files_under(tmp_path)
     from ganscale.cli import main
 
+    why = why.format(run=run)
+    if why.endswith(" of run"):
+        why += f" {run}, which no command but train writes (not even with --force)"
     forced = [[]] if why == "already exists" else [[], ["--force"]]  # --force replaces only an existing file
     for force in forced:
         with contextlib.chdir(tmp_path):
@@ -608,6 +636,33 @@ def test_an_output_is_never_written_over_a_run_s_files_nor_a_non_regular_or_exis
         assert result.output.count("\n") == 1 and "Traceback" not in result.output, result.output
         assert f"config error at '--out': {f'{out!r} ' if out else ''}{why}" in result.output, result.output
         assert _files_under(tmp_path) == before
+
+
+def test_an_output_may_be_any_other_file_of_a_run_directory(tmp_path):
+    """Only a run's own files are refused: a new file beside them, or the manifest `ganscale k8s` writes there by
+    the same rule (RUN_DIR/k8s/job.yaml, replaced with --force), is written."""
+    from ganscale.outputs import check_output
+
+    run = tmp_path / "run"
+    _two_checkpoints(run)  # a run by its checkpoints (a config.yaml would have to fit them, for the export below)
+    (run / "k8s").mkdir()
+    (run / "k8s" / "job.yaml").write_text("kind: JobSet\n")
+    with contextlib.chdir(tmp_path):
+        assert check_output("run/my-grid.png", False) == Path("run/my-grid.png")
+        assert check_output("run/k8s/job.yaml", True) == Path("run/k8s/job.yaml")
+        assert check_output("run/samples-mine/grid.png", False) == Path("run/samples-mine/grid.png")
+    assert _export(str(run), "--out", str(run / "g.safetensors"), cwd=tmp_path).exit_code == 0
+    assert (run / "g.safetensors").is_file()
+
+
+def test_export_refuses_an_out_that_is_not_a_safetensors_file(tmp_path):
+    _two_checkpoints(tmp_path)
+    before = _files_under(tmp_path)
+    result = _export(str(tmp_path), "--out", "g.pt", cwd=tmp_path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "config error at '--out': 'g.pt' is not a .safetensors file" in result.output, result.output
+    assert "give --out a name ending in .safetensors" in result.output
+    assert _files_under(tmp_path) == before
 
 
 def test_export_replaces_an_existing_file_only_with_force(tmp_path):
