@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import pickle
+import resource
 import shutil
 import struct
 import subprocess
@@ -541,20 +542,46 @@ def test_export_of_a_checkpoint_holding_nan_exits_4_naming_the_tensor(tmp_path):
     assert "Traceback" not in result.output and not (tmp_path / "g.safetensors").exists()
 
 
-def test_export_that_cannot_write_its_output_leaves_nothing(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past `limit` bytes fail with EFBIG in this process, as under `ulimit -f` (Python ignores SIGXFSZ);
+    a refused write without root's tricks (chattr +i)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_export_that_cannot_write_its_output_leaves_nothing(tmp_path):
+    """safetensors' save_file reported a refused write as a SafetensorError, with no OSError behind it: exit 2, "a
+    config error at '--out'" with a fix about free space. Python's own write raises the OSError (EFBIG here)."""
     from ganscale import export
 
     _two_checkpoints(tmp_path)
-
-    def full_disk(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"x" * 100)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(export, "save_file", full_disk)
     out = tmp_path / "out" / "g.safetensors"
-    with pytest.raises(OSError) as refused:  # the CLI's one line and exit 7, as for any refused write
+    with pytest.raises(OSError) as refused, file_size_limit(1024):  # the file is 2 KB and more
         export.export_generator(tmp_path, out)
-    assert refused.value.errno == errno.ENOSPC and refused.value.filename == str(out)
+    # The CLI's one line and exit 7, as for any refused write.
+    assert refused.value.errno == errno.EFBIG and refused.value.filename == str(out)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_export_refused_by_the_system_exits_7_with_the_usual_line(tmp_path):
+    """As `ulimit -f 1; ganscale export ...` (or a folder made immutable): exit 7, the line every command gives."""
+    _two_checkpoints(tmp_path / "run")
+    out = tmp_path / "out" / "g.safetensors"
+    out.parent.mkdir()
+    from test_cli import clean_env
+
+    result = subprocess.run([sys.executable, "-m", "ganscale", "export", "run", "--out", str(out)], cwd=tmp_path,
+                            env=clean_env(), capture_output=True, text=True, timeout=300,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024)))
+    assert result.returncode == 7 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (  # after the note that this run has no config file
+        f"ganscale: File too large: {out}. Fix: check that path's permissions and free space, or choose another "
+        "location (--run-dir, --out)"), result.stderr[-3000:]
     assert list(out.parent.iterdir()) == []
 
 
