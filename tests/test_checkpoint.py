@@ -8,11 +8,13 @@ import errno
 import json
 import os
 import pickle
+import resource
 import shutil
 import struct
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -540,20 +542,46 @@ def test_export_of_a_checkpoint_holding_nan_exits_4_naming_the_tensor(tmp_path):
     assert "Traceback" not in result.output and not (tmp_path / "g.safetensors").exists()
 
 
-def test_export_that_cannot_write_its_output_leaves_nothing(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past `limit` bytes fail with EFBIG in this process, as under `ulimit -f` (Python ignores SIGXFSZ);
+    a refused write without root's tricks (chattr +i)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_export_that_cannot_write_its_output_leaves_nothing(tmp_path):
+    """safetensors' save_file reported a refused write as a SafetensorError, with no OSError behind it: exit 2, "a
+    config error at '--out'" with a fix about free space. Python's own write raises the OSError (EFBIG here)."""
     from ganscale import export
 
     _two_checkpoints(tmp_path)
-
-    def full_disk(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"x" * 100)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(export, "save_file", full_disk)
     out = tmp_path / "out" / "g.safetensors"
-    with pytest.raises(OSError) as refused:  # the CLI's one line and exit 7, as for any refused write
+    with pytest.raises(OSError) as refused, file_size_limit(1024):  # the file is 2 KB and more
         export.export_generator(tmp_path, out)
-    assert refused.value.errno == errno.ENOSPC and refused.value.filename == str(out)
+    # The CLI's one line and exit 7, as for any refused write.
+    assert refused.value.errno == errno.EFBIG and refused.value.filename == str(out)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_export_refused_by_the_system_exits_7_with_the_usual_line(tmp_path):
+    """As `ulimit -f 1; ganscale export ...` (or a folder made immutable): exit 7, the line every command gives."""
+    _two_checkpoints(tmp_path / "run")
+    out = tmp_path / "out" / "g.safetensors"
+    out.parent.mkdir()
+    from test_cli import clean_env
+
+    result = subprocess.run([sys.executable, "-m", "ganscale", "export", "run", "--out", str(out)], cwd=tmp_path,
+                            env=clean_env(), capture_output=True, text=True, timeout=300,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024)))
+    assert result.returncode == 7 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (  # after the note that this run has no config file
+        f"ganscale: File too large: {out}. Fix: check that path's permissions and free space, or choose another "
+        "location (--run-dir, --out)"), result.stderr[-3000:]
     assert list(out.parent.iterdir()) == []
 
 
@@ -576,7 +604,13 @@ def _files_under(folder) -> dict:
             ("link" if p.is_symlink() else "folder" if p.is_dir() else "other") for p in folder.rglob("*")}
 
 
-@pytest.mark.parametrize("command", ["export", "sample"])
+# What a run's training (and eval, slurm) wrote there, each kept byte for byte by every refusal below.
+RUN_RECORDS = ["metrics.jsonl", "fingerprints.jsonl", "summary.json", "run.lock", "run.lock.stale-0a1b",
+               "samples/step-00000010.png", "tensorboard/events.out.tfevents.1.host", "diagnostics/rank0-stacks.txt",
+               "profile/rank0.txt", "eval.json", "slurm/job.sbatch"]
+
+
+@pytest.mark.parametrize("command", ["export", "sample", "interpolate", "style-mix"])
 @pytest.mark.parametrize("out, why", [
     ("", "the file name is empty"),
     ("run/checkpoints/step-00000020.pt", "is inside the checkpoints of run"),
@@ -584,6 +618,20 @@ def _files_under(folder) -> dict:
     ("run/config.yaml", "is the config of run"),
     ("run/config.resumed-00000010.yaml", "is the config of run"),
     ("to-config.yaml", "is the config of run"),  # a link to it
+    # The log a resume appends to (an export over it became a safetensors file), the summary the API reads, ...
+    ("run/metrics.jsonl", "is the metrics.jsonl of run"),
+    ("run/fingerprints.jsonl", "is the fingerprints.jsonl of run"),
+    ("run/summary.json", "is the summary.json of run"),
+    ("run/run.lock", "is the run.lock of run"),
+    ("run/run.lock.stale-0a1b", "is the run.lock.stale-0a1b of run"),
+    ("run/samples/step-00000010.png", "is inside the samples/ of run"),
+    ("run/samples/step-00000020.png", "is inside the samples/ of run"),  # one the next sample step writes
+    ("to-samples/step-00000010.png", "is inside the samples/ of run"),  # through a link to the folder
+    ("run/tensorboard/events.out.tfevents.1.host", "is inside the tensorboard/ of run"),
+    ("run/diagnostics/rank0-stacks.txt", "is inside the diagnostics/ of run"),
+    ("run/profile/rank0.txt", "is inside the profile/ of run"),
+    ("run/eval.json", "is the eval.json of run {run}, which no command but eval writes"),
+    ("run/slurm/job.sbatch", "is inside the slurm/ of run {run}, which no command but slurm writes"),
     ("folder", "exists and is not a regular file"),
     ("fifo", "exists and is not a regular file"),  # as a device node: a rename would have replaced it
     ("existing.png", "already exists"),
@@ -593,13 +641,20 @@ def test_an_output_is_never_written_over_a_run_s_files_nor_a_non_regular_or_exis
     run = tmp_path / "run"
     _two_checkpoints(run)
     (run / "config.yaml").write_text("name: test\n")
+    for record in RUN_RECORDS:
+        (run / record).parent.mkdir(exist_ok=True)
+        (run / record).write_bytes(b"the run's " + record.encode())
     (tmp_path / "folder").mkdir()
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "existing.png").write_bytes(b"mine")
     (tmp_path / "to-config.yaml").symlink_to(run / "config.yaml")
+    (tmp_path / "to-samples").symlink_to(run / "samples")
     before = _files_under(tmp_path)
     from ganscale.cli import main
 
+    why = why.format(run=run)
+    if why.endswith(" of run"):
+        why += f" {run}, which no command but train writes (not even with --force)"
     forced = [[]] if why == "already exists" else [[], ["--force"]]  # --force replaces only an existing file
     for force in forced:
         with contextlib.chdir(tmp_path):
@@ -608,6 +663,33 @@ def test_an_output_is_never_written_over_a_run_s_files_nor_a_non_regular_or_exis
         assert result.output.count("\n") == 1 and "Traceback" not in result.output, result.output
         assert f"config error at '--out': {f'{out!r} ' if out else ''}{why}" in result.output, result.output
         assert _files_under(tmp_path) == before
+
+
+def test_an_output_may_be_any_other_file_of_a_run_directory(tmp_path):
+    """Only a run's own files are refused: a new file beside them, or the manifest `ganscale k8s` writes there by
+    the same rule (RUN_DIR/k8s/job.yaml, replaced with --force), is written."""
+    from ganscale.outputs import check_output
+
+    run = tmp_path / "run"
+    _two_checkpoints(run)  # a run by its checkpoints (a config.yaml would have to fit them, for the export below)
+    (run / "k8s").mkdir()
+    (run / "k8s" / "job.yaml").write_text("kind: JobSet\n")
+    with contextlib.chdir(tmp_path):
+        assert check_output("run/my-grid.png", False) == Path("run/my-grid.png")
+        assert check_output("run/k8s/job.yaml", True) == Path("run/k8s/job.yaml")
+        assert check_output("run/samples-mine/grid.png", False) == Path("run/samples-mine/grid.png")
+    assert _export(str(run), "--out", str(run / "g.safetensors"), cwd=tmp_path).exit_code == 0
+    assert (run / "g.safetensors").is_file()
+
+
+def test_export_refuses_an_out_that_is_not_a_safetensors_file(tmp_path):
+    _two_checkpoints(tmp_path)
+    before = _files_under(tmp_path)
+    result = _export(str(tmp_path), "--out", "g.pt", cwd=tmp_path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "config error at '--out': 'g.pt' is not a .safetensors file" in result.output, result.output
+    assert "give --out a name ending in .safetensors" in result.output
+    assert _files_under(tmp_path) == before
 
 
 def test_export_replaces_an_existing_file_only_with_force(tmp_path):

@@ -162,6 +162,20 @@ def test_digits_classifier_training_is_deterministic_from_its_seed(tmp_path):
     assert loaded_record == record and all(torch.equal(state[k], loaded.state_dict()[k]) for k in state)
 
 
+def test_a_classifier_the_system_refuses_to_write_is_an_os_error_naming_it(tmp_path):
+    """save_file's refusal was a SafetensorError (fit-features: exit 2, a config error); Python's write raises the
+    OSError the CLI shows in its one line, exit 7. Nothing is left."""
+    import errno
+
+    from test_checkpoint import file_size_limit
+
+    model, out = digits_classifier.DigitsClassifier(), tmp_path / "c.safetensors"
+    with pytest.raises(OSError) as refused, file_size_limit(1024):  # a few hundred KB
+        digits_classifier.save(model, {"seed": 0}, out)
+    assert refused.value.errno == errno.EFBIG and refused.value.filename == str(out)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_digits_features_take_any_channel_count_and_resolution():
     images, _ = digits_classifier.labelled_digits()
     extractor = DigitsFeatures()

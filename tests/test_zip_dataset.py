@@ -210,6 +210,7 @@ def make_run(folder: Path) -> Path:
     ("DEST exists", "DEST", "already exists"),
     ("DEST is not a zip", "DEST", "not a .zip file"),
     ("DEST in a run's checkpoints", "DEST", "inside the checkpoints of run"),
+    ("DEST in a run's samples", "DEST", "inside the samples/ of run"),  # even with --force
 ])
 def test_dataset_create_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, case, key, said):
     src, dest, resolution = tmp_path / "src", tmp_path / "out" / "set.zip", "8"
@@ -230,10 +231,15 @@ def test_dataset_create_refuses_bad_input_in_one_line_and_writes_nothing(tmp_pat
         dest.write_bytes(b"keep me")
     elif case == "DEST is not a zip":
         dest = dest.with_suffix(".tar")
-    else:
+    elif case == "DEST in a run's checkpoints":
         dest = make_run(tmp_path / "out" / "run") / "checkpoints" / "set.zip"
+    else:
+        dest = make_run(tmp_path / "out" / "run") / "samples" / "set.zip"
+        dest.parent.mkdir()
+        dest.write_bytes(b"keep me")
     before = files_under(tmp_path)
-    one_line_exit_2(cli("dataset", "create", str(src), str(dest), "--resolution", resolution), key, said)
+    forced = ["--force"] if case == "DEST in a run's samples" else []
+    one_line_exit_2(cli("dataset", "create", str(src), str(dest), "--resolution", resolution, *forced), key, said)
     assert files_under(tmp_path) == before  # no zip, no temporary file, what was there untouched
 
 

@@ -300,7 +300,7 @@ def make_facades(folder: str, count: int, seed: int, size: str) -> None:
     click.echo(f"wrote {count} pairs to {written}; train with: ganscale train pix2pix --set data.path={written}")
 
 
-FORCE = click.option("--force", is_flag=True, help="Replace --out if it exists (never a run's checkpoints or config).")
+FORCE = click.option("--force", is_flag=True, help="Replace --out if it exists (never a run's own files).")
 
 
 @main.command()
@@ -313,10 +313,9 @@ FORCE = click.option("--force", is_flag=True, help="Replace --out if it exists (
 def export(run_dir: str, out: str, force: bool, checkpoint_path: str | None) -> None:
     """Write G and G_ema weights of a run to a safetensors file."""
     from ganscale.export import export_generator
-    from ganscale.outputs import check_output
 
     try:
-        target = check_output(out, force)
+        target = _out_named(out, force, ".safetensors")
         written = export_generator(Path(run_dir), target, Path(checkpoint_path) if checkpoint_path else None)
     except ConfigError as e:
         _fail(e)
@@ -532,7 +531,7 @@ def dataset() -> None:
 @click.option("--resolution", type=int, required=True, help="Side length of the square images (a power of two).")
 @click.option("--grayscale/--rgb", "grey", default=None,
               help="Grey or RGB images (default: grey when every source image is grey).")
-@click.option("--force", is_flag=True, help="Replace DEST if it exists (never a run's checkpoints or config).")
+@click.option("--force", is_flag=True, help="Replace DEST if it exists (never a run's own files).")
 def create(src: str, dest: str, resolution: int, grey: bool | None, force: bool) -> None:
     """Make the StyleGAN data set DEST.zip from the folder SRC (searched recursively), in NVlabs' layout.
 

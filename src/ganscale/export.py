@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from ganscale import checkpoint
 from ganscale.evaluate import fitted_generator, run_config
@@ -35,7 +35,8 @@ def export_generator(run_dir: Path, out: Path, source: Path | None = None) -> Pa
     tensors = {f"{net}.{key}": value.detach().contiguous().clone()
                for net in ("G", "G_ema") for key, value in state[net].items()}
     metadata = {"step": str(state["step"]), "config": state["config"]}
-    return write_output(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    # The bytes written by Python: a refused write is then an OSError (exit 7); save_file's is a SafetensorError.
+    return write_output(out, lambda tmp: tmp.write_bytes(safetensors_bytes(tensors, metadata=metadata)))
 
 
 def foreign_checkpoint(run_dir: Path, source: Path, state: dict) -> str | None:

@@ -1,9 +1,13 @@
 """Files written whole or not at all, and where a command may write one the user names (--out).
 
-Never inside a run's checkpoints/ or over its config files (not even with --force: a resume would read them),
-never over a directory, device or other non-regular file, and over an existing file only with --force. Every
-such file (and a run's config and sample pictures) is written under a temporary name beside it and renamed into
-place: a failed write (a full disk) leaves nothing, and its error names the file.
+Never over a run's own files, not even with --force: its checkpoints/ and config files (a resume reads them), the
+records its training writes and reads back or appends to (metrics.jsonl, fingerprints.jsonl, summary.json, run.lock,
+anything in samples/, tensorboard/, diagnostics/, profile/), and what `ganscale eval` (eval.json) and `ganscale slurm`
+(slurm/) write there (RUN_RECORDS). Any other file in a run directory may be written (RUN/grid.png), k8s/ included:
+`ganscale k8s` writes its manifest there by this rule. Never over a directory, device or other non-regular file, and
+over an existing file only with --force. Every such file (and a run's config and sample pictures) is written under a
+temporary name beside it and renamed into place: a failed write (a full disk) leaves nothing, and its error names
+the file.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ from ganscale import checkpoint
 from ganscale.config import ConfigError
 from ganscale.fault import REFUSED_FILE_OPERATION, terminate_unwinds
 from ganscale.rundir import RESUMED_CONFIG
+from ganscale.runlock import LOCK_NAME
 
+# A run's own files beside its checkpoints and config (of rundir.RUN_FILES), with the one command that writes each.
+# k8s/ is left out: `ganscale k8s` writes its manifest there through check_output (replaced with --force).
+RUN_RECORDS = {"metrics.jsonl": "train", "fingerprints.jsonl": "train", "summary.json": "train", LOCK_NAME: "train",
+               "samples": "train", "tensorboard": "train", "diagnostics": "train", "profile": "train",
+               "eval.json": "eval", "slurm": "slurm"}
 
 
 def _is_run(folder: Path) -> bool:
@@ -30,13 +40,25 @@ def _is_run(folder: Path) -> bool:
     return (folder / "config.yaml").is_file() or bool(checkpoint.list_checkpoints(folder))
 
 
-def _run_file(path: Path) -> str | None:
-    """What of a run `path` (absolute) is, when it is in a run's checkpoints/ or is a run's config file."""
+def _record(name: str) -> str | None:
+    """The RUN_RECORDS key of `name`, a file or folder right inside a run directory (a stale lock, set aside by a
+    takeover, is the lock's), else None."""
+    return LOCK_NAME if name.startswith(f"{LOCK_NAME}.stale-") else name if name in RUN_RECORDS else None
+
+
+def _run_file(path: Path) -> tuple[str, str] | None:
+    """(what of a run `path` (absolute) is, the only command that writes it) when it is one of a run's own files."""
     for folder in (path, *path.parents):
         if folder == checkpoint.checkpoint_dir(folder.parent) and _is_run(folder.parent):
-            return f"inside the checkpoints of run {folder.parent}"
+            return f"inside the checkpoints of run {folder.parent}", "train"
     if (path.name == "config.yaml" or RESUMED_CONFIG.match(path.name)) and _is_run(path.parent):
-        return f"the config of run {path.parent}"
+        return f"the config of run {path.parent}", "train"
+    for run in path.parents:  # every folder above: a record's name is the first below its run directory
+        name = path.relative_to(run).parts[0]
+        record = _record(name)
+        if record is not None and _is_run(run):
+            what = f"the {name}" if run / name == path else f"inside the {name}/"
+            return f"{what} of run {run}", RUN_RECORDS[record]
     return None
 
 
@@ -55,7 +77,8 @@ def check_output(out: str, force: bool, option: str = "--out") -> Path:
     for where in {Path(os.path.abspath(path)), path.resolve()}:  # the name given, and where a link leads
         run_file = _run_file(where)
         if run_file:
-            raise ConfigError(option, f"'{out}' is {run_file}, which no command but train writes (not even with "
+            what, writer = run_file
+            raise ConfigError(option, f"'{out}' is {what}, which no command but {writer} writes (not even with "
                               "--force)", another)
     # The nearest existing folder above: a file there made mkdir fail as "File exists" (exit 7, blaming permissions).
     above = next((p for p in path.parents if os.path.lexists(p)), None)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from ganscale.config import ConfigError
@@ -142,7 +142,8 @@ def save(model: DigitsClassifier, record: dict, path: Path) -> Path:
 
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     metadata = {k: json.dumps(v) for k, v in record.items()}
-    return write_output(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    # As export: written by Python, so that a refused write is an OSError (exit 7), not a SafetensorError.
+    return write_output(Path(path), lambda tmp: tmp.write_bytes(safetensors_bytes(tensors, metadata=metadata)))
 
 
 def shipped_path(dataset: str = "digits") -> Path:
