@@ -635,6 +635,11 @@ def test_export_of_another_runs_checkpoint_says_whose_config_it_exports_with(tmp
     shutil.copy(a_checkpoint.with_suffix(".json"), tmp_path / "copy.json")  # with its completion marker
     result = ganscale("export", "A", "--out", "V.safetensors", "--checkpoint", "copy.pt", cwd=tmp_path)
     assert result.returncode == 0 and "note:" not in result.stderr, explain(result)
+    (runs["B"] / "config.yaml").unlink()  # its own checkpoint, its config lost: not called another run's
+    result = ganscale("export", "B", "--out", "U.safetensors", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert ("note: B has no config file; B/checkpoints/step-00000001.pt, written by a 'ring8' run, is exported with "
+            "the config it was written with") in result.stderr, explain(result)
 
 
 @pytest.mark.slow

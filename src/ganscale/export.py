@@ -47,6 +47,8 @@ def foreign_checkpoint(run_dir: Path, source: Path, state: dict) -> str | None:
     if own is not None and yaml.safe_load(own.read_text()) == written:
         return None
     by = f"a '{written.get('name')}' run" if isinstance(written, dict) else "another run"
-    unlike = "with another config than its own" if own else f"({run_dir} has no config file)"
-    return (f"{source} is not a checkpoint of {run_dir}; written by {by} {unlike}, it is exported with the config it "
-            "was written with")
+    if own is None:  # nothing to compare with: whose checkpoint it is cannot be told
+        return (f"{run_dir} has no config file; {source}, written by {by}, is exported with the config it was "
+                "written with")
+    return (f"{source} is not a checkpoint of {run_dir}; written by {by} with another config than its own, it is "
+            "exported with the config it was written with")
