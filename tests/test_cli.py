@@ -370,6 +370,7 @@ def test_torchrun_max_restarts_without_a_run_directory_is_refused(tmp_path):
     ("WORLD_SIZE", "abc", "'WORLD_SIZE': 'abc' is not a process count"),
     ("RANK", "1", "'RANK': 1 is not below WORLD_SIZE=1"),
     ("LOCAL_WORLD_SIZE", "1", "'LOCAL_RANK': 1 is not below LOCAL_WORLD_SIZE=1"),
+    ("TORCHELASTIC_RESTART_COUNT", "-1", "'TORCHELASTIC_RESTART_COUNT': '-1' is not a restart count"),
 ])
 def test_a_malformed_launcher_variable_is_refused_by_name_before_anything_is_written(tmp_path, variable, value,
                                                                                      said):

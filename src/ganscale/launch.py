@@ -55,7 +55,9 @@ MAX_RANKS = 2**31 - 1  # torch keeps ranks and group sizes in a C int
 LAUNCHER_INTEGERS = {"RANK": (0, MAX_RANKS - 1, "a rank"), "LOCAL_RANK": (0, MAX_RANKS - 1, "a rank"),
                      "WORLD_SIZE": (1, MAX_RANKS, "a process count"),
                      "LOCAL_WORLD_SIZE": (1, MAX_RANKS, "a process count"),
-                     "MASTER_PORT": (1, 65535, "a port number")}
+                     "MASTER_PORT": (1, 65535, "a port number"),
+                     "TORCHELASTIC_MAX_RESTARTS": (0, MAX_RANKS, "a restart count"),
+                     "TORCHELASTIC_RESTART_COUNT": (0, MAX_RANKS, "a restart count")}
 
 
 def environment_errors(environ: Mapping[str, str]) -> dict[str, ConfigError]:
