@@ -360,7 +360,7 @@ def items() -> list[Item]:
         Item(3, "pix2pix profile: fast path without CUDA graphs (train.compile=default)",
              lambda out: pix2pix_profile("fast-no-graphs", [*FAST_PATH, "train.compile=default"], out), True),
         Item(3, f"pix2pix targets: fast path vs eager fp32 baseline, {FACADES_IMAGES} pairs", pix2pix_targets, True),
-        Item(3, "bench throughput dcgan, biggan (MFU against the bench's default peak, H100 SXM dense)",
+        Item(3, "bench throughput dcgan, biggan (MFU against the GPU's dense peak)",
              lambda out: throughput("throughput", [], out), True),
         Item(3, "bench throughput stylegan2 (its 256 px config's widths, 64 px, batch 32; MFU as above)",
              lambda out: throughput("throughput-stylegan2", ["--model", "stylegan2", "--batch", "32"], out), True)]
