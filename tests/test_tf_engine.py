@@ -107,11 +107,22 @@ def test_tf32_is_on_unless_told_not_to(tf):
     assert tf.config.experimental.tensor_float_32_execution_enabled()
 
 
-def test_per_replica_batchnorm_trains_differently(tf):
+def test_per_replica_batchnorm_trains_differently(tf, capsys):
     """With parallel.sync_bn=false each replica normalises its 8 samples, not the 16: the runs part (this test
-    shows the equality above is not trivial)."""
+    shows the equality above is not trivial), and the run says so."""
     steps, outputs = _differences(_train(tf, 1, 5), _train(tf, 2, 5, "parallel.sync_bn=false"))
     assert steps > 100 * STEP_TOLERANCE and outputs > 100 * OUTPUT_TOLERANCE, (steps, outputs)
+    assert "Fix: --set parallel.sync_bn=true" in capsys.readouterr().err
+
+
+def test_the_batchnorm_warning_is_the_torch_engines(tf, capsys):
+    """A set train.micro_batch normalises the same samples on any number of replicas (sync_bn unset: off); the
+    warning said it trained differently and that sync_bn=true mended it, which pools 2 x 4 samples instead."""
+    _train(tf, 2, 0, "train.micro_batch=4")
+    said = capsys.readouterr().err
+    assert "parallel.sync_bn=true" not in said and "the weights train as on one process" in said, said
+    _train(tf, 2, 0, "train.micro_batch=4", "parallel.sync_bn=true")
+    assert "normalises 2 x 4 samples together" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------- (2) workers

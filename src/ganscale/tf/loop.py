@@ -24,13 +24,14 @@ from ganscale.ema import ema_beta
 from ganscale.fault import NonFiniteTraining, Preempted, RunDirectoryTakenOver, StopSignals, told_by
 from ganscale.observe import RunLog
 from ganscale.outputs import write_output
+from ganscale.models import meta_networks
 from ganscale.preflight import cross_rank_batchnorm
 from ganscale.rundir import config_to_write
 from ganscale.runlock import LOCK_NAME, LockWatch
 from ganscale.tf.feed import Feed, training_data
 from ganscale.tf.models import build_discriminator, build_generator
 from ganscale.tf.step import Steps, adam
-from ganscale.trainer import PHASE_D, PHASE_G, PHASE_SAMPLES, lr_factor
+from ganscale.trainer import PHASE_D, PHASE_G, PHASE_SAMPLES, lr_factor, per_rank_batchnorm
 
 CHECKPOINT_PREFIX = "ckpt"  # inside step-N.tf: ckpt.index and ckpt.data-*
 
@@ -48,11 +49,10 @@ class Training:
         self.multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         self.global_batch = cfg.train.batch_size
         sync_bn = cross_rank_batchnorm(cfg, self.replicas)
-        if self.replicas > 1 and not sync_bn and cfg.model.g_batchnorm and chief:
-            print(f"ganscale: warning: BatchNorm statistics in G are per replica (each normalises its own "
-                  f"{cfg.micro_batch(self.replicas)} samples; parallel.sync_bn is off), so this "
-                  f"{self.replicas}-replica run trains differently from one replica. Fix: --set parallel.sync_bn=true",
-                  file=sys.stderr, flush=True)
+        # The torch engine's rule, on its networks (this engine's have the same layers; a replica is a rank there).
+        warning = per_rank_batchnorm(cfg, self.replicas, *meta_networks(cfg)) if chief else None
+        if warning:
+            print(f"ganscale: warning: {warning}", file=sys.stderr, flush=True)
         tf.config.experimental.enable_tensor_float_32_execution(cfg.train.tf32)
         keras.utils.set_random_seed(cfg.train.seed)  # the initial weights: the same on any number of replicas
         with strategy.scope():
