@@ -163,9 +163,9 @@ def _sets(*settings: str) -> list[str]:
 
 def test_workers_refuse_nproc_the_torch_engine_and_open_servers_not_agreed_to(tmp_path):
     tensorflow = ["train", "digits", "--set", "train.engine=tensorflow", "--workers", "2"]
-    both = CliRunner().invoke(main, [*tensorflow, "--set", "parallel.tf_open_servers=true", "--nproc", "2",
-                                     "--run-dir", str(tmp_path / "run")])
-    assert both.exit_code == 2 and "config error at '--nproc'" in both.output, both.output
+    for consent in ([], ["--set", "parallel.tf_open_servers=true"]):  # --nproc first: the consent's fix offers it
+        both = CliRunner().invoke(main, [*tensorflow, *consent, "--nproc", "2", "--run-dir", str(tmp_path / "run")])
+        assert both.exit_code == 2 and "config error at '--nproc'" in both.output, both.output
     unagreed = CliRunner().invoke(main, [*tensorflow, "--run-dir", str(tmp_path / "run")])
     assert unagreed.exit_code == 2 and "config error at 'parallel.tf_open_servers'" in unagreed.output
     assert "every interface" in unagreed.output and "--nproc" in unagreed.output, unagreed.output

@@ -42,15 +42,16 @@ def own_address() -> str:
 
 
 def check_workers(cfg: Config, nproc: int | None) -> None:
-    """What worker processes need: the user's consent to TensorFlow's open servers, and no --nproc."""
+    """What worker processes need: no --nproc, and the user's consent to TensorFlow's open servers (asked second:
+    its fix offers --nproc instead)."""
+    if nproc:
+        raise ConfigError("--nproc", "each tensorflow worker process trains on all its GPUs, or on its CPU as one "
+                          "replica, so --nproc cannot also split it", "drop --nproc when starting workers")
     if not cfg.parallel.tf_open_servers:
         raise ConfigError("parallel.tf_open_servers", "TensorFlow's worker servers listen on every interface of "
                           "their host, without authentication (anyone who reaches the port can run code in a "
                           "worker)", "use --nproc N (replicas in one process, no server), or set "
                           "parallel.tf_open_servers=true on hosts whose firewall admits only the other workers")
-    if nproc:
-        raise ConfigError("--nproc", "each tensorflow worker process trains on all its GPUs, or on its CPU as one "
-                          "replica, so --nproc cannot also split it", "drop --nproc when starting workers")
 
 
 def join(cfg: Config, run_dir: str | None, resume: str | None):
