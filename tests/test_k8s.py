@@ -110,6 +110,7 @@ def test_a_broken_manifest_fails_the_schema(tmp_path, validator, break_it):
     (["--image", "i", "--namespace", "My Team"], "--namespace"),
     (["--nodes", "2", "--image", "i", "--volume", "c:/p\tq"], "--volume"),
     (["--nodes", "2", "--image", "i", "--volume", "c:/mnt/$(GANSCALE_NODE_RANK)"], "--volume"),
+    (["--image", "i", "--out", "run/job.json"], "--out"),  # a manifest is YAML
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option):
     result = ganscale("k8s", *args, "--run-dir", "run", cwd=tmp_path)

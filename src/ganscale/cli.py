@@ -333,10 +333,7 @@ def _out_named(out: str, force: bool, suffix: str) -> Path:
     """--out checked by outputs.py's rule, and that it names a `suffix` file."""
     from ganscale.outputs import check_output
 
-    target = check_output(out, force)
-    if target.suffix.lower() != suffix:
-        raise ConfigError("--out", f"'{out}' is not a {suffix} file", f"give --out a name ending in {suffix}")
-    return target
+    return check_output(out, force, suffixes=(suffix,))
 
 
 @main.command()

@@ -67,9 +67,9 @@ def _not_regular(path: Path) -> bool:
     return os.path.lexists(path) and not path.is_file()
 
 
-def check_output(out: str, force: bool, option: str = "--out") -> Path:
-    """`out` as a Path when a command may write it (its folder is made when missing), else a ConfigError at
-    `option` (the command's name for the file)."""
+def check_output(out: str, force: bool, option: str = "--out", suffixes: tuple[str, ...] = ()) -> Path:
+    """`out` as a Path when a command may write it (its folder is made when missing) and, where `suffixes` are
+    given, names a file of one of those kinds; else a ConfigError at `option` (the command's name for the file)."""
     another = f"choose another {option}"
     if not out:
         raise ConfigError(option, "the file name is empty", f"give {option} the file to write")
@@ -90,6 +90,9 @@ def check_output(out: str, force: bool, option: str = "--out") -> Path:
                           f"{another}, naming a file")
     if os.path.lexists(path) and not force:
         raise ConfigError(option, f"'{out}' already exists", f"pass --force to replace it, or {another}")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise ConfigError(option, f"'{out}' is not a {' or '.join(suffixes)} file",
+                          f"give {option} a name ending in {suffixes[0]}")
     return path
 
 

@@ -101,9 +101,7 @@ def write_zip(target: Path, source: Source, resolution: int, mode: str, progress
 def create(src: str, dest: str, resolution: int, grey: bool | None, force: bool, progress: bool = True) -> Source:
     """Write the zip `dest` from the folder `src` (grey: None decides from the images). Checked before anything is
     written; written whole or not at all (outputs.write_output), never over a run's own files (outputs.check_output)."""
-    target = check_output(dest, force, "DEST")
-    if target.suffix.lower() != ".zip":
-        raise ConfigError("DEST", f"'{dest}' is not a .zip file", "give DEST a name ending in .zip")
+    target = check_output(dest, force, "DEST", suffixes=(".zip",))
     check_resolution(resolution)
     source = find_source(Path(src))
     source_grey = all_grey(source.files)  # every header read: a file that is no image is named here
