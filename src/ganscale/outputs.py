@@ -148,8 +148,8 @@ def write_output(out: Path, write: Callable[[Path], None], option: str = "--out"
     """`write(temporary)` writes the file beside `out`, which is then renamed into place (with the permissions of
     any new file). A refused write is an OSError naming `out` (the CLI's one line and exit 7); another failure a
     ConfigError at `option`. Either way nothing of this write is left, and what was at `out` is untouched."""
-    tmp = out.with_name(f"{_temporary_prefix(out, socket.gethostname())}{os.getpid()}{out.suffix}")  # the suffix
-    # kept: it picks the format
+    # out's suffix last: it picks the format
+    tmp = out.with_name(f"{_temporary_prefix(out, socket.gethostname())}{os.getpid()}{out.suffix}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(out)

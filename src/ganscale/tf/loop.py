@@ -22,9 +22,9 @@ from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.ema import ema_beta
 from ganscale.fault import NonFiniteTraining, Preempted, RunDirectoryTakenOver, StopSignals, told_by
+from ganscale.models import meta_networks
 from ganscale.observe import RunLog
 from ganscale.outputs import write_output
-from ganscale.models import meta_networks
 from ganscale.preflight import cross_rank_batchnorm
 from ganscale.rundir import config_to_write
 from ganscale.runlock import LOCK_NAME, LockWatch
