@@ -268,8 +268,9 @@ def test_a_bias_before_batchnorm_is_named_as_rounding_noise_adam_scales_up(tmp_p
     assert result.returncode == (0 if verdict == "EQUAL" else 1), explain(result)
     assert f"{verdict}: 2 processes" in result.stdout, explain(result)
     if verdict == "DIFFERENT":
-        assert "probable cause: a gradient that is rounding noise, which Adam scales up: element " in result.stdout
-        assert "of D.net.0.bias's gradient in step 1 " in result.stdout and "bias=False" in result.stdout
+        assert "probable cause: a bias whose gradient is rounding noise, which Adam scales up: D.net.0.bias's " \
+               "gradient in step 1 is zero up to rounding" in result.stdout, explain(result)
+        assert "build that layer with bias=False" in result.stdout
 
 
 def test_rounding_noise_is_recognised_from_gradient_elements_that_differ():
@@ -285,9 +286,15 @@ def test_rounding_noise_is_recognised_from_gradient_elements_that_differ():
     one, agreeing, parting = [step({"b": [[1, 3e-7]]})], [step({"b": [[1, 3.1e-7]]})], [step({"b": [[1, -2e-7]]})]
     cfg = config.load("digits", [])
     assert probable_cause(Evidence(cfg, 2, agreeing, one, 1))[0] == "no known cause"
-    cause, problem, _ = probable_cause(Evidence(cfg, 2, parting, one, 1))
-    assert cause == "a gradient that is rounding noise, which Adam scales up"
+    cause, problem, fix = probable_cause(Evidence(cfg, 2, parting, one, 1))
+    assert cause == "gradient elements that are rounding noise, which Adam scales up"
     assert "element 1 of D.b's gradient in step 1 is 3.0e-07 on one process and -2.0e-07 on N" in problem
+    assert "none in the config" in fix
+    # A bias whose whole gradient is rounding noise (a normalisation follows it) is the cause to name and fix.
+    dead = [{**one[0], "grads": {"net.0.weight": [2.0, 0.1], "net.0.bias": [1e-8, 1e-9]}}]
+    cause, problem, fix = probable_cause(Evidence(cfg, 2, parting, dead, 1))
+    assert cause == "a bias whose gradient is rounding noise, which Adam scales up"
+    assert "D.net.0.bias's gradient in step 1 is zero up to rounding (norm 1.0e-08" in problem and "bias=False" in fix
     assert probable_cause(Evidence(cfg, 2, [{**parting[0], "step": 3}], [{**one[0], "step": 3}], 2))[0] == (
         "no known cause")  # after the runs parted: not what parted them
 
@@ -361,3 +368,31 @@ def test_a_non_finite_fingerprint_is_strict_json_and_still_differs_from_a_finite
     assert many[0]["losses"][0] != many[0]["losses"][0]  # NaN
     exceeding = [d.what for d in compare_steps(one, many, TOLERANCES["fp32"]) if d.exceeds]
     assert exceeding == ["D's loss_d"]  # the gradients: non-finite (weight) and zero (bias) in both runs
+
+
+@pytest.mark.parametrize("recipe, sets", [
+    ("digits", []), ("ring8", []), ("grid25", []), ("digits-biggan", []), ("digits-stylegan2", []),
+    ("pix2pix", ["data.resolution=32", "data.load_size=36", "model.g_width=8", "model.d_width=8"]),
+])
+def test_no_shipped_network_has_a_bias_whose_gradient_is_rounding_noise(recipe, sets):
+    """What verify would name as rounding noise Adam scales up, found at the source: a bias whose every gradient
+    element is zero up to rounding (it feeds a BatchNorm, which subtracts it) in any shipped G or D."""
+    from ganscale.models import build_networks
+    from ganscale.tasks import ClassConditional, build_task
+
+    cfg = config.load(recipe, sets)
+    G, D = build_networks(cfg)
+    task = build_task(cfg, previews=False)
+    n, d = 8, cfg.data
+    shape = (n, 2) if cfg.model.kind == "mlp" else (n, d.channels, d.resolution, d.resolution)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(shape, generator=generator) * 2 - 1
+    labels = task.labels(n, generator) if isinstance(task, ClassConditional) else None
+    real = (images, labels) if labels is not None else (images, images) if cfg.model.kind == "pix2pix" else (images,)
+    fake = task.generate(G, real, torch.randn(n, cfg.model.z_dim, generator=generator), labels)
+    judged = D(task.critic_view(real, fake), *task.critic_conditions(None, labels))
+    (judged * torch.randn(judged.shape, generator=generator)).sum().backward()
+    for net, network in (("G", G), ("D", D)):
+        grads = {name: p.grad.abs().max().item() for name, p in network.named_parameters() if p.grad is not None}
+        dead = [name for name, largest in grads.items() if name.endswith("bias") and largest <= 1e-6 * max(grads.values())]
+        assert not dead, f"{recipe}'s {net}: biases whose gradient is rounding noise: {dead}"

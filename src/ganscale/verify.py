@@ -188,6 +188,20 @@ class Evidence:
         return None
 
     @cached_property
+    def dead_bias(self) -> tuple[str, int, float, float] | None:
+        """(tensor, step, its gradient's norm, the network's largest) of the first bias, up to the step the runs part,
+        whose whole gradient is rounding noise on one process: a normalisation after it subtracts it."""
+        for record in self.one:
+            if record["net"] == "after" or (self.parted_at is not None and record["step"] > self.parted_at):
+                continue
+            norms = {name: norm for name, (norm, _) in record["grads"].items() if math.isfinite(norm)}
+            largest = max(norms.values(), default=0.0)
+            for name, norm in norms.items():
+                if name.endswith("bias") and 0 < norm <= fingerprints.ROUNDING_NOISE * largest:
+                    return f"{record['net']}.{name}", record["step"], norm, largest
+        return None
+
+    @cached_property
     def batchnorm(self) -> str | None:
         """The trainer's own warning for BatchNorm that does not normalise as one process does, or None."""
         from ganscale.models import meta_networks
@@ -282,15 +296,22 @@ CAUSES = (
                      "dropout or another random op in forward): each rank draws other numbers than one process does",
                      "derive per-sample randomness from the sample's global position, e.g. from its latent (as "
                      "pix2pix's dropout does: ganscale.randomness's normal, uniform and dropout), or remove it")),
-    Cause("a gradient that is rounding noise, which Adam scales up",
+    Cause("a bias whose gradient is rounding noise, which Adam scales up",
+          lambda e: e.rounding_noise is not None and e.dead_bias is not None,
+          lambda e: ("{0}'s gradient in step {1} is zero up to rounding (norm {2:.1e}, the network's largest {3:.1e}): "
+                     "a normalisation after it subtracts it, so the two runs round it apart, and Adam divides a "
+                     "gradient by its running size, so the bias moves by up to its learning rate either way and the "
+                     "running statistics follow it".format(*e.dead_bias),
+                     "build that layer with bias=False (the normalisation's own shift replaces it)")),
+    Cause("gradient elements that are rounding noise, which Adam scales up",
           lambda e: e.rounding_noise is not None,
-          lambda e: ("element {2} of {0}'s gradient in step {1} is {3:.1e} on one process and {4:.1e} on N: zero up to "
-                     "rounding (terms that cancel, summed in another order), and Adam divides a gradient by its running "
-                     "size, so that parameter moves by up to its learning rate either way; the runs part from there"
-                     .format(*e.rounding_noise),
-                     "a bias that feeds a normalisation layer has such a gradient: build that layer with bias=False; "
-                     "where a loss's terms cancel (hinge), the config is not at fault: the runs agree up to this "
-                     "rounding")),
+          lambda e: ("element {2} of {0}'s gradient in step {1} is {3:.1e} on one process and {4:.1e} on N: near zero, "
+                     "so rounding sets it (a rarely active unit, terms that cancel), and Adam divides a gradient by its "
+                     "running size, so that parameter moves by up to its learning rate either way; the runs part from "
+                     "there".format(*e.rounding_noise),
+                     "none in the config: no bias feeds a normalisation, and the two runs are the same training up to "
+                     "fp32 rounding, which Adam carries into the weights; the steps before the runs part are compared "
+                     "within the tolerance")),
     Cause("a strategy or precision whose tolerance was exceeded",
           lambda e: e.precision_or_strategy() is not None,
           lambda e: (f"{e.precision_or_strategy()} sums in another order than one process in fp32 does, and the "

@@ -24,7 +24,7 @@ Intended conditional digits recipe (8x8 grey digits, 10 classes; not yet trained
     loss: {kind: hinge, n_critic: 2}
     optim: {g: {lr: 0.0001, betas: [0.0, 0.999]}, d: {lr: 0.0004, betas: [0.0, 0.999]}}
     train: {batch_size: 64, steps: 4000, ema_half_life_images: 10000}
-G has 393,282 and D 466,178 parameters at ch 32. The learning rates are SAGAN's
+G has 392,898 and D 466,178 parameters at ch 32. The learning rates are SAGAN's
 two-time-scale pair (D 4x G), beta1 = 0 and two D steps per G step are BigGAN's; the samples
 should be drawn per class (a fixed y per grid row) from G_ema. Measured cost: about 0.23 s per G
 step (two D steps included) at batch 64 on 2 CPU cores, so about 15 minutes for 4000 steps.
@@ -66,20 +66,27 @@ def attention_block(levels: list[int], wanted: int) -> int | None:
     return distances.index(min(distances))
 
 
-def _conv(c_in: int, c_out: int, kernel: int) -> nn.Module:
-    return orthogonal_spectral(nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2))
+def _conv(c_in: int, c_out: int, kernel: int, bias: bool = True) -> nn.Module:
+    return orthogonal_spectral(nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=bias))
 
 
 class GBlock(nn.Module):
-    """cBN -> ReLU -> 2x nearest upsample -> 3x3 conv -> cBN -> ReLU -> 3x3 conv, plus upsample -> 1x1 conv shortcut."""
+    """cBN -> ReLU -> 2x nearest upsample -> 3x3 conv -> cBN -> ReLU -> 3x3 conv, plus upsample -> 1x1 conv shortcut.
+
+    No convolution here has a bias: each output reaches a BatchNorm (conv1 the next cBN; conv2 and
+    the shortcut the next block's, or G's last, perhaps through self-attention, whose keys, values
+    and residual carry a per-channel constant unchanged into it), which subtracts it. Such a bias's
+    gradient is zero up to rounding, and Adam turns that rounding into learning-rate-sized steps
+    that differ between 1 and N processes (`ganscale verify` found it).
+    """
 
     def __init__(self, c_in: int, c_out: int, cond_dim: int):
         super().__init__()
         self.norm1 = ConditionalBatchNorm2d(c_in, cond_dim)
-        self.conv1 = _conv(c_in, c_out, 3)
+        self.conv1 = _conv(c_in, c_out, 3, bias=False)
         self.norm2 = ConditionalBatchNorm2d(c_out, cond_dim)
-        self.conv2 = _conv(c_out, c_out, 3)
-        self.shortcut = _conv(c_in, c_out, 1)
+        self.conv2 = _conv(c_out, c_out, 3, bias=False)
+        self.shortcut = _conv(c_in, c_out, 1, bias=False)
 
     def forward(self, x: Tensor, cond: Tensor) -> Tensor:
         h = F.interpolate(F.relu(self.norm1(x, cond)), scale_factor=2, mode="nearest")
