@@ -177,3 +177,22 @@ def test_a_run_in_this_process_leaves_its_excepthook_as_it_found_it():
         runtime = start("cpu")
         runtime.close()
         assert sys.excepthook is before
+
+
+def test_a_run_in_this_process_leaves_the_caller_s_random_numbers_as_it_found_them(tmp_path):
+    """Training seeds torch's, numpy's and Python's global RNGs (initialisation, per-rank streams): a notebook's
+    own random numbers after `ganscale.train` went on from the run's seed, not from where the caller left them."""
+    import random
+
+    import numpy as np
+    import torch
+
+    def draws():
+        return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+    torch.manual_seed(11), np.random.seed(12), random.seed(13)
+    expected = draws()
+    torch.manual_seed(11), np.random.seed(12), random.seed(13)
+    api.train("digits", overrides=["train.steps=2", "train.batch_size=8", "log.sample_every=0", "checkpoint.every=0",
+                                   "log.tensorboard=false"], run_dir=tmp_path / "run")
+    assert draws() == expected

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ class Runtime:
     # The hook before init_process_group, which chains its own "[rankN]:" one: put back at close, or every
     # in-process run of the Python API added a prefix to the process's uncaught errors.
     excepthook: Callable | None = None
+    # The global RNG states (torch's, CUDA's, numpy's, Python's) before training seeded them: put back at close,
+    # or an in-process run of the Python API reseeded its caller's random numbers.
+    rng_states: tuple | None = None
 
     @property
     def is_main(self) -> bool:
@@ -44,6 +48,20 @@ class Runtime:
             dist.destroy_process_group()
         if self.excepthook is not None:
             sys.excepthook = self.excepthook
+        if self.rng_states is not None:
+            torch_state, cuda_states, numpy_state, python_state = self.rng_states
+            torch.set_rng_state(torch_state)
+            if cuda_states is not None:
+                torch.cuda.set_rng_state_all(cuda_states)
+            np.random.set_state(numpy_state)
+            random.setstate(python_state)
+            self.rng_states = None
+
+
+def global_rng_states(use_cuda: bool) -> tuple:
+    """(torch's, every CUDA device's or None, numpy's, Python's) global RNG state."""
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if use_cuda else None, np.random.get_state(),
+            random.getstate())
 
 
 def environment_world_size() -> int:
@@ -98,7 +116,8 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
             dist.init_process_group(chosen, timeout=timeout, device_id=dev if use_cuda else None)
         else:
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns, excepthook)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns, excepthook,
+                   global_rng_states(use_cuda) if owns else None)
 
 
 GLOO_POLLING_THREAD = "gloo_tcp_loop"
