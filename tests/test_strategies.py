@@ -414,3 +414,24 @@ def test_ddp_takes_a_penalty_s_gradient_of_a_size_1_dim_weight_without_the_strid
         assert not [w for w in rank["warnings"] if "strides" in w], rank["warnings"]
         assert rank["strides"] == (8, 1)
     assert torch.equal(ranks[0]["grad"], ranks[1]["grad"])  # averaged over the ranks as before
+
+
+
+def _view_output_warnings(rank, world, overrides, run_dir, recipe):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_and_collect(rank, world, overrides, run_dir, recipe=recipe)
+    return [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, sets", [
+    ("digits", {}), ("digits-biggan", {"model.g_width": 4, "model.d_width": 4})])
+def test_sharded_shipped_networks_train_without_torch_s_view_output_warning(tmp_path, recipe, sets):
+    """FSDP2 warns, every forward on every rank, of a sharded module whose output is a view (an in-place op on it
+    would skip its all-gather): DCGAN's D returned its 1x1 map flattened."""
+    overrides = {**sets, "parallel.generator": "fsdp", "parallel.discriminator": "fsdp", "train.steps": 1,
+                 "train.batch_size": 8, "log.sample_every": 0, "checkpoint.every": 0, "log.tensorboard": "false"}
+    assert run_ranks(_view_output_warnings, 2, overrides, str(tmp_path), recipe) == [[], []]
