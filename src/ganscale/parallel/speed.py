@@ -24,6 +24,8 @@ hooks and pipeline stages.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -41,9 +43,25 @@ def choose_convolution_algorithms(benchmark: bool) -> None:
     torch.backends.cudnn.benchmark = benchmark
 
 
+class _IgnoredProfilerRanges(logging.Filter):
+    """Drops Dynamo's warning that a profiler range in traced code is ignored: DDP's forward opens one
+    ("DistributedDataParallel.forward"), so every compiled DDP run printed it once per rank, with nothing to do."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Profiler") and message.endswith("will be ignored"))
+
+
+DYNAMO_PROFILER_LOGGERS = ("torch._dynamo.variables.ctx_manager", "torch._dynamo.variables.torch")
+
+
 def compiled(wrapped: Wrapped, mode: str) -> Wrapped:
     """The network's forward compiled with `torch.compile(mode=mode)` ("off": left eager)."""
     if mode != "off":
+        for name in DYNAMO_PROFILER_LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _IgnoredProfilerRanges) for f in logger.filters):
+                logger.addFilter(_IgnoredProfilerRanges())
         wrapped.forward = wrapped.forward_without_grad = torch.compile(wrapped.net, mode=mode)
     if records_cuda_graphs(mode):  # CUDA-graph trees must be told where an iteration starts (~0.1 ms a call)
         wrapped.begin_iteration = torch.compiler.cudagraph_mark_step_begin
