@@ -196,3 +196,15 @@ def test_a_run_in_this_process_leaves_the_caller_s_random_numbers_as_it_found_th
     api.train("digits", overrides=["train.steps=2", "train.batch_size=8", "log.sample_every=0", "checkpoint.every=0",
                                    "log.tensorboard=false"], run_dir=tmp_path / "run")
     assert draws() == expected
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["the-file", "below-it"])
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_a_run_dir_that_is_a_file_is_refused_and_the_file_kept(tmp_path, inside, nproc):
+    """The CLI's --run-dir type refuses a file; the API's run_dir was a NotADirectoryError from run.lock."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(ConfigError) as refused:
+        api.train("digits", run_dir=notes / "run" if inside else notes, nproc=nproc)
+    assert refused.value.key == "--run-dir" and f"'{notes}' is a file, not a folder" in str(refused.value)
+    assert notes.read_text() == "mine" and list(tmp_path.iterdir()) == [notes]

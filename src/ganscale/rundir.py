@@ -66,7 +66,7 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None, report: bo
         while path.exists():
             path, suffix = RUNS_ROOT / f"{cfg.name}-{stamp}-{suffix}", suffix + 1
         return path, None
-    path = Path(run_dir)
+    path = run_folder(run_dir)
     newest = checkpoint.latest(path)
     if newest is not None and resume is None:
         raise ConfigError("--run-dir", f"'{path}' already holds a run (checkpoints/{newest.name})",
@@ -167,6 +167,16 @@ def _left_to_train(cfg: Config, source: Path) -> Path:
     return source
 
 
+def run_folder(run_dir: str | Path) -> Path:
+    """`run_dir` as a path, refused where it, or a folder above it, is a file (the CLI's option type refuses the
+    first; the Python API's run_dir reaches here)."""
+    path = Path(run_dir)
+    a_file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if a_file is not None:
+        raise ConfigError("--run-dir", f"'{a_file}' is a file, not a folder", "choose a new or empty --run-dir")
+    return path
+
+
 def _resumable(run_dir: Path, report: bool = True) -> Path:
     """The newest intact checkpoint of a run (newer bad ones are reported), or a ConfigError."""
     return checkpoint.newest_intact(run_dir, "--resume", "pass a checkpoint file, a run directory holding intact "
@@ -178,7 +188,7 @@ def claim_run(cfg: Config, run_dir: str | None, resume: str | None
     """`resolve_run`, holding the run directory: (run directory, resume point, this process's hold on it, None
     under the `--nproc` parent's). A directory another run holds is refused first, naming that run; the
     decision is made again once held, so it is made on what no other run can change any more."""
-    parent_holds = run_dir is not None and runlock.held_by_parent(Path(run_dir))
+    parent_holds = run_dir is not None and runlock.held_by_parent(run_folder(run_dir))
     if run_dir is not None and not parent_holds:
         runlock.refuse_if_held(Path(run_dir))
     # Decided again once held (below), which says what it passes over: said once.
