@@ -62,6 +62,7 @@ class Watchdog:
         self.compile_seen_at = float("-inf")  # when the thread, out of time, last saw this rank or a peer compiling
         self.history: deque[tuple[float, int, str]] = deque(maxlen=64)
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        self.parent = os.getppid()  # a launcher's agent holds the store: once it is gone, so is the store
         self._stop = threading.Event()
         self._wake, self._waker = socket.socketpair()  # wakes the thread: to publish a compile at once, or to stop
         self._waker.setblocking(False)  # the training loop must never wait on it
@@ -168,6 +169,10 @@ class Watchdog:
                 self.stop_requested_at = time.monotonic()
 
     def _publish(self) -> None:
+        # A set on a store whose server died prints a C++ stack (~40 lines) before it raises: not tried once the
+        # launcher is gone (its workers are stopping).
+        if self.store is not None and os.getppid() != self.parent:
+            self.store = None
         if self.store is None:
             return
         try:
