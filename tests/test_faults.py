@@ -689,3 +689,81 @@ def test_an_interrupted_training_process_is_stopped_as_a_scheduler_stops_it():
     assert stopped.value.stdout == "training\nstopping\n"
     done = run_training_process([sys.executable, "-c", "print('done')"], 1.0, stdout=subprocess.PIPE, text=True)
     assert done.returncode == 0 and done.stdout == "done\n"
+
+
+PAUSING_DATA = '''
+import os, pathlib, time
+import torch
+
+
+def make(run_dir):
+    """8x8 images; first waits, once the run holds its directory (run.lock), until the test writes `go` beside it."""
+    run = pathlib.Path(run_dir)
+    if (run / "run.lock").exists():  # the run's start-up, after its lock was taken: a worker, or the trainer
+        (run.parent / f"paused-{os.environ.get('RANK', '0')}").touch()
+        while not (run.parent / "go").exists():
+            time.sleep(0.05)
+    return torch.utils.data.TensorDataset(torch.rand(64, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1)
+'''
+
+
+def paused_start(tmp_path: Path, *options: str) -> tuple[Path, list[str]]:
+    """(run directory, a `ganscale train` into it whose start-up waits, after taking run.lock, until tmp_path/go is
+    written: `paused-RANK` beside the run directory says it waits there, before training began)."""
+    (tmp_path / "pausing_data.py").write_text(PAUSING_DATA)
+    run = tmp_path / "run"
+    return run, [sys.executable, "-m", "ganscale", "train", *options, "--run-dir", str(run),
+                 "--set", "data.kind=custom", "--set", "data.dataset=pausing_data:make",
+                 "--set", f"data.dataset_args={{run_dir: '{run}'}}", "--set", f"code_path=['{tmp_path}']",
+                 "--set", "train.steps=2", "--set", "log.every=1", "--set", "log.sample_every=0",
+                 "--set", "checkpoint.every=0", "--set", "log.tensorboard=false"]
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.time() + timeout_s
+    while not path.exists():
+        assert time.time() < deadline and process.poll() is None, f"never came to {path.name}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_before_training_began_is_one_line_exit_3_and_frees_the_run_directory(tmp_path, sig):
+    """Stopped while it starts (here: building its data set, after taking run.lock), a one-process run leaves at
+    once with one line and exit 3, its lock released; it was killed silently (exit 143, or a KeyboardInterrupt
+    traceback) and left run.lock behind. The same command then trains in that directory."""
+    run, command = paused_start(tmp_path)
+    trainer = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path / "paused-0", trainer)
+    trainer.send_signal(sig)
+    _, stderr = trainer.communicate(timeout=60)
+    assert trainer.returncode == 3, stderr[-3000:]
+    assert stderr.strip() == (f"ganscale: stopped by {sig.name} before training began: nothing was trained, no "
+                              "checkpoint written; continue with --resume auto (or start it again)"), stderr[-3000:]
+    assert not (run / "run.lock").exists() and not (run / "checkpoints").exists()
+    (tmp_path / "go").touch()
+    again = subprocess.run(command, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+
+
+def test_a_stop_signal_to_the_launcher_while_its_workers_start_checkpoints_after_one_step(tmp_path):
+    """`--nproc 2` whose workers are starting (building their data set) when the launcher is stopped: the workers
+    keep the signal and stop after their first step, agreed, with a checkpoint (exit 3); they died of it (exit 1)."""
+    run, command = paused_start(tmp_path, "--nproc", "2")
+    with open(tmp_path / "stderr.txt", "w") as err:
+        launcher = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=err)
+        for rank in (0, 1):
+            wait_for(tmp_path / f"paused-{rank}", launcher)
+        launcher.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30  # the workers have the signal (said once) before they go on
+        while "received while the run starts" not in (tmp_path / "stderr.txt").read_text():
+            assert time.time() < deadline and launcher.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        launcher.wait(timeout=90)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert launcher.returncode == 3 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.count("received while the run starts") == 1, stderr[-3000:]
+    assert "stopped at step 1 on request (SIGTERM); checkpoint written" in stderr, stderr[-3000:]
+    assert [p.name for p in (run / "checkpoints").glob("step-*.pt")] == ["step-00000001.pt"]
+    assert not (run / "run.lock").exists()

@@ -6,6 +6,14 @@ import sys
 if sys.path and not getattr(sys.flags, "safe_path", False) and os.path.abspath(sys.path[0] or ".") == os.getcwd():
     del sys.path[0]
 
-from ganscale.cli import main  # noqa: E402
+from ganscale.fault import StartupStops, StoppedBeforeTraining, has_peers  # noqa: E402 - the standard library only
 
-main()
+if sys.argv[1:2] == ["train"]:  # stop signals from here on, not once the CLI is imported (~0.4 s): a launcher's workers
+    StartupStops(has_peers()).__enter__()  # left by `train` (cli.train)
+try:
+    from ganscale.cli import main  # noqa: E402
+
+    main()
+except StoppedBeforeTraining as e:  # before `train` began (cli.train says it from there on)
+    print(f"ganscale: {e}", file=sys.stderr)
+    sys.exit(e.exit_code)

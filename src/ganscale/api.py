@@ -227,14 +227,18 @@ def _launch_workers(cfg: Config, recipe: str | None, overrides: Sequence[str], n
     """`nproc` local workers running `ganscale train RECIPE --set ...`: (run directory, rank 0's summary).
     `note`: said by the workers' rank 0 once the checkpoint has loaded (a worker's refusal is then said alone)."""
     from ganscale import launch
-    from ganscale.fault import stop_grace_s
+    from ganscale.fault import launched, stop_grace_s
 
     args = ["train", *([recipe] if recipe else []), *sum((["--set", o] for o in overrides), [])]
     grace = stop_grace_s(cfg.fault.exit_timeout_s)  # the workers' longest exit after a stop signal
     with _launcher_state_kept():
         if note:
             os.environ[RESUME_NOTE_ENV] = note
-        code = launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held, grace)
+        try:  # a stop signal before torch's agent handles them: fault.StartupStops (StoppedBeforeTraining)
+            code = launch.launch_local(nproc, args, run_dir, max_restarts, str(resume) if resume else None, held,
+                                       grace)
+        finally:
+            launched()  # before _launcher_state_kept puts StartupStops' handlers back
     if code:
         raise WorkersFailed(code)
     summary = run_dir / "summary.json"

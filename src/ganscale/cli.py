@@ -116,10 +116,16 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
 def train(recipe: str | None, overrides: tuple[str, ...], nproc: int | None, workers: int | None,
           run_dir: str | None, resume: str | None, max_restarts: int) -> None:
     """Train RECIPE (a shipped recipe name or a YAML file; default: digits)."""
-    from ganscale import api
+    from ganscale.fault import StartupStops, StoppedBeforeTraining, has_peers
 
     try:
-        api.run(recipe, overrides, nproc, run_dir, resume, max_restarts, click.echo, workers)
+        with StartupStops.active(has_peers()):  # a stop signal before training begins: fault.StartupStops
+            from ganscale import api
+
+            api.run(recipe, overrides, nproc, run_dir, resume, max_restarts, click.echo, workers)
+    except StoppedBeforeTraining as e:  # unwound: the run directory's lock released, nothing half-written left
+        click.echo(f"ganscale: {e}", err=True)
+        sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - each kind ends as `leave` says
         leave(e)
     from ganscale import launch

@@ -239,8 +239,99 @@ def told_elsewhere(error: BaseException) -> bool:
     return first <= teller < first + node_size or rank != first
 
 
+def has_peers(environ=os.environ) -> bool:
+    """Whether this process is one rank of a group that a launcher (torchrun, `--nproc`'s elastic agent) or srun's
+    tasks make: its stop on a signal must be agreed with the others (launch.under_launcher, slurm.task_environment)."""
+    return ("TORCHELASTIC_RUN_ID" in environ or ("RANK" in environ and "MASTER_ADDR" in environ)
+            or ("SLURM_STEP_ID" in environ and environ.get("SLURM_NTASKS", "1") != "1"))
+
+
+class StoppedBeforeTraining(BaseException):
+    """A stop signal before training began in a process with no peers to agree with (one process, or the `--nproc`
+    launcher before its workers start): raised where it lands, so `finally` blocks release the run directory's lock
+    and remove half-written files. A BaseException, as KeyboardInterrupt: no `except Exception` takes it for a
+    failure of what it interrupted."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"stopped by {signal_name} before training began: nothing was trained, no checkpoint "
+                         "written; continue with --resume auto (or start it again)")
+
+
+class StartupStops:
+    """SIGTERM and SIGINT from `ganscale train`'s start until training begins, where `StopSignals` takes over
+    (`hand_over`): without it a stop signal then killed the process (exit 143, its run.lock left behind) or unwound
+    as Ctrl-C does. `peers` (`has_peers`): this process is one rank of several, so the signal is only kept, and its
+    trainer's first step stops on it, agreed with every rank by the step's collective (then checkpointed, as any
+    stop); otherwise StoppedBeforeTraining is raised at once. Main thread only (elsewhere a no-op)."""
+
+    def __init__(self, peers: bool):
+        self.peers = peers
+        self.originals: dict[int, object] = {}  # the handlers before this command began: put back by `__exit__`
+        self.pending: int | None = None  # a signal kept for the trainer (`peers`)
+        self.over = False  # training began in this process (`hand_over`), or a launcher's workers ran (`launched`)
+
+    @classmethod
+    def active(cls, peers: bool) -> StartupStops:
+        """The one this process entered already (`python -m ganscale train` enters it first thing), else a new one."""
+        return _starting if _starting is not None else cls(peers)
+
+    def __enter__(self) -> StartupStops:
+        global _starting
+        if _starting is self:  # entered already: its handlers are in place
+            return self
+        try:
+            for sig in StopSignals.SIGNALS:
+                self.originals[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self.__exit__()
+            return self
+        _starting = self
+        return self
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self.over:  # training ran here, and what handled its signals put this handler back: as before it
+            signal.signal(signum, self.originals[signum])
+            os.kill(os.getpid(), signum)
+            return
+        name = signal.Signals(signum).name
+        if not self.peers:
+            raise StoppedBeforeTraining(name)
+        if self.pending is None and os.environ.get("LOCAL_RANK", "0") == "0":  # said once a node, as StopSignals
+            print(f"ganscale: {name} received while the run starts; it stops after its first step, with a checkpoint",
+                  file=sys.stderr, flush=True)
+        self.pending = self.pending or signum
+
+    def hand_over(self, previous: dict[int, object]) -> int | None:
+        """Training begins: StopSignals installed its handlers, replacing `previous`, which become the handlers from
+        before this command began (StopSignals puts them back at its end). Returns the signal kept, if any."""
+        self.over = True
+        for sig, handler in previous.items():
+            if handler == self._handle:
+                previous[sig] = self.originals.get(sig, signal.SIG_DFL)
+        return self.pending
+
+    def __exit__(self, *exc) -> None:
+        global _starting
+        _starting = None
+        for sig, handler in self.originals.items():
+            signal.signal(sig, handler)
+
+
+_starting: StartupStops | None = None  # the active StartupStops of this process, if any
+
+
+def launched() -> None:
+    """In a `--nproc` launcher, once its workers ran (torch's agent handled the signals meanwhile): a stop signal is
+    no longer one before training began."""
+    if _starting is not None:
+        _starting.over = True
+
+
 class StopSignals:
-    """While active, SIGTERM and SIGINT only set a flag; the trainer agrees on it with the other ranks."""
+    """While active, SIGTERM and SIGINT only set a flag; the trainer agrees on it with the other ranks. A signal
+    kept while the run started (StartupStops) sets it at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -264,6 +355,10 @@ class StopSignals:
         self.wakeup, self._wakeup_write = socket.socketpair()
         self._wakeup_write.setblocking(False)
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._wakeup_write.fileno(), warn_on_full_buffer=False)
+        kept = _starting.hand_over(self.previous) if _starting is not None else None
+        if kept is not None:  # as if it arrived now: the flag, and the watchdog's exit clock (the wakeup socket)
+            self._wakeup_write.send(bytes([kept]))
+            self.on_signal(signal.Signals(kept).name)
         return self
 
     def _handle(self, signum: int, _frame) -> None:

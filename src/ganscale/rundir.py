@@ -222,27 +222,31 @@ def decide_run(cfg: Config, run_dir: str | None, resume: str | None
             failure, answer = e, [("done", str(e))]
         except Exception as e:  # noqa: BLE001 - e.g. an unreadable --run-dir: told to the peers, raised here
             failure, answer = e, [("failed", report_of(e))]
-    dist.broadcast_object_list(answer, src=0)
-    kind, *fields = answer[0]
-    if failure is not None:
-        raise failure
-    if kind == "failed":
-        raise error_of_rank(0, "decide the run directory", fields[0])
-    if kind == "refused":
-        raise told_by(0, ConfigError(*fields))
-    if kind == "done":
-        raise AlreadyTrained(fields[0])
-    path, source, token = Path(fields[0]), (Path(fields[1]) if fields[1] else None), fields[2]
-    sees: list = [None] * dist.get_world_size()
-    dist.all_gather_object(sees, _sees_hold(path, token))  # one collective: does every rank see rank 0's directory?
-    blind = [rank for rank, seen in enumerate(sees) if not seen]
-    if blind:
-        if held is not None:
-            held.release(abandon=True)  # nothing of this run stays behind
-        error = ConfigError("--run-dir", f"rank(s) {', '.join(map(str, blind))} do not see {path / runlock.LOCK_NAME}, "
-                            "which rank 0 holds there: the run directory is not on storage every node shares",
-                            "put --run-dir on a file system every node mounts at the same path (NFS, Lustre, ...)")
-        raise error if dist.get_rank() == 0 else told_by(0, error)
+    try:
+        dist.broadcast_object_list(answer, src=0)
+        kind, *fields = answer[0]
+        if failure is not None:
+            raise failure
+        if kind == "failed":
+            raise error_of_rank(0, "decide the run directory", fields[0])
+        if kind == "refused":
+            raise told_by(0, ConfigError(*fields))
+        if kind == "done":
+            raise AlreadyTrained(fields[0])
+        path, source, token = Path(fields[0]), (Path(fields[1]) if fields[1] else None), fields[2]
+        sees: list = [None] * dist.get_world_size()
+        dist.all_gather_object(sees, _sees_hold(path, token))  # one collective: does every rank see rank 0's folder?
+        blind = [rank for rank, seen in enumerate(sees) if not seen]
+        if blind:
+            error = ConfigError("--run-dir", f"rank(s) {', '.join(map(str, blind))} do not see "
+                                f"{path / runlock.LOCK_NAME}, which rank 0 holds there: the run directory is not on "
+                                "storage every node shares",
+                                "put --run-dir on a file system every node mounts at the same path (NFS, Lustre, ...)")
+            raise error if dist.get_rank() == 0 else told_by(0, error)
+    except BaseException:  # the blind ranks above, or a stop signal (fault.StoppedBeforeTraining) before the caller
+        if held is not None:  # holds it: nothing of this run stays behind
+            held.release(abandon=True)
+        raise
     return path, source, held
 
 
