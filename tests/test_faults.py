@@ -366,6 +366,7 @@ def test_kill_9_of_the_launcher_makes_its_workers_checkpoint_and_exit(tmp_path):
     output = (tmp_path / "output.txt").read_text()
     assert output.count("checkpoint written; continue with --resume auto") == 1, output[-3000:]  # by rank 0, once
     assert "sendBytes failed" not in output, output[-3000:]  # the watchdog's beat to the dead launcher's store
+    assert output.count("SIGTERM received") == 1, output[-3000:]
     assert len(list((run / "checkpoints").glob("step-*.json"))) == 1  # the stop's checkpoint, complete
 
 

@@ -338,6 +338,7 @@ class StopSignals:
     def __init__(self, on_signal: Callable[[str], None]):
         self.on_signal = on_signal
         self.previous: dict[int, object] = {}
+        self.said = False  # the stop request was announced
         self.wakeup: socket.socket | None = None  # readable as soon as a signal arrives (see __enter__)
         self._wakeup_write: socket.socket | None = None
         self._previous_wakeup_fd = -1
@@ -363,8 +364,11 @@ class StopSignals:
 
     def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # a launcher passes the signal to each worker: said once a node
+        # Said once a node (a launcher passes the signal to each worker), and once a run: a worker whose launcher
+        # was killed gets the kernel's SIGTERM more than once.
+        if os.environ.get("LOCAL_RANK", "0") == "0" and not self.said:
             print(f"ganscale: {name} received; finishing this step, then checkpointing", file=sys.stderr, flush=True)
+            self.said = True
         self.on_signal(name)
 
     def __exit__(self, *exc) -> None:
