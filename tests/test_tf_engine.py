@@ -635,3 +635,16 @@ def test_the_torch_engines_tensorboard_log_does_not_import_tensorflow(tf, tmp_pa
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [event.value for event in events.Scalars("loss_d")] == [0.5]
+
+
+def test_tensorflow_s_start_up_lines_are_dropped_and_anything_else_it_says_is_kept(tf):
+    """TensorFlow's C++ side wrote absl's and oneDNN's start-up lines (twice) to stderr at import, whatever
+    TF_CPP_MIN_LOG_LEVEL said: in every run and every worker of the tensorflow engine."""
+    script = ("import os\nfrom ganscale.tf import capabilities\n"
+              "with capabilities._start_up_lines_dropped():\n"
+              "    os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n')\n"
+              "    os.write(2, b'an error of its own\\n')\n"
+              "capabilities.require_tensorflow()\nprint('imported')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "imported\n", done.stderr
+    assert done.stderr == "an error of its own\n"

@@ -6,9 +6,12 @@ TensorFlow is imported or anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
-from collections.abc import Callable
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError
@@ -116,11 +119,42 @@ def require_tensorflow() -> None:
                           "break each other", f"pip uninstall -y {' '.join(both)}, then install one of them")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # its C++ start-up lines (oneDNN, CPU features) are noise here
     try:
-        import tensorflow  # noqa: F401
+        with _start_up_lines_dropped():
+            import tensorflow  # noqa: F401
     except ImportError:
         raise ConfigError("train.engine", "tensorflow, but TensorFlow is not installed in this environment",
                           "pip install 'ganscale[tensorflow]' (a GPU machine: see README, \"TensorFlow engine\"), "
                           "or set train.engine=torch") from None
+
+
+# What TensorFlow's C++ side writes to stderr at import whatever TF_CPP_MIN_LOG_LEVEL says (TensorFlow 2.21: twice).
+START_UP_LINES = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+                  "oneDNN custom operations are on")
+
+
+@contextlib.contextmanager
+def _start_up_lines_dropped() -> Iterator[None]:
+    """The process's stderr (file descriptor 2, where C++ writes) kept aside while TensorFlow imports, then written
+    back without its start-up lines: anything else it said (an error) is still shown."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable stderr: nothing to tidy
+        yield
+        return
+    with tempfile.TemporaryFile() as said:
+        os.dup2(said.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            said.seek(0)
+            kept = [line for line in said.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(part in line for part in START_UP_LINES)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 def _installed(distribution: str) -> bool:
