@@ -371,11 +371,14 @@ def test_torchrun_max_restarts_without_a_run_directory_is_refused(tmp_path):
     ("RANK", "1", "'RANK': 1 is not below WORLD_SIZE=1"),
     ("LOCAL_WORLD_SIZE", "1", "'LOCAL_RANK': 1 is not below LOCAL_WORLD_SIZE=1"),
     ("TORCHELASTIC_RESTART_COUNT", "-1", "'TORCHELASTIC_RESTART_COUNT': '-1' is not a restart count"),
+    ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "abc", "'TORCH_ELASTIC_SHUTDOWN_TIMEOUT': 'abc' is not a number of seconds"),
+    ("SLURM_NTASKS", "abc", "'SLURM_NTASKS': 'abc' is not a task count"),  # a torchrun worker in a Slurm job
+    ("SLURM_GPUS_ON_NODE", "4(x2)", "'SLURM_GPUS_ON_NODE': '4(x2)' is not a GPU count"),
 ])
 def test_a_malformed_launcher_variable_is_refused_by_name_before_anything_is_written(tmp_path, variable, value,
                                                                                      said):
     env = {**clean_env(), "RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "29999", variable: value}  # was a ValueError's traceback, exit 1
+           "MASTER_PORT": "29999", "SLURM_JOB_ID": "7", variable: value}  # was a ValueError's traceback, exit 1
     result = subprocess.run([sys.executable, "-m", "ganscale", "train", *TINY_RUN, "--run-dir", "RUN"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith(f"ganscale: config error at {said}"), explain(result)

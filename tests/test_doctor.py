@@ -80,6 +80,18 @@ def test_nccl_on_cpu_fails_names_the_fix_and_skips_the_launch(tmp_path):
     assert "NOT OK" in result.stdout.splitlines()[-1]
 
 
+
+@pytest.mark.parametrize("variable, value", [("SLURM_NTASKS", "abc"), ("SLURM_GPUS_ON_NODE", "4(x2)"),
+                                             ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "abc")])
+def test_a_malformed_count_train_refuses_fails_and_skips_the_launch(tmp_path, variable, value):
+    job = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"} if variable.startswith("SLURM_") else {}
+    result = run_doctor("--nproc", "1", cwd=tmp_path, env={**job, "OMP_NUM_THREADS": "1", variable: value})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, explain(result)  # was int()'s ValueError
+    assert_well_formed(result.stdout)
+    said = f"{value!r} is not"
+    assert f"cause: {said}" in result.stdout and f"fix:   set {variable} to an integer" in result.stdout
+    assert checks(result.stdout)["all_reduce"][0] == SKIP
+
 @pytest.mark.slow
 def test_p2p_disabled_is_a_warning_that_does_not_fail(tmp_path):
     result = run_doctor("--nproc", "1", cwd=tmp_path, env={"NCCL_P2P_DISABLE": "1", "OMP_NUM_THREADS": "1"})
@@ -264,6 +276,15 @@ def test_a_launcher_variable_train_refuses_fails():
     assert fine["env MASTER_PORT=29500"].status == PASS
 
 
+@pytest.mark.parametrize("value, status", [("abc", FAIL), ("-1", FAIL), ("1.5", FAIL), ("0", PASS), ("120", PASS)])
+def test_the_agent_grace_variable_is_explained_and_fails_where_train_refuses_it(value, status):
+    found = by_name(doctor.environment_checks({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": value}, 1, 2, "gloo"))
+    check = found[f"env TORCH_ELASTIC_SHUTDOWN_TIMEOUT={value}"]  # was unlisted, and read with int() by --nproc
+    assert check.status == status and "SIGKILL" in check.detail
+    if status == FAIL:
+        assert f"{value!r} is not a number of seconds" in check.cause and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in check.fix
+
+
 def test_every_warn_and_fail_prints_cause_and_fix():
     everything = {name: "1" for name in doctor.ENV_EXPLANATIONS}
     everything |= {"NCCL_ALGO": "Ring", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "CUDA_VISIBLE_DEVICES": "0,0"}
@@ -348,6 +369,22 @@ def test_slurm_section_reports_the_layout_and_names_the_classic_mistakes():
     assert "srun ganscale train" in doctor.slurm_checks(batch_shell)[1].fix
     wrong = doctor.slurm_checks({**job, "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4"})
     assert wrong[1].status == "FAIL" and "--ntasks-per-node=4" in wrong[1].fix
+    no_gpus = doctor.slurm_checks({k: v for k, v in job.items() if k != "SLURM_GPUS_ON_NODE"})
+    assert "0 GPU(s) per node" in no_gpus[0].detail  # Slurm unsets it in a job without GPUs
+    assert "0 GPU(s) per node" in doctor.slurm_checks({**job, "SLURM_GPUS_ON_NODE": ""})[0].detail
+
+
+@pytest.mark.parametrize("variable, value, said", [
+    ("SLURM_NTASKS", "abc", "'abc' is not a task count"), ("SLURM_NTASKS", "4(x2)", "'4(x2)' is not a task count"),
+    ("SLURM_NTASKS", "0", "'0' is not a task count"), ("SLURM_GPUS_ON_NODE", "4(x2)", "'4(x2)' is not a GPU count"),
+    ("SLURM_GPUS_ON_NODE", "gpu:4", "'gpu:4' is not a GPU count")])
+def test_a_malformed_slurm_count_fails_the_slurm_section_where_it_raised(variable, value, said):
+    job = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_GPUS_ON_NODE": "4",
+           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_ID": "0", variable: value}
+    [check] = doctor.slurm_checks(job)  # was int()'s ValueError, ending the doctor in a traceback
+    assert check.status == FAIL and f"{variable}={value!r}" in check.detail
+    assert check.cause.startswith(said) and check.cause.endswith("`ganscale train` refuses it")
+    assert check.fix.startswith(f"set {variable} to an integer from ")
 
 
 # ------------------------------------------------------------------------------------ torch range

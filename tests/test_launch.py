@@ -4,6 +4,7 @@ listen on, read from the kernel's socket tables."""
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import signal
 import sys
@@ -140,6 +141,24 @@ def test_the_local_launcher_waits_for_its_workers_longest_exit_before_sigkill(mo
     assert local_agent(2, slow).shutdown_timeout > slow
     assert local_agent(2, stop_grace_s(20)).shutdown_timeout >= 30  # torch's own grace is never shortened
 
+
+@pytest.mark.skipif("launcher-grace" in versions.lacking(torch.__version__),
+                    reason="this torch's agent has a fixed grace: TORCH_ELASTIC_SHUTDOWN_TIMEOUT is not read")
+@pytest.mark.parametrize("value, granted", [("abc", None), ("-1", None), ("30s", None), ("0", 0), ("600", 600)])
+def test_the_local_launcher_reads_torch_s_grace_variable_or_refuses_it_by_name(monkeypatch, value, granted):
+    """TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which `train --nproc` and `doctor` read for the agent's grace: a longer one is
+    kept, a malformed one refused as the other launcher variables are (it was int()'s ValueError, a traceback)."""
+    from ganscale.fault import stop_grace_s
+    from ganscale.launch import local_agent
+
+    monkeypatch.setattr(os, "environ", {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": value})
+    if granted is None:
+        with pytest.raises(ConfigError) as refused:
+            local_agent(2, stop_grace_s(20))
+        assert refused.value.key == "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+        assert refused.value.problem.startswith(f"{value!r} is not a number of seconds")
+    else:
+        assert local_agent(2, stop_grace_s(20)).shutdown_timeout == max(granted, math.ceil(stop_grace_s(20)) + 1)
 
 def test_a_torch_with_a_fixed_agent_grace_gets_no_grace_keyword(monkeypatch):
     """torch 2.11's LaunchConfig has no `shutdown_timeout` (its agent always waits 30 s): the launcher's settings

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from test_cli import clean_env, explain
 
 CPU_JOB = ["digits", "--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2"]
@@ -271,4 +273,38 @@ def test_srun_layouts_that_cannot_work_are_refused(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", "--run-dir", "run"], cwd=tmp_path,
                              env=batch_shell, capture_output=True, text=True, timeout=120)
     _refused(refused, "srun")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("variable, value, said", [
+    ("SLURM_NTASKS", "abc", "'abc' is not a task count"), ("SLURM_NTASKS", "2(x1)", "'2(x1)' is not a task count"),
+    ("SLURM_GPUS_ON_NODE", "4(x2)", "'4(x2)' is not a GPU count"),
+    ("SLURM_GPUS_ON_NODE", "gpu:2", "'gpu:2' is not a GPU count")])
+def test_srun_tasks_refuse_a_malformed_slurm_count_by_name(variable, value, said):
+    """Slurm writes SLURM_NTASKS and SLURM_GPUS_ON_NODE as plain counts (the "2(x3)" lists are other variables):
+    anything else was int()'s ValueError and a traceback."""
+    from ganscale.config import ConfigError
+    from ganscale.slurm import task_environment
+
+    with pytest.raises(ConfigError) as refused:
+        task_environment({**srun_task(0, 2, 5), variable: value}, None)
+    assert refused.value.key == variable and refused.value.problem.startswith(said)
+    assert refused.value.fix.startswith(f"set {variable} to an integer from ")
+
+
+def test_srun_tasks_read_slurm_s_own_counts():
+    from ganscale.slurm import task_environment
+
+    for gpus in ("2", "", None):  # Slurm's count, and none (Slurm unsets it without GPUs; empty reads as unset)
+        extra = {} if gpus is None else {"SLURM_GPUS_ON_NODE": gpus}
+        environment = task_environment({**srun_task(1, 2, 5), "SLURM_TASKS_PER_NODE": "2(x1)", **extra}, None)
+        assert environment["WORLD_SIZE"] == "2" and environment["LOCAL_WORLD_SIZE"] == "2"
+    assert task_environment(srun_task(0, 1, 5, SLURM_GPUS_ON_NODE="1"), None) == {}
+
+
+def test_a_malformed_slurm_count_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
+    refused = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", "--run-dir", "run"], cwd=tmp_path,
+                             env={**srun_task(0, 2, 5), "SLURM_NTASKS": "abc"}, capture_output=True, text=True,
+                             timeout=120)
+    _refused(refused, "'SLURM_NTASKS': 'abc' is not a task count")
     assert not (tmp_path / "run").exists()

@@ -106,6 +106,9 @@ ENV_EXPLANATIONS: dict[str, str] = {
     "LOCAL_RANK": "this process's rank on its node (its GPU index); set by a launcher for each worker",
     "LOCAL_WORLD_SIZE": "number of processes on this node; set by a launcher for each worker",
     "TORCHELASTIC_RUN_ID": "the elastic launcher's job id; set for each worker",
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "seconds torch's elastic agent waits after passing a stop signal on, "
+                                      "before SIGKILL (default 30); train --nproc lengthens it to "
+                                      "fault.exit_timeout_s's needs",
     "GANSCALE_INJECT_FAULT": "test-only fault injection: a rank raises, sleeps or adds noise at a given step on purpose",
 }
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
@@ -345,13 +348,18 @@ def environment_checks(environ: Mapping[str, str], nproc: int, cores: int, backe
 
 def slurm_checks(environ: Mapping[str, str]) -> list[Check]:
     """Inside a Slurm allocation: its layout, and the classic mistakes with their fix; [] outside one."""
+    from ganscale.launch import SLURM_INTEGERS, environment_errors, environment_integer
     from ganscale.slurm import tasks_per_node, first_host
 
     if "SLURM_JOB_ID" not in environ:
         return []
-    tasks = int(environ.get("SLURM_NTASKS", "1"))
+    malformed = {name: e for name, e in environment_errors(environ).items() if name in SLURM_INTEGERS}
+    if malformed:  # no layout to report: the counts it is made of are what `ganscale train` refuses
+        return [Check(FAIL, "slurm layout", f"job {environ['SLURM_JOB_ID']}: {name}={environ[name]!r}",
+                      f"{e.problem}: `ganscale train` refuses it", e.fix) for name, e in malformed.items()]
+    tasks = environment_integer(environ, "SLURM_NTASKS", 1)
     per_node = tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
-    gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0)
+    gpus = environment_integer(environ, "SLURM_GPUS_ON_NODE", 0)
     host = first_host(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "localhost"))
     layout = (f"job {environ['SLURM_JOB_ID']}: {environ.get('SLURM_NNODES', '1')} node(s), {tasks} task(s) "
               f"({per_node} per node), {gpus} GPU(s) per node, rendezvous on {host}")

@@ -51,36 +51,55 @@ def rank_from_environment() -> int:
 
 
 MAX_RANKS = 2**31 - 1  # torch keeps ranks and group sizes in a C int
-# The launcher's integer variables: (least, most, what a value must be). torch reads each with int().
-LAUNCHER_INTEGERS = {"RANK": (0, MAX_RANKS - 1, "a rank"), "LOCAL_RANK": (0, MAX_RANKS - 1, "a rank"),
-                     "WORLD_SIZE": (1, MAX_RANKS, "a process count"),
-                     "LOCAL_WORLD_SIZE": (1, MAX_RANKS, "a process count"),
-                     "MASTER_PORT": (1, 65535, "a port number"),
-                     "TORCHELASTIC_MAX_RESTARTS": (0, MAX_RANKS, "a restart count"),
-                     "TORCHELASTIC_RESTART_COUNT": (0, MAX_RANKS, "a restart count")}
+AGENT_GRACE_S = 30  # torch's agent's wait between passing a stop signal on and SIGKILL, by default
+SET_BY_LAUNCHER = "a launcher sets it for each worker"
+# The launcher's integer variables: (least, most, what a value must be, who sets it). torch reads each with int().
+LAUNCHER_INTEGERS = {"RANK": (0, MAX_RANKS - 1, "a rank", SET_BY_LAUNCHER),
+                     "LOCAL_RANK": (0, MAX_RANKS - 1, "a rank", SET_BY_LAUNCHER),
+                     "WORLD_SIZE": (1, MAX_RANKS, "a process count", SET_BY_LAUNCHER),
+                     "LOCAL_WORLD_SIZE": (1, MAX_RANKS, "a process count", SET_BY_LAUNCHER),
+                     "MASTER_PORT": (1, 65535, "a port number", SET_BY_LAUNCHER),
+                     "TORCHELASTIC_MAX_RESTARTS": (0, MAX_RANKS, "a restart count", SET_BY_LAUNCHER),
+                     "TORCHELASTIC_RESTART_COUNT": (0, MAX_RANKS, "a restart count", SET_BY_LAUNCHER),
+                     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": (0, MAX_RANKS, "a number of seconds",
+                                                        f"torch's agent then waits {AGENT_GRACE_S} s")}
+# Slurm's integer variables that ganscale reads inside a job (`srun ganscale train`, doctor's Slurm section).
+# Slurm writes each as a plain count (its "4(x2)" lists are other variables, e.g. SLURM_TASKS_PER_NODE) and unsets
+# SLURM_GPUS_ON_NODE where a step has no GPU; an empty value reads as unset, as ganscale always read it.
+SLURM_INTEGERS = {"SLURM_NTASKS": (1, MAX_RANKS, "a task count", "Slurm sets it in a job"),
+                  "SLURM_GPUS_ON_NODE": (0, MAX_RANKS, "a GPU count", "Slurm sets it in a job with GPUs")}
 
 
 def environment_errors(environ: Mapping[str, str]) -> dict[str, ConfigError]:
-    """The launcher variables set in `environ` that no process group can have (not an integer in range, a rank
-    not below its group's size), each with its ConfigError; {} where all are fine or unset."""
+    """The launcher (and, inside a Slurm job, Slurm) variables set in `environ` that no process group can have
+    (not an integer in range, a rank not below its group's size), each with its ConfigError; {} where all are
+    fine or unset."""
     errors, values = {}, {}
-    for name, (least, most, what) in LAUNCHER_INTEGERS.items():
-        if name not in environ:
+    for name, (least, most, what, setter) in {**LAUNCHER_INTEGERS, **SLURM_INTEGERS}.items():
+        text = _as_read(environ, name)
+        if text is None:
             continue
-        value = _integer(environ[name])
+        value = _integer(text)
         if value is not None and least <= value <= most:
             values[name] = value
         else:
             fix = ("the TCP port of rank 0's store, e.g. 29500" if name == "MASTER_PORT"
                    else f"an integer from {least}")
-            errors[name] = ConfigError(name, f"{environ[name]!r} is not {what} ({least}-{most})",
-                                       f"set {name} to {fix}, or unset it (a launcher sets it for each worker)")
+            errors[name] = ConfigError(name, f"{text!r} is not {what} ({least}-{most})",
+                                       f"set {name} to {fix}, or unset it ({setter})")
     for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
         if rank in values and size in values and values[rank] >= values[size]:
             errors[rank] = ConfigError(rank, f"{values[rank]} is not below {size}={values[size]} (ranks count "
                                        "from 0)", f"set {rank} below {values[size]}, or {size} to the number "
                                        "of processes")
     return errors
+
+
+def _as_read(environ: Mapping[str, str], name: str) -> str | None:
+    """`name`'s value where ganscale reads it; None where unset, and for a Slurm count outside a job or empty."""
+    if name in SLURM_INTEGERS and ("SLURM_JOB_ID" not in environ or not environ.get(name)):
+        return None
+    return environ.get(name)
 
 
 def _integer(text: str) -> int | None:
@@ -91,10 +110,21 @@ def _integer(text: str) -> int | None:
 
 
 def check_environment(environ: Mapping[str, str] = os.environ) -> None:
-    """A ConfigError naming the first malformed launcher variable, before anything reads it (int() raised)."""
+    """A ConfigError naming the first malformed launcher (or Slurm) variable, before anything reads it (int()
+    raised)."""
     errors = environment_errors(environ)
     if errors:
         raise next(iter(errors.values()))
+
+
+def environment_integer(environ: Mapping[str, str], name: str, default: int) -> int:
+    """The value of `name` (LAUNCHER_INTEGERS, SLURM_INTEGERS), `default` where unset; where it is malformed, the
+    ConfigError environment_errors (and doctor) give it."""
+    error = environment_errors(environ).get(name)
+    if error is not None:
+        raise error
+    text = _as_read(environ, name)
+    return default if text is None else int(text)
 
 
 # A worker's exit that a restart cannot mend: a config, data or checkpoint error (the same again), a stop
@@ -149,15 +179,12 @@ def local_agent(nproc: int, stop_grace_s: float = 0.0, **options):
                         **agent_grace(stop_grace_s), **options)
 
 
-AGENT_GRACE_S = 30  # torch's agent's wait between passing a stop signal on and SIGKILL, by default
-
-
 def agent_grace(stop_grace_s: float) -> dict[str, int]:
     """LaunchConfig's keyword for the agent's grace: `stop_grace_s` + 1 s, or torch's own if longer. A torch
     without the keyword (versions' launcher-grace) waits its fixed AGENT_GRACE_S (check_stop_grace)."""
     if "launcher-grace" in versions.lacking(versions.running()):
         return {}
-    granted = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(AGENT_GRACE_S)))  # as torch reads it
+    granted = environment_integer(os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", AGENT_GRACE_S)  # as torch reads it
     return {"shutdown_timeout": max(granted, _grace_needed(stop_grace_s))}
 
 

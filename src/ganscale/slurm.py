@@ -236,9 +236,11 @@ def tasks_per_node(value: str) -> int:
 def task_environment(environ, nproc: int | None) -> dict[str, str]:
     """torch.distributed's variables for a task `srun` started (Lightning's convention: one task per process);
     {} where another launcher set them or there is no Slurm job step. Refuses layouts that cannot work."""
+    from ganscale.launch import environment_integer  # here: launch imports torch, which submitting a job does not
+
     if "SLURM_JOB_ID" not in environ or "TORCHELASTIC_RUN_ID" in environ or "RANK" in environ:
         return {}
-    tasks = int(environ.get("SLURM_NTASKS", "1"))
+    tasks = environment_integer(environ, "SLURM_NTASKS", 1)
     if tasks == 1:
         return {}
     if "SLURM_STEP_ID" not in environ:
@@ -248,7 +250,7 @@ def task_environment(environ, nproc: int | None) -> dict[str, str]:
         raise ConfigError("--nproc", f"each of the {tasks} srun tasks would start its own {nproc} workers",
                           "leave --nproc out under srun (one task per process), or run one task per node")
     per_node = tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
-    gpus = int(environ.get("SLURM_GPUS_ON_NODE") or 0)
+    gpus = environment_integer(environ, "SLURM_GPUS_ON_NODE", 0)
     if gpus and per_node != gpus:
         raise ConfigError("srun", f"{per_node} tasks per node on {gpus} GPUs per node",
                           f"ask for one task per GPU: --ntasks-per-node={gpus}")
