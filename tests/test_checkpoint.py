@@ -665,6 +665,41 @@ def test_an_output_is_never_written_over_a_run_s_files_nor_a_non_regular_or_exis
         assert _files_under(tmp_path) == before
 
 
+@pytest.mark.parametrize("out, why", [
+    ("run/config.yaml", "is the config of run"),
+    ("run/checkpoints/step-00000010.pt", "is inside the checkpoints of run"),
+    ("run/samples/step-00000010.png", "is inside the samples/ of run"),
+    ("run/metrics.jsonl", "is the metrics.jsonl of run"),
+    ("run/run.lock", "is the run.lock of run"),
+])
+def test_a_run_directory_holding_only_its_lock_is_a_run(tmp_path, out, why):
+    """A run starting (its config.yaml comes once its data and networks are built) or killed right after taking its
+    run directory holds only run.lock there: its own files are refused as any run's (they were written)."""
+    from ganscale.outputs import check_output
+    from ganscale.runlock import LOCK_NAME
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text('{"host": "node7", "pid": 4242, "token": "0a1b"}')
+    with contextlib.chdir(tmp_path), pytest.raises(ConfigError) as refused:
+        check_output(out, True)
+    assert refused.value.problem == f"'{out}' {why} {run}, which no command but train writes (not even with --force)"
+    assert _files_under(tmp_path) == {"run": "folder", "run/run.lock": (run / LOCK_NAME).read_bytes()}
+
+
+def test_a_manifest_is_not_written_as_the_config_of_a_run_holding_only_its_lock(tmp_path):
+    from ganscale.cli import main
+    from ganscale.runlock import LOCK_NAME
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK_NAME).write_text('{"host": "node7", "pid": 4242, "token": "0a1b"}')
+    before = _files_under(tmp_path)
+    with contextlib.chdir(tmp_path):
+        result = CliRunner().invoke(main, ["k8s", "ring8", "--image", "img", "--out", "run/config.yaml", "--force"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output  # was written, then replaced
+    assert "config error at '--out': 'run/config.yaml' is the config of run" in result.output, result.output
+    assert _files_under(tmp_path) == before
+
 def test_an_output_may_be_any_other_file_of_a_run_directory(tmp_path):
     """Only a run's own files are refused: a new file beside them, or the manifest `ganscale k8s` writes there by
     the same rule (RUN_DIR/k8s/job.yaml, replaced with --force), is written."""

@@ -36,8 +36,10 @@ RUN_RECORDS = {"metrics.jsonl": "train", "fingerprints.jsonl": "train", "summary
 
 
 def _is_run(folder: Path) -> bool:
-    """A ganscale run directory: it holds the run's config.yaml or its checkpoints."""
-    return (folder / "config.yaml").is_file() or bool(checkpoint.list_checkpoints(folder))
+    """A ganscale run directory: it holds the run's config.yaml, its checkpoints or its lock. The lock is all a run
+    holds until its data and networks are built and its config.yaml written (all, where it was killed before)."""
+    return ((folder / "config.yaml").is_file() or os.path.lexists(folder / LOCK_NAME)
+            or bool(checkpoint.list_checkpoints(folder)))
 
 
 def _record(name: str) -> str | None:
