@@ -374,6 +374,9 @@ def test_torchrun_max_restarts_without_a_run_directory_is_refused(tmp_path):
     ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "abc", "'TORCH_ELASTIC_SHUTDOWN_TIMEOUT': 'abc' is not a number of seconds"),
     ("SLURM_NTASKS", "abc", "'SLURM_NTASKS': 'abc' is not a task count"),  # a torchrun worker in a Slurm job
     ("SLURM_GPUS_ON_NODE", "4(x2)", "'SLURM_GPUS_ON_NODE': '4(x2)' is not a GPU count"),
+    ("SLURM_RESTART_COUNT", "abc", "'SLURM_RESTART_COUNT': 'abc' is not a requeue count"),  # the start line's
+    ("SLURM_JOB_ID", "abc", "'SLURM_JOB_ID': 'abc' is not a job id"),
+    ("SLURM_TASKS_PER_NODE", "2(x", "'SLURM_TASKS_PER_NODE': '2(x' is not Slurm's list of tasks per node"),
 ])
 def test_a_malformed_launcher_variable_is_refused_by_name_before_anything_is_written(tmp_path, variable, value,
                                                                                      said):

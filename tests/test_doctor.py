@@ -387,6 +387,19 @@ def test_a_malformed_slurm_count_fails_the_slurm_section_where_it_raised(variabl
     assert check.fix.startswith(f"set {variable} to an integer from ")
 
 
+@pytest.mark.parametrize("variable, value, said", [
+    ("SLURM_TASKS_PER_NODE", "2(x", "'2(x' is not Slurm's list of tasks per node"),
+    ("SLURM_TASKS_PER_NODE", "", "'' is not Slurm's list of tasks per node"),
+    ("SLURM_RESTART_COUNT", "abc", "'abc' is not a requeue count"), ("SLURM_JOB_ID", "abc", "'abc' is not a job id")])
+def test_a_malformed_slurm_variable_train_refuses_fails_the_slurm_section(variable, value, said):
+    job = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_GPUS_ON_NODE": "4",
+           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_ID": "0", variable: value}
+    [check] = doctor.slurm_checks(job)  # SLURM_TASKS_PER_NODE was a TypeError's traceback; the others unchecked
+    assert check.status == FAIL and f"{variable}={value!r}" in check.detail
+    assert check.cause.startswith(said) and check.cause.endswith("`ganscale train` refuses it")
+    assert check.fix.startswith(f"set {variable} ")
+
+
 # ------------------------------------------------------------------------------------ torch range
 def test_torch_inside_the_checked_range_passes():
     check = doctor.torch_check("2.14.1+cu130")

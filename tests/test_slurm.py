@@ -308,3 +308,61 @@ def test_a_malformed_slurm_count_is_one_line_and_exit_2_before_anything_is_writt
                              timeout=120)
     _refused(refused, "'SLURM_NTASKS': 'abc' is not a task count")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("variable, value, said", [
+    ("SLURM_JOB_ID", "abc", "'abc' is not a job id"), ("SLURM_JOB_ID", "", "'' is not a job id"),
+    ("SLURM_JOB_ID", "12.5", "'12.5' is not a job id"),
+    ("SLURM_RESTART_COUNT", "abc", "'abc' is not a requeue count"),
+    ("SLURM_RESTART_COUNT", "-1", "'-1' is not a requeue count"),
+    ("SLURM_TASKS_PER_NODE", "abc", "'abc' is not Slurm's list of tasks per node"),
+    ("SLURM_TASKS_PER_NODE", "2(x", "'2(x' is not Slurm's list of tasks per node"),
+    ("SLURM_TASKS_PER_NODE", "", "'' is not Slurm's list of tasks per node"),
+    ("SLURM_TASKS_PER_NODE", "2(x1),", "'2(x1),' is not Slurm's list of tasks per node")])
+def test_srun_tasks_refuse_a_malformed_job_id_requeue_count_or_tasks_list_by_name(variable, value, said):
+    """int() of SLURM_JOB_ID and SLURM_RESTART_COUNT, and tasks_per_node's match, were a ValueError or TypeError
+    and a traceback."""
+    from ganscale.config import ConfigError
+    from ganscale.slurm import task_environment
+
+    with pytest.raises(ConfigError) as refused:
+        task_environment({**srun_task(0, 2, 5), variable: value}, None)
+    assert refused.value.key == variable and refused.value.problem.startswith(said)
+    assert refused.value.fix.startswith(f"set {variable} ") and "unset it (Slurm sets it in " in refused.value.fix
+
+
+def test_srun_tasks_read_every_value_slurm_writes():
+    """Slurm's compressed tasks-per-node lists; a job id as written in a task ("%d": a federated job's, cluster id
+    in bits 26-31, can be negative) or for the allocation ("%u"), an array's or heterogeneous job's alike; no
+    requeue count outside a batch job, and an empty one, read as 0."""
+    from ganscale.slurm import PORT_BASE, PORT_SPAN, requeue_count, task_environment, tasks_per_node
+
+    for value, first in [("2", 2), ("2(x3)", 2), ("2(x3),1", 2), ("1,2,1(x3),3,2", 1), ("0,2(x2)", 0)]:
+        assert tasks_per_node(value) == first
+    for job_id in ("1234", "-2080374783", "4227858433"):
+        for restarts in ({}, {"SLURM_RESTART_COUNT": ""}, {"SLURM_RESTART_COUNT": "3"}):
+            environ = {**srun_task(1, 2, 5), "SLURM_JOB_ID": job_id, **restarts}
+            port = int(task_environment(environ, None)["MASTER_PORT"])
+            assert PORT_BASE <= port < PORT_BASE + PORT_SPAN
+            assert requeue_count(environ) == int(restarts.get("SLURM_RESTART_COUNT") or 0)
+
+
+def test_the_requeue_count_is_read_only_in_a_job_and_refused_there_when_malformed():
+    """It was int()'s ValueError wherever it was read: rank 0's start line and summary.json's requeues."""
+    from ganscale.config import ConfigError
+    from ganscale.slurm import requeue_count, start_line
+
+    assert requeue_count({"SLURM_RESTART_COUNT": "abc"}) == 0 and start_line(None, {"SLURM_RESTART_COUNT": "x"}) is None
+    said = start_line(None, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2"})
+    assert said == "ganscale: Slurm job 77, requeued 2 times"
+    with pytest.raises(ConfigError) as refused:
+        start_line(None, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2x"})
+    assert refused.value.key == "SLURM_RESTART_COUNT"
+
+
+def test_a_malformed_requeue_count_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
+    env = {**clean_env(), "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "two"}  # a batch job's one process
+    refused = subprocess.run([sys.executable, "-m", "ganscale", "train", "ring8", "--run-dir", "run"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=120)
+    _refused(refused, "'SLURM_RESTART_COUNT': 'two' is not a requeue count")
+    assert not (tmp_path / "run").exists()

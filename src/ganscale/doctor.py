@@ -348,13 +348,13 @@ def environment_checks(environ: Mapping[str, str], nproc: int, cores: int, backe
 
 def slurm_checks(environ: Mapping[str, str]) -> list[Check]:
     """Inside a Slurm allocation: its layout, and the classic mistakes with their fix; [] outside one."""
-    from ganscale.launch import SLURM_INTEGERS, environment_errors, environment_integer
+    from ganscale.launch import environment_errors, environment_integer
     from ganscale.slurm import tasks_per_node, first_host
 
     if "SLURM_JOB_ID" not in environ:
         return []
-    malformed = {name: e for name, e in environment_errors(environ).items() if name in SLURM_INTEGERS}
-    if malformed:  # no layout to report: the counts it is made of are what `ganscale train` refuses
+    malformed = {name: e for name, e in environment_errors(environ).items() if name.startswith("SLURM_")}
+    if malformed:  # no layout to report: the values it is made of are what `ganscale train` refuses
         return [Check(FAIL, "slurm layout", f"job {environ['SLURM_JOB_ID']}: {name}={environ[name]!r}",
                       f"{e.problem}: `ganscale train` refuses it", e.fix) for name, e in malformed.items()]
     tasks = environment_integer(environ, "SLURM_NTASKS", 1)

@@ -63,11 +63,20 @@ LAUNCHER_INTEGERS = {"RANK": (0, MAX_RANKS - 1, "a rank", SET_BY_LAUNCHER),
                      "TORCHELASTIC_RESTART_COUNT": (0, MAX_RANKS, "a restart count", SET_BY_LAUNCHER),
                      "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": (0, MAX_RANKS, "a number of seconds",
                                                         f"torch's agent then waits {AGENT_GRACE_S} s")}
-# Slurm's integer variables that ganscale reads inside a job (`srun ganscale train`, doctor's Slurm section).
-# Slurm writes each as a plain count (its "4(x2)" lists are other variables, e.g. SLURM_TASKS_PER_NODE) and unsets
-# SLURM_GPUS_ON_NODE where a step has no GPU; an empty value reads as unset, as ganscale always read it.
-SLURM_INTEGERS = {"SLURM_NTASKS": (1, MAX_RANKS, "a task count", "Slurm sets it in a job"),
+# Slurm's integer variables that ganscale reads inside a job (`srun ganscale train`, doctor's Slurm section, the
+# start line and summary's requeues). Slurm writes each as a plain integer (its "4(x2)" lists are other variables,
+# e.g. SLURM_TASKS_PER_NODE), SLURM_RESTART_COUNT only in a batch job, and unsets SLURM_GPUS_ON_NODE where a step
+# has no GPU; an empty count reads as unset, as ganscale always read it. SLURM_JOB_ID is the job's own id in an
+# array or heterogeneous job too (their ids are other variables); Slurm writes it "%u" for the allocation but "%d"
+# in each task's environment, so a federated job's id (cluster id in bits 26-31) can read negative there.
+UINT32_MAX = 2**32 - 1
+SLURM_INTEGERS = {"SLURM_JOB_ID": (-2**31, UINT32_MAX, "a job id", "Slurm sets it in a job"),
+                  "SLURM_RESTART_COUNT": (0, UINT32_MAX, "a requeue count", "Slurm sets it in a batch job"),
+                  "SLURM_NTASKS": (1, MAX_RANKS, "a task count", "Slurm sets it in a job"),
                   "SLURM_GPUS_ON_NODE": (0, MAX_RANKS, "a GPU count", "Slurm sets it in a job with GPUs")}
+# What a variable's fix asks for, where "an integer from <least>" would not do.
+FIX_VALUES = {"MASTER_PORT": "the TCP port of rank 0's store, e.g. 29500",
+              "SLURM_JOB_ID": "the job's id as Slurm writes it, e.g. 1234"}
 
 
 def environment_errors(environ: Mapping[str, str]) -> dict[str, ConfigError]:
@@ -83,21 +92,30 @@ def environment_errors(environ: Mapping[str, str]) -> dict[str, ConfigError]:
         if value is not None and least <= value <= most:
             values[name] = value
         else:
-            fix = ("the TCP port of rank 0's store, e.g. 29500" if name == "MASTER_PORT"
-                   else f"an integer from {least}")
-            errors[name] = ConfigError(name, f"{text!r} is not {what} ({least}-{most})",
-                                       f"set {name} to {fix}, or unset it ({setter})")
+            span = f"{least}-{most}" if least >= 0 else f"{least} to {most}"
+            errors[name] = ConfigError(name, f"{text!r} is not {what} ({span})",
+                                       f"set {name} to {FIX_VALUES.get(name, f'an integer from {least}')}, or "
+                                       f"unset it ({setter})")
     for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
         if rank in values and size in values and values[rank] >= values[size]:
             errors[rank] = ConfigError(rank, f"{values[rank]} is not below {size}={values[size]} (ranks count "
                                        "from 0)", f"set {rank} below {values[size]}, or {size} to the number "
                                        "of processes")
+    if "SLURM_JOB_ID" in environ and "SLURM_TASKS_PER_NODE" in environ:
+        from ganscale.slurm import tasks_per_node
+
+        try:
+            tasks_per_node(environ["SLURM_TASKS_PER_NODE"])
+        except ConfigError as e:
+            errors[e.key] = e
     return errors
 
 
 def _as_read(environ: Mapping[str, str], name: str) -> str | None:
     """`name`'s value where ganscale reads it; None where unset, and for a Slurm count outside a job or empty."""
-    if name in SLURM_INTEGERS and ("SLURM_JOB_ID" not in environ or not environ.get(name)):
+    # Not an empty SLURM_JOB_ID: its presence is what makes ganscale read Slurm's variables, and no id stands in.
+    if name in SLURM_INTEGERS and ("SLURM_JOB_ID" not in environ
+                                   or (not environ.get(name) and name != "SLURM_JOB_ID")):
         return None
     return environ.get(name)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 from ganscale.config import Config, ConfigError, refuse_control_characters
 from ganscale.fault import EXIT_PREEMPTED, stop_grace_s
 
+# SLURM_TASKS_PER_NODE as Slurm writes it (env.c: "%u" or "%u(x%u)" per run of nodes alike, joined by commas).
+TASKS_PER_NODE = re.compile(r"[0-9]+(?:\(x[0-9]+\))?(?:,[0-9]+(?:\(x[0-9]+\))?)*")
 TIME = re.compile(r"^(?:(\d+)-)?(\d{1,2}):([0-5]\d):([0-5]\d)$")  # [D-]HH:MM:SS, one of sbatch's forms
 SCRIPT = "job.sbatch"
 SLURMCTLD_CHECK_S = 30  # slurmctld's time-limit check interval (PERIODIC_TIMEOUT): a signal may come this much early
@@ -209,8 +211,11 @@ def rendezvous_port(job_id: int, requeues: int) -> int:
 
 
 def requeue_count(environ=os.environ) -> int:
-    """How many times Slurm requeued this job (SLURM_RESTART_COUNT; 0 outside Slurm)."""
-    return int(environ.get("SLURM_RESTART_COUNT") or 0)
+    """How many times Slurm requeued this job (SLURM_RESTART_COUNT; 0 outside Slurm). A malformed count is the
+    ConfigError `ganscale train` refuses it with at its start."""
+    from ganscale.launch import environment_integer  # here: launch imports torch, which submitting a job does not
+
+    return environment_integer(environ, "SLURM_RESTART_COUNT", 0)
 
 
 def start_line(resume_from: Path | None, environ=os.environ) -> str | None:
@@ -230,7 +235,13 @@ def first_host(nodelist: str) -> str:
 
 
 def tasks_per_node(value: str) -> int:
-    return int(re.match(r"\d+", value)[0])  # SLURM_TASKS_PER_NODE "4(x2),3": the first node's count
+    """The first node's count of SLURM_TASKS_PER_NODE, Slurm's compressed list ("4(x2),3"); a ConfigError naming
+    the variable for anything else (empty included: no count stands in for it on a job of several nodes)."""
+    if not TASKS_PER_NODE.fullmatch(value):
+        raise ConfigError("SLURM_TASKS_PER_NODE", f"{value!r} is not Slurm's list of tasks per node",
+                          "set SLURM_TASKS_PER_NODE as Slurm writes it, e.g. 2(x3),1 (3 nodes of 2 tasks, then "
+                          "1 of 1), or unset it (Slurm sets it in a job)")
+    return int(re.match(r"[0-9]+", value)[0])
 
 
 def task_environment(environ, nproc: int | None) -> dict[str, str]:
@@ -256,7 +267,8 @@ def task_environment(environ, nproc: int | None) -> dict[str, str]:
                           f"ask for one task per GPU: --ntasks-per-node={gpus}")
     return {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ["SLURM_LOCALID"], "WORLD_SIZE": str(tasks),
             "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": first_host(environ["SLURM_NODELIST"]),
-            "MASTER_PORT": str(rendezvous_port(int(environ["SLURM_JOB_ID"]), requeue_count(environ)))}
+            "MASTER_PORT": str(rendezvous_port(environment_integer(environ, "SLURM_JOB_ID", 0),
+                                               requeue_count(environ)))}
 
 
 def check_sbatch() -> str:
