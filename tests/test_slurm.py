@@ -366,3 +366,35 @@ def test_a_malformed_requeue_count_is_one_line_and_exit_2_before_anything_is_wri
                              env=env, capture_output=True, text=True, timeout=120)
     _refused(refused, "'SLURM_RESTART_COUNT': 'two' is not a requeue count")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_a_live_run_of_this_host_holds_is_refused_at_submission(tmp_path, monkeypatch):
+    """The job would be refused as it starts (its run.lock is held), after waiting in the queue: refused now, one
+    line naming the holder, nothing written or submitted. Not for --dry-run (the script is submitted later, by
+    hand), nor where the holder is a Slurm job's (this run's previous job, which may end or requeue first) or on
+    another host (a lease says nothing of the time to come): the job's start judges those, as before."""
+    from ganscale import runlock
+
+    bin_dir = fake_sbatch(tmp_path / "bin")
+    run = tmp_path / "run"
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    held = runlock.hold(run)  # this process: `ganscale train --run-dir run` on the login node
+    try:
+        _refused(slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), "is in use by the run")
+        assert [p.name for p in run.iterdir()] == [runlock.LOCK_NAME] and not (bin_dir / "sbatch.calls").exists()
+        printed = slurm(*CPU_JOB, "--run-dir", "run", "--dry-run", cwd=tmp_path)
+        assert printed.returncode == 0 and "#SBATCH" in printed.stdout, explain(printed)
+    finally:
+        held.release()
+    monkeypatch.setenv("SLURM_JOB_ID", "4100")
+    held = runlock.hold(run)  # this run's previous job, still running here
+    try:
+        assert json.loads((run / runlock.LOCK_NAME).read_text())["slurm_job"] == "4100"
+        submitted = slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,))
+        assert submitted.returncode == 0 and "submitted job 4242" in submitted.stdout, explain(submitted)
+    finally:
+        held.release()
+    (run / runlock.LOCK_NAME).write_text(json.dumps({"host": "node07", "pid": 1, "pid_start": 1, "token": "theirs",
+                                                     "started": "2026-11-24 20:31:05"}))  # a fresh lease elsewhere
+    submitted = slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,))
+    assert submitted.returncode == 0 and "submitted job 4242" in submitted.stdout, explain(submitted)

@@ -222,12 +222,16 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         shape = slurming.layout(nodes, gpus_per_node, procs_per_node)
         slurming.check_time(time_limit)
         cfg = config_mod.load(recipe, overrides)
-        from ganscale import preflight, rundir  # torch's import (~2 s) only once the options and config are read
+        from ganscale import preflight, rundir, runlock  # torch (~2 s) only once the options and config are read
 
         preflight.check(cfg, shape.world_size, gpus_per_node > 0)
         sbatch = None if dry_run else slurming.check_sbatch()
         # A run directory that holds a run is continued (the job trains with --resume auto).
         target, _ = rundir.resolve_run(cfg, run_dir, "auto" if run_dir else None)
+        # A live run of this host holding it would have the job refused as it starts. Not a holder elsewhere or a
+        # Slurm job's (this run's previous job, which may end first), nor for --dry-run (submitted later, by hand).
+        if run_dir and not dry_run:
+            runlock.refuse_if_held(target, here_only=True)
         signal_lead = signal_lead or slurming.default_signal_lead_s(cfg)
         slurming.check_signal_lead(time_limit, signal_lead)
         job = slurming.Job(shape, f"ganscale-{cfg.name}", target.resolve(), slurming.train_args(recipe, overrides),

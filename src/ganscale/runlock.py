@@ -128,7 +128,8 @@ def hold(run_dir: Path) -> RunLock:
     run_dir.mkdir(parents=True, exist_ok=True)
     lock, token = run_dir / LOCK_NAME, uuid.uuid4().hex
     owner = {"host": socket.gethostname(), "pid_ns": _pid_namespace(), "pid": os.getpid(),
-             "pid_start": _process_start(os.getpid()), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "token": token}
+             "pid_start": _process_start(os.getpid()), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "token": token,
+             "slurm_job": os.environ.get("SLURM_JOB_ID")}
     for _ in range(3):  # a stale lock taken over, and lost to a third run: at most a few tries
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -185,13 +186,17 @@ def held_by_parent(run_dir: Path) -> bool:
     return token is not None and (_owner(run_dir / LOCK_NAME) or {}).get("token") == token
 
 
-def refuse_if_held(run_dir: Path) -> None:
-    """A ConfigError naming the holder when another live run holds `run_dir`; writes nothing."""
+def refuse_if_held(run_dir: Path, here_only: bool = False) -> None:
+    """A ConfigError naming the holder when another live run holds `run_dir`; writes nothing. `here_only`: only a
+    holder seen alive by its pid (this host and PID namespace) that is not a Slurm job's (which may end or requeue
+    before a job submitted now starts); a lease of another host's says nothing of the time to come."""
     lock = run_dir / LOCK_NAME
     seen = _seen(lock)
     if seen is None or _stale(*seen):
         return
     owner = seen[0]
+    if here_only and not (_here(owner) and not owner.get("slurm_job")):
+        return
     holder = (f"the run started {owner.get('started')} on host {owner.get('host')} (pid {owner.get('pid')})"
               if owner else f"a run that is starting (see {lock})")
     raise ConfigError("--run-dir", f"'{run_dir}' is in use by {holder}", "wait for it to end, or choose another "
@@ -232,12 +237,17 @@ def _seen(lock: Path) -> tuple[dict | None, float, int] | None:
 def _stale(owner: dict | None, age_s: float, _mtime_ns: int) -> bool:
     # Its pid means something here only on this host and in this PID namespace: another container's pid looks dead
     # (or is another process) from here. A record without pid_ns (an older ganscale's) counts as this namespace.
-    ours = _pid_namespace()
-    if owner and owner.get("host") == socket.gethostname() and owner.get("pid_ns", ours) == ours:
+    if _here(owner):
         pid = owner.get("pid")
         return not (isinstance(pid, int) and _process_start(pid) is not None
                     and _process_start(pid) == owner.get("pid_start"))
     return age_s > LEASE_S
+
+
+def _here(owner: dict | None) -> bool:
+    """Whether the lock's owner is a process of this host and PID namespace, whose pid this process can check."""
+    ours = _pid_namespace()
+    return bool(owner) and owner.get("host") == socket.gethostname() and owner.get("pid_ns", ours) == ours
 
 
 def token_of(run_dir: Path) -> str | None:
