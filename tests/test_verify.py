@@ -290,6 +290,13 @@ def test_rounding_noise_is_recognised_from_gradient_elements_that_differ():
     assert cause == "gradient elements that are rounding noise, which Adam scales up"
     assert "element 1 of D.b's gradient in step 1 is 3.0e-07 on one process and -2.0e-07 on N" in problem
     assert "none in the config" in fix
+    # Exactly 0 in one run (not recorded) and rounding noise in the other: the element Adam moves in one run only.
+    cause, problem, _ = probable_cause(Evidence(cfg, 2, [step({"b": [[1, 3e-7], [4, 2e-9]]})], [step({"b": [[1, 3e-7]]})], 1))
+    assert cause == "gradient elements that are rounding noise, which Adam scales up"
+    assert "element 4 of D.b's gradient in step 1 is 0 or not near zero on one process and 2.0e-09 on N" in problem
+    full = [[i, 1e-9] for i in range(8)]  # the first 8 of a tensor are kept
+    assert probable_cause(Evidence(cfg, 2, [step({"b": full, "c": [[9, 5e-9]]})], [step({"b": full})], 1))[0] == (
+        "gradient elements that are rounding noise, which Adam scales up")  # c recorded nothing: c's element 9 is 0
     # A bias whose whole gradient is rounding noise (a normalisation follows it) is the cause to name and fix.
     dead = [{**one[0], "grads": {"net.0.weight": [2.0, 0.1], "net.0.bias": [1e-8, 1e-9]}}]
     cause, problem, fix = probable_cause(Evidence(cfg, 2, parting, dead, 1))

@@ -173,18 +173,21 @@ class Evidence:
     parted_at: int | None = None
 
     @cached_property
-    def rounding_noise(self) -> tuple[str, int, int, float, float] | None:
+    def rounding_noise(self) -> tuple[str, int, int, float | None, float | None] | None:
         """(tensor, step, element, one process's value, N processes') of the first gradient element, up to the step
-        the runs part, that is rounding noise (fingerprints.ROUNDING_NOISE) and not the same in both runs."""
+        the runs part, that is rounding noise (fingerprints.ROUNDING_NOISE) in one run at least and not the same in
+        both. A value is None where that run recorded none for the element although it would have, had it been
+        rounding noise there: exactly 0 (terms that cancel exactly), or not near zero."""
         for a, b in zip(self.one, self.many):
             if a["net"] == "after" or (self.parted_at is not None and a["step"] > self.parted_at):
                 continue
-            theirs = {(name, int(i)): v for name, elements in b.get("rounding_noise", {}).items() for i, v in elements}
-            for name, elements in a.get("rounding_noise", {}).items():
-                for i, mine in elements:
-                    other = theirs.get((name, int(i)))
-                    if other is not None and abs(mine - other) > max(abs(mine), abs(other)) / 10:
-                        return f"{a['net']}.{name}", a["step"], int(i), mine, other
+            mine, theirs = _noise_elements(a), _noise_elements(b)
+            for name, i in sorted(mine.keys() | theirs.keys(), key=lambda key: (_order(a, key[0]), key[1])):
+                x, y = mine.get((name, i)), theirs.get((name, i))
+                if (x is None and not _would_record(a, name, i)) or (y is None and not _would_record(b, name, i)):
+                    continue  # past what that run recorded of the tensor: its value there is unknown
+                if x is None or y is None or abs(x - y) > max(abs(x), abs(y)) / 10:
+                    return f"{a['net']}.{name}", a["step"], i, x, y
         return None
 
     @cached_property
@@ -239,6 +242,23 @@ class Evidence:
                   if s != "ddp"]
         named += [f"train.compile={t.compile}"] if t.compile != "off" else []
         return ", ".join(named) or None
+
+
+def _noise_elements(record: dict) -> dict[tuple[str, int], float]:
+    return {(name, int(i)): v for name, elements in record.get("rounding_noise", {}).items() for i, v in elements}
+
+
+def _would_record(record: dict, name: str, element: int) -> bool:
+    """Whether `record` would hold `element` of `name` had it been rounding noise: a tensor's first NOISE_ELEMENTS
+    such elements by index are kept."""
+    kept = record.get("rounding_noise", {}).get(name, [])
+    return len(kept) < fingerprints.NOISE_ELEMENTS or element < int(kept[-1][0])
+
+
+def _order(record: dict, name: str) -> int:
+    """The tensor's place among the record's gradients (its network's parameter order)."""
+    names = list(record.get("grads", {}))
+    return names.index(name) if name in names else len(names)
 
 
 @contextlib.contextmanager
@@ -305,10 +325,10 @@ CAUSES = (
                      "build that layer with bias=False (the normalisation's own shift replaces it)")),
     Cause("gradient elements that are rounding noise, which Adam scales up",
           lambda e: e.rounding_noise is not None,
-          lambda e: ("element {2} of {0}'s gradient in step {1} is {3:.1e} on one process and {4:.1e} on N: near zero, "
+          lambda e: ("element {2} of {0}'s gradient in step {1} is {3} on one process and {4} on N: near zero, "
                      "so rounding sets it (a rarely active unit, terms that cancel), and Adam divides a gradient by its "
                      "running size, so that parameter moves by up to its learning rate either way; the runs part from "
-                     "there".format(*e.rounding_noise),
+                     "there".format(*e.rounding_noise[:3], *map(_noise_value, e.rounding_noise[3:])),
                      "none in the config: no bias feeds a normalisation, and the two runs are the same training up to "
                      "fp32 rounding, which Adam carries into the weights; the steps before the runs part are compared "
                      "within the tolerance")),
@@ -324,6 +344,10 @@ CAUSES = (
                      "look at the tensor named above for state that differs by rank: a buffer updated per rank, "
                      "a branch on the rank, data read per process")),
 )
+
+
+def _noise_value(value: float | None) -> str:
+    return "0 or not near zero" if value is None else f"{value:.1e}"
 
 
 def probable_cause(evidence: Evidence) -> tuple[str, str, str]:
