@@ -208,3 +208,16 @@ def test_a_run_dir_that_is_a_file_is_refused_and_the_file_kept(tmp_path, inside,
         api.train("digits", run_dir=notes / "run" if inside else notes, nproc=nproc)
     assert refused.value.key == "--run-dir" and f"'{notes}' is a file, not a folder" in str(refused.value)
     assert notes.read_text() == "mine" and list(tmp_path.iterdir()) == [notes]
+
+
+@pytest.mark.parametrize("value, said", [(lambda: __import__("numpy").int64(16), "a numpy.int64 (np.int64(16))"),
+                                         (lambda: __import__("torch").Generator(), "a torch._C.Generator (")])
+def test_a_config_value_yaml_cannot_hold_is_refused_naming_its_key(tmp_path, value, said):
+    """A numpy number or a torch object among a dict config's arguments was a PydanticSerializationError without
+    the option's name: the run's config.yaml, which workers and resumes read, cannot hold it."""
+    settings = {"model": {"kind": "custom", "generator": "nets:G", "discriminator": "nets:D",
+                          "generator_args": {"z_dim": 8, "nested": [1, value()]}}}
+    with pytest.raises(ConfigError) as refused:
+        api.train(settings, run_dir=tmp_path / "run")
+    assert refused.value.key == "model.generator_args.nested[1]" and said in refused.value.problem
+    assert not (tmp_path / "run").exists()

@@ -283,7 +283,26 @@ def settings(section: BaseModel, prefix: str = "") -> Iterator[str]:
         if isinstance(value, BaseModel):
             yield from settings(value, f"{prefix}{name}.")
         else:
+            _refuse_unwritable(f"{prefix}{name}", value)
             yield f"{prefix}{name}={_yaml_value(value)}"
+
+
+PLAIN = (str, int, float, bool, type(None))  # what the run's config.yaml can hold (in lists and dicts)
+
+
+def _refuse_unwritable(key: str, value: Any) -> None:
+    """A ConfigError naming the first value inside `value` that the run's config.yaml cannot hold (a numpy number, a
+    tensor, a generator), with its dotted key: workers and resumes read the config back from that file."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _refuse_unwritable(f"{key}.{name}", item)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _refuse_unwritable(f"{key}[{i}]", item)
+    elif not isinstance(value, PLAIN):
+        raise ConfigError(key, f"a {type(value).__module__}.{type(value).__qualname__} ({value!r:.60}), which the "
+                          "run's config.yaml cannot hold", "give plain values: int(...), float(...), str, and lists "
+                          "and dicts of them")
 
 
 def _yaml_value(value: Any) -> str:
