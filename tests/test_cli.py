@@ -477,6 +477,18 @@ def test_a_config_error_of_every_worker_is_printed_once(tmp_path):
                        "ganscale: worker ranks 0, 1 failed with exit code 2 (see their output above)")
 
 
+@pytest.mark.parametrize("setting, said", [("train.stepz=3", "config error at 'train.stepz'"),
+                                           ("train.batch_size=15", "config error at 'train.batch_size'")])
+def test_a_config_error_under_torchrun_is_printed_once_on_the_node(tmp_path, setting, said):
+    """Every torchrun worker refuses the config alike (while loading it, or preflight's check of it): each printed
+    the line, against the README's "once on each node"."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "ganscale", "train", "--set", setting, "--run-dir", str(tmp_path / "run")],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0 and (result.stdout + result.stderr).count(said) == 1, explain(result)
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_error_told_by_another_rank_is_printed_by_its_rank_and_once_on_each_other_node(monkeypatch):
     from ganscale.fault import told_by, told_elsewhere
 
