@@ -435,3 +435,19 @@ def test_sharded_shipped_networks_train_without_torch_s_view_output_warning(tmp_
     overrides = {**sets, "parallel.generator": "fsdp", "parallel.discriminator": "fsdp", "train.steps": 1,
                  "train.batch_size": 8, "log.sample_every": 0, "checkpoint.every": 0, "log.tensorboard": "false"}
     assert run_ranks(_view_output_warnings, 2, overrides, str(tmp_path), recipe) == [[], []]
+
+
+@pytest.mark.parametrize("steps, start_up", [(2, True), (3, False)])
+def test_a_run_of_under_three_steps_says_its_measured_step_carries_one_time_work(tmp_path, steps, start_up):
+    """The third step is measured, after the first steps' one-time work; a 2-step run measures its last, which
+    printed DDP's start-up broadcast and extra all-reduces as the run's traffic per step without a word."""
+    import json
+
+    from dist_helpers import train_in_process
+    from ganscale import config
+
+    cfg = config.load(None, [f"{k}={v}" for k, v in {**SMALL_DCGAN, "train.steps": steps}.items()])
+    trainer = train_in_process(cfg, tmp_path)
+    assert trainer.traffic.start_up is start_up
+    assert ("one-time work included" in trainer.traffic.report()) is start_up
+    assert json.loads((tmp_path / "summary.json").read_text())["communicated_at_start_up"] is start_up

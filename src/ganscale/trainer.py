@@ -355,6 +355,7 @@ class Trainer:
         # Measure one iteration's communication: the third, as the first two also carry one-time work
         # (FSDP's lazy initialisation; DDP rebuilding its buckets in the second).
         self.traffic.enabled = step == min(start_step + 2, self.cfg.train.steps - 1)
+        self.traffic.start_up = self.traffic.enabled and step < start_step + 2
         factor = lr_factor(step, self.cfg.train.steps, self.cfg.optim.decay_start)  # a function of the step
         for group in (*self.opt_g.param_groups, *self.opt_d.param_groups):
             group["lr"] = group["initial_lr"] * factor

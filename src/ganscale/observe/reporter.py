@@ -149,6 +149,7 @@ class Reporter:
                 "img_per_s": (training.step - self.start_step) * training.global_batch / max(wall, 1e-9),
                 "final": self.record, "quality": self.quality, "held_bytes": training.memory,
                 "communicated_bytes": {phase: dict(kinds) for phase, kinds in training.traffic.by_phase.items()},
+                "communicated_at_start_up": training.traffic.start_up,  # the measured step carried one-time work
                 "max_memory_allocated": (torch.cuda.max_memory_allocated(device)  # rank 0's peak
                                          if device.type == "cuda" else None),
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # rank 0's host peak

@@ -72,6 +72,7 @@ class TrafficMeter:
 
     def __init__(self, unmeasurable: str | None = None) -> None:
         self.enabled = False
+        self.start_up = False  # the measured step also carries one-time work (a run or resume of under 3 steps)
         self.unmeasurable = unmeasurable
         self.by_phase: dict[str, dict[str, int]] = {}
 
@@ -92,4 +93,5 @@ class TrafficMeter:
         for phase, kinds in self.by_phase.items():
             parts = ", ".join(f"{kind} {n / 2**20:.3f} MiB" for kind, n in kinds.items() if kind != "ops" and n)
             lines.append(f"{phase}: {parts or 'nothing'} ({kinds.get('ops', 0)} ops)")
-        return "; ".join(lines)
+        start_up = " (a step of the run's first two: one-time work included, e.g. DDP's buckets)" if self.start_up else ""
+        return "; ".join(lines) + start_up
