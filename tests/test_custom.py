@@ -88,6 +88,16 @@ class BatchOf2G(Generator):
         return self.net(z).view(2, 1, 8, 8)
 
 
+class ShapeBug(Generator):
+    def forward(self, z, labels=None):
+        return self.net[2](self.net[0](z).T)  # the user's bug: .T
+
+
+class LabelsG(Generator):
+    def forward(self, z, labels):
+        return super().forward(z, labels)
+
+
 class LazyD(Discriminator):
     def __init__(self, width=16, n_classes=0):
         super().__init__(width, n_classes)
@@ -240,6 +250,16 @@ class Summed(Hinge):
 class Detached(Hinge):
     def g_loss(self, fake):
         return -fake.mean().detach()
+
+
+class NeedsMargin(Hinge):
+    def __init__(self, margin):
+        self.margin = margin
+
+
+class BuggyInit(Hinge):
+    def __init__(self, margin=1.0):
+        self.margin = margin.value  # the user's bug
 '''
 
 CONFIG = '''
@@ -592,7 +612,8 @@ def test_a_user_d_that_cannot_be_built_on_meta_trains_with_its_memory_estimated(
     ("model.generator=Generator", "model.generator", "module:attribute"),
     ("model.generator_args={{z_dim: 8, depth: 3}}", "model.generator_args", "depth"),
     ("model.generator={pkg}.nets:WrongShape", "model.generator", "(2, 64)"),
-    ("model.z_dim=5", "model.generator", "latents of model.z_dim=5 (the size the trainer draws; generator_args"),
+    ("model.z_dim=5", "model.generator", "in forward; set model.z_dim=8: generator_args builds G for z_dim=8, but "
+     "the trainer draws latents of model.z_dim=5"),
     ("model.discriminator={pkg}.nets:TwoLogits", "model.discriminator", "one logit per sample"),
     # G's own faults name G, not D's first layer failing on them
     ("model.generator={pkg}.nets:DoubleG", "model.generator", "returns torch.float64 images"),
@@ -635,6 +656,50 @@ def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, overr
     message = result.stderr.strip().splitlines()
     assert len(message) == 1 and f"'{key}'" in message[0] and said in message[0], explain(result)
     assert not (tmp_path / "run").exists()
+
+
+BOOM = {"boom": "import torch\n\nraise RuntimeError('oops in my module')\n",
+        "needs_dep": "import torch\nimport no_such_dependency_xyz\n",
+        "bad_syntax": "import torch\n\ndef G(:\n    pass\n"}
+
+
+@pytest.mark.parametrize("override, key, file, line, fix", [
+    # an error in the user's code: its place, not the contract (batch size, z_dim) it did not break
+    ("model.generator={pkg}.nets:ShapeBug", "model.generator", "nets.py", "# the user's bug: .T",
+     "Fix: fix the error at {at} in forward"),
+    ("model.generator={pkg}.boom:G", "model.generator", "boom.py", "raise RuntimeError",
+     "Fix: fix the error at {at} in <module>"),
+    ("model.generator={pkg}.needs_dep:G", "model.generator", "needs_dep.py", "import no_such_dependency_xyz",
+     "Fix: fix the error at {at} in <module>"),
+    ("model.generator={pkg}.bad_syntax:G", "model.generator", "bad_syntax.py", "def G(:", "Fix: fix the error at {at}"),
+    ("loss.kind={pkg}.losses:BuggyInit", "loss.kind", "losses.py", "# the user's bug", "building {pkg}.losses:BuggyInit "
+     "failed (AttributeError: 'float' object has no attribute 'value'). Fix: fix the error at {at} in __init__"),
+    # not the user's code failing: what to change
+    ("model.generator={pkg}.nets:LabelsG", "model.generator", None, None, "has forward(z, labels), but "
+     "model.task=unconditional calls G as forward(z). Fix: set model.task=class-conditional (with model.n_classes), "
+     "which calls G as forward(z, labels)"),
+    ("loss.kind={pkg}.losses:NeedsMargin", "loss.kind", None, None, "built with no arguments, but it needs some "
+     "(missing a required argument: 'margin'). Fix: give its __init__ arguments defaults, or bind a configured "
+     "instance to a name in its module (e.g. loss = NeedsMargin(...)) and name that in loss.kind"),
+    ("model.generator=no_such_module_xyz:G", "model.generator", None, None, "Fix: put the module in a code_path"),
+], ids=["forward-bug", "module-raises", "missing-dependency", "syntax-error", "loss-init-bug", "task",
+        "loss-needs-arguments", "module-not-found"])
+def test_an_error_in_user_code_names_its_place_and_a_fix_that_applies(tmp_path, override, key, file, line, fix):
+    package = f"placed_gan_{abs(hash(override)) % 10**8}"
+    recipe = write_user_gan(tmp_path, package)
+    for name, text in BOOM.items():
+        (tmp_path / package / f"{name}.py").write_text(text)
+    at = None
+    if file:
+        lines = (tmp_path / package / file).read_text().splitlines()
+        at = f"{package}/{file}:{next(i for i, text in enumerate(lines, 1) if line in text)}"
+    result = ganscale("train", str(recipe), "--set", override.format(pkg=package), "--run-dir", str(tmp_path / "run"),
+                      cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
+    message = result.stderr.strip().splitlines()
+    assert len(message) == 1 and f"'{key}'" in message[0] and fix.format(at=at, pkg=package) in message[0], explain(result)
+    if file:
+        assert "batch size" not in message[0] and "code_path" not in message[0], explain(result)
 
 
 def test_a_loss_is_checked_on_the_logits_d_returns_and_a_sum_is_refused(tmp_path):

@@ -53,6 +53,15 @@ def g_loss(kind: str, fake: Tensor) -> Tensor:
 def user_loss(kind: str) -> Any:
     """The user's loss object named by loss.kind (its module found on the search path usercode.search set up)."""
     found = usercode.find(kind, "loss.kind")
+    if inspect.isclass(found):
+        try:
+            inspect.signature(found).bind()
+        except TypeError as e:  # the config has no loss arguments
+            raise ConfigError("loss.kind", f"{kind} is a class built with no arguments, but it needs some ({e})",
+                              "give its __init__ arguments defaults, or bind a configured instance to a name in its "
+                              f"module (e.g. loss = {found.__name__}(...)) and name that in loss.kind") from None
+        except ValueError:  # no signature to read
+            pass
     loss = found() if inspect.isclass(found) else found
     if not all(callable(getattr(loss, term, None)) for term in ("d_loss", "g_loss")):
         raise ConfigError("loss.kind", f"'{kind}' has no d_loss(real_logits, fake_logits) and g_loss(fake_logits)",

@@ -8,6 +8,7 @@ once on a tiny batch (model.kind, data.kind or loss.kind naming the user's code)
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 
@@ -643,6 +644,8 @@ def _check_user_loss(kind: str, logit_shape: tuple[int, ...]) -> None:
     """Each term is a scalar of the logits (float32, of the shape D gives per sample) and a mean over the samples:
     the same logits repeated twice give the same value. The trainer averages the ranks' losses, so a sum would
     train differently on another number of ranks."""
+    _run("loss.kind", f"building {kind}", lambda: objectives.user_loss(kind),
+         "name an object with d_loss and g_loss, or a class building one with no arguments (see objectives.py)")
     generator = torch.Generator().manual_seed(0)
     real, fake = (torch.randn(2, *logit_shape, generator=generator) for _ in range(2))
     batched = f"({', '.join(['B', *map(str, logit_shape)])}{',' if not logit_shape else ''})"
@@ -653,7 +656,7 @@ def _check_user_loss(kind: str, logit_shape: tuple[int, ...]) -> None:
             r, f = (x.repeat(copies, *[1] * len(logit_shape)).requires_grad_(True) for x in (real, fake))
             value = _run("loss.kind", f"{kind}'s {term} on logits of shape {tuple(r.shape)}", lambda: compute(r, f),
                          f"make it a function of logit tensors of the shape D returns, {batched} (see "
-                         "objectives.py)")
+                         "objectives.py)", f" (it is given logits of the shape D returns, {batched})")
             if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad:
                 raise ConfigError("loss.kind", f"{kind}'s {term} returned a scalar with no gradient to the logits "
                                   "(detached, or computed outside autograd: .item(), numpy, torch.no_grad)",
@@ -674,6 +677,9 @@ SIGNATURES = {  # how the trainer calls the user's G and D, per task (tasks.py)
     "unconditional": ("forward(z)", "forward(x)"),
     "class-conditional": ("forward(z, labels)", "forward(x, labels)"),
     "paired": ("forward(input, seeds=None)", "forward(input and output concatenated on channels)"),
+}
+CALLS = {  # the positional arguments each of those calls passes (a paired G's previews: input alone)
+    "unconditional": ((1,), (1,)), "class-conditional": ((2,), (2,)), "paired": ((2, 1), (1,)),
 }
 
 
@@ -699,11 +705,16 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
         labels = torch.randint(m.n_classes, (batch,)) if task.n_classes else None
         images = torch.zeros(batch, *shape)
         real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
+        built_for = m.generator_args.get("z_dim", m.z_dim)
         fake = _run("model.generator", f"{m.generator} on {batch} latents",
                     lambda: task.generate(generator, real, torch.randn(batch, m.z_dim), labels),
                     f"give G {g_call} for any batch size" + (
                         f", for latents of model.z_dim={m.z_dim} (the size the trainer draws; generator_args may "
-                        "build G for another)" if m.conditioning != "paired" else ""))
+                        "build G for another)" if m.conditioning != "paired" else ""),
+                    "".join(["; G must take any batch size (it ran on 2)" if batch == 4 else "",
+                             f"; set model.z_dim={built_for}: generator_args builds G for z_dim={built_for}, but the "
+                             f"trainer draws latents of model.z_dim={m.z_dim}" if built_for != m.z_dim else ""]),
+                    ("G", generator, m))
         if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (batch, *shape):
             got = f"shape {tuple(fake.shape)}" if isinstance(fake, torch.Tensor) else f"a {type(fake).__name__}"
             raise ConfigError("model.generator", f"{m.generator} returns {got} for {batch} latents of size "
@@ -718,7 +729,8 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
         critic_input = task.critic_view(real, fake.detach()).requires_grad_(True)
         logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
                       lambda: discriminator(critic_input, *task.critic_conditions(None, labels)),
-                      f"give D {d_call} for any batch size")
+                      f"give D {d_call} for any batch size", "; D must take any batch size (it ran on 2)"
+                      if batch == 4 else "", ("D", discriminator, m))
         per_patch = m.conditioning == "paired"
         if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or logits.shape[0] != batch or (
                 not per_patch and logits.numel() != batch):
@@ -758,11 +770,45 @@ def _check_all_trained(name: str, network: nn.Module, output: torch.Tensor, key:
                           f"{'it' if one else 'them'} in __init__ with requires_grad_(False)")
 
 
-def _run(key: str, what: str, compute, fix: str):
-    """compute(), its failure a ConfigError naming `key`."""
+def _run(key: str, what: str, compute, fix: str, context: str = "", network: tuple | None = None):
+    """compute(), its failure a ConfigError naming `key`: raised in the user's code, "fix the error at" its place
+    (and `context`); else `fix`. `network` (name, module, model config): the network compute calls, whose forward
+    may not take the arguments its task passes."""
     try:
         return compute()
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's code failing: one line naming the option, not a traceback
-        raise ConfigError(key, f"{what} failed ({usercode.one_line(e)})", fix) from None
+        if isinstance(e, TypeError) and network is not None:
+            _refuse_forward_for_task(key, *network)
+        raised = usercode.raised_at(e)
+        raise ConfigError(key, f"{what} failed ({usercode.one_line(e)})",
+                          f"fix the error at {raised}{context}" if raised else fix) from None
+
+
+def _refuse_forward_for_task(key: str, name: str, network: nn.Module, m) -> None:
+    """A ConfigError if the network's forward cannot take the arguments model.task passes it, naming the task that
+    can: a conditional forward(z, labels) under the default task=unconditional."""
+    try:
+        signature = inspect.signature(network.forward)
+    except (TypeError, ValueError):  # no signature to read
+        return
+    which = "GD".index(name)
+
+    def takes(task: str) -> bool:
+        try:
+            for count in CALLS[task][which]:
+                signature.bind(*range(count))
+        except TypeError:
+            return False
+        return True
+
+    if takes(m.conditioning):
+        return
+    call = SIGNATURES[m.conditioning][which]
+    fits = [task for task in CALLS if takes(task)]
+    spec = m.generator if name == "G" else m.discriminator
+    fix = (f"set model.task={fits[0]}{' (with model.n_classes)' if fits[0] == 'class-conditional' else ''}, which "
+           f"calls {name} as {SIGNATURES[fits[0]][which]}, or give {name} {call}" if fits else f"give {name} {call}")
+    raise ConfigError(key, f"{spec} has forward{signature}, but model.task={m.conditioning} calls {name} as {call}",
+                      fix)

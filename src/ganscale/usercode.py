@@ -20,6 +20,7 @@ import os
 import site
 import sys
 import sysconfig
+import traceback
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -57,6 +58,11 @@ def find(spec: str, key: str, code_path: Sequence[str] = (), network: bool = Fal
     try:
         found = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - the module's own error while importing is the user's to see
+        raised = raised_at(e)
+        missing = isinstance(e, ModuleNotFoundError) and e.name and f"{module_name}.".startswith(f"{e.name}.")
+        if raised and not missing:  # found, but its code (or a module it imports) raised
+            raise ConfigError(key, f"'{module_name}' does not import ({one_line(e)})",
+                              f"fix the error at {raised}") from None
         # A run's own config (a resume, sample, export) searches the folders it recorded, not the current one.
         where = f"in a code_path folder ({', '.join(_searched)})" if _searched else "in a code_path folder"
         raise ConfigError(key, f"'{module_name}' does not import ({one_line(e)})",
@@ -135,11 +141,29 @@ def build(spec: str, args: dict[str, Any], key: str, code_path: Sequence[str] = 
     try:
         return make(**args)
     except Exception as e:  # noqa: BLE001 - the factory refusing a value is the user's to see, on one line
+        raised = raised_at(e)
         raise ConfigError(f"{key}_args", f"{spec}(**{args}) failed ({one_line(e)})",
-                          f"give {key}_args values {spec} accepts") from None
+                          f"give {key}_args values {spec} accepts" + (f", or fix the error at {raised}" if raised
+                                                                     else "")) from None
 
 
 def one_line(error: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def raised_at(error: BaseException) -> str | None:
+    """Where in the user's code `error` was raised: its traceback's innermost frame in the user's code (not the
+    standard library's, an installed package's or ganscale's), as "file:line in function", the file relative to the
+    current directory when under it; a SyntaxError's own file and line. None: raised outside the user's code."""
+    found = [(frame.f_code.co_filename, line, f" in {frame.f_code.co_name}")
+             for frame, line in traceback.walk_tb(error.__traceback__)]
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:  # its frames are importlib's
+        found.append((error.filename, error.lineno, ""))
+    for file, line, function in reversed(found):
+        path = os.path.abspath(file) if os.path.exists(file) else file  # "<string>": the interpreter's
+        if _where(path) == USERS:
+            shown = os.path.relpath(path) if Path(path).is_relative_to(os.getcwd()) else path
+            return f"{shown}:{line}{function}"
+    return None
