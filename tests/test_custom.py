@@ -98,6 +98,12 @@ class LabelsG(Generator):
         return super().forward(z, labels)
 
 
+class MetaG(Generator):
+    def __init__(self, z_dim, width=16, n_classes=0):
+        super().__init__(z_dim, width, n_classes)
+        self.to("meta")
+
+
 class LazyD(Discriminator):
     def __init__(self, width=16, n_classes=0):
         super().__init__(width, n_classes)
@@ -620,6 +626,7 @@ def test_a_user_d_that_cannot_be_built_on_meta_trains_with_its_memory_estimated(
     ("model.generator={pkg}.nets:BFloat16G", "model.generator", "returns torch.bfloat16 images"),
     ("model.generator={pkg}.nets:BatchOf2G", "model.generator",
      "on 4 latents failed (RuntimeError: shape '[2, 1, 8, 8]' is invalid"),
+    ("model.generator={pkg}.nets:MetaG", "model.generator", "builds net.0.weight on the meta device"),
     ("model.discriminator={pkg}.nets:LazyD", "model.discriminator", "lazy module body.1 (LazyLinear)"),
     ("model.discriminator={pkg}.nets:FrozenD", "model.discriminator", "D has no parameter to train"),
     ("model.discriminator={pkg}.nets:NoDoubleBackward", "loss.r1_gamma", "double backward"),

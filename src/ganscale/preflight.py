@@ -692,6 +692,12 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
     generator, discriminator = build_networks(cfg)
     for key, spec, network in (("model.generator", m.generator, generator),
                                ("model.discriminator", m.discriminator, discriminator)):
+        on_meta = next((name for name, t in [*network.named_parameters(), *network.named_buffers()] if t.is_meta),
+                       None)
+        if on_meta is not None:  # no values to train or move: forward fails on a device mismatch
+            raise ConfigError(key, f"{spec} builds {on_meta} on the meta device (no values)",
+                              "build the parameters on the CPU (no .to('meta') or device='meta' in __init__); "
+                              "ganscale moves the network to the training device")
         lazy = [(name, type(module).__name__) for name, module in network.named_modules()
                 if isinstance(module, LazyModuleMixin)]
         if lazy:
