@@ -258,6 +258,12 @@ class Detached(Hinge):
         return -fake.mean().detach()
 
 
+class InPlace(Hinge):
+    def d_loss(self, real, fake):
+        real.clamp_(-10, 10)
+        return F.relu(1 - real).mean() + F.relu(1 + fake).mean()
+
+
 class NeedsMargin(Hinge):
     def __init__(self, margin):
         self.margin = margin
@@ -722,6 +728,11 @@ def test_a_loss_is_checked_on_the_logits_d_returns_and_a_sum_is_refused(tmp_path
         preflight.check(config_mod.load(recipe, ["loss.kind=logit_shape_gan.losses:Summed"]), 2, False)
     assert refused.value.key == "loss.kind" and "a sum over the samples, not a mean" in str(refused.value)
     assert "take the mean over the batch" in str(refused.value)
+    # Changing D's logits in place: FSDP2 would skip D's all-gather in backward (its view-output warning, which the
+    # trainer silences, is about that).
+    with pytest.raises(ConfigError) as refused:
+        preflight.check(config_mod.load(recipe, ["loss.kind=logit_shape_gan.losses:InPlace"]), 2, False)
+    assert refused.value.key == "loss.kind" and "changes the logits it is given in place" in str(refused.value)
 
 
 @pytest.mark.parametrize("label, more", [

@@ -428,13 +428,18 @@ def _view_output_warnings(rank, world, overrides, run_dir, recipe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, sets", [
-    ("digits", {}), ("digits-biggan", {"model.g_width": 4, "model.d_width": 4})])
-def test_sharded_shipped_networks_train_without_torch_s_view_output_warning(tmp_path, recipe, sets):
+    ("digits", {}), ("digits-biggan", {"model.g_width": 4, "model.d_width": 4}), ("user's", {})])
+def test_sharded_networks_train_without_torch_s_view_output_warning(tmp_path, recipe, sets):
     """FSDP2 warns, every forward on every rank, of a sharded module whose output is a view (an in-place op on it
-    would skip its all-gather): DCGAN's D returned its 1x1 map flattened."""
+    would skip its all-gather, which the trainer never makes and preflight refuses of a user's loss): DCGAN's D
+    returned its 1x1 map flattened, and a user's G ending in .view() drew it too."""
+    if recipe == "user's":
+        from test_custom import write_user_gan
+
+        recipe = str(write_user_gan(tmp_path / "code", "viewing_user_gan"))  # its G returns .view(-1, 1, 8, 8)
     overrides = {**sets, "parallel.generator": "fsdp", "parallel.discriminator": "fsdp", "train.steps": 1,
                  "train.batch_size": 8, "log.sample_every": 0, "checkpoint.every": 0, "log.tensorboard": "false"}
-    assert run_ranks(_view_output_warnings, 2, overrides, str(tmp_path), recipe) == [[], []]
+    assert run_ranks(_view_output_warnings, 2, overrides, str(tmp_path / "run"), recipe) == [[], []]
 
 
 @pytest.mark.parametrize("steps, start_up", [(2, True), (3, False)])

@@ -653,10 +653,15 @@ def _check_user_loss(kind: str, logit_shape: tuple[int, ...]) -> None:
                           ("g_loss", lambda r, f: objectives.g_loss(kind, f))):
         values = []
         for copies in (1, 2):
-            r, f = (x.repeat(copies, *[1] * len(logit_shape)).requires_grad_(True) for x in (real, fake))
+            # Not leaves, as D's outputs are not: autograd lets an in-place op on them pass.
+            r, f = (x.clone().requires_grad_(True).repeat(copies, *[1] * len(logit_shape)) for x in (real, fake))
+            versions = (r._version, f._version)
             value = _run("loss.kind", f"{kind}'s {term} on logits of shape {tuple(r.shape)}", lambda: compute(r, f),
                          f"make it a function of logit tensors of the shape D returns, {batched} (see "
                          "objectives.py)", f" (it is given logits of the shape D returns, {batched})")
+            if (r._version, f._version) != versions:  # FSDP2 then skips D's all-gather in backward, silently
+                raise ConfigError("loss.kind", f"{kind}'s {term} changes the logits it is given in place",
+                                  "compute out of place (x = x.clamp(...), not x.clamp_(...) or x += ...)")
             if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad:
                 raise ConfigError("loss.kind", f"{kind}'s {term} returned a scalar with no gradient to the logits "
                                   "(detached, or computed outside autograd: .item(), numpy, torch.no_grad)",

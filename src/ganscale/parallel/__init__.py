@@ -26,6 +26,7 @@ import contextlib
 import functools
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -315,6 +316,10 @@ class FullyShardedWrapped(Wrapped):
         self.shard_options = shard_options  # reshard_after_forward, mesh, offload_policy
         from torch.distributed.fsdp import fully_shard
 
+        # FSDP2 warns on every forward of a network whose output is a view (a user's G ending in .view()): an
+        # in-place op on it would skip the all-gather. The trainer makes none, and preflight refuses a loss that does.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                                category=UserWarning)
         fully_shard(module, **shard_options)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
