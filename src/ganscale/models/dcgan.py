@@ -60,5 +60,4 @@ class DCGANDiscriminator(nn.Module):
         _dcgan_init(self)
 
     def forward(self, x: Tensor) -> Tensor:
-        # The 1x1 map summed, not flattened: a view as a sharded (FSDP2) module's output draws torch's warning.
-        return self.net(x).sum(dim=(2, 3))
+        return self.net(x).flatten(1)
