@@ -168,12 +168,11 @@ def _left_to_train(cfg: Config, source: Path) -> Path:
 
 
 def run_folder(run_dir: str | Path) -> Path:
-    """`run_dir` as a path, refused where it, or a folder above it, is a file (the CLI's option type refuses the
-    first; the Python API's run_dir reaches here)."""
+    """`run_dir` as a path, refused where it is a file, as the CLI's option type refuses it (the Python API's run_dir
+    reaches here). A file above it is the file operation the system refuses (exit 7, as any path's)."""
     path = Path(run_dir)
-    a_file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-    if a_file is not None:
-        raise ConfigError("--run-dir", f"'{a_file}' is a file, not a folder", "choose a new or empty --run-dir")
+    if path.exists() and not path.is_dir():
+        raise ConfigError("--run-dir", f"'{path}' is a file, not a folder", "choose a new or empty --run-dir")
     return path
 
 
