@@ -110,10 +110,8 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     `note`: which config a resume without a recipe continues with, where the caller found it (`own_config`)."""
     # A config refused before torch is imported (~2 s). Unless this resumes without a recipe: then the run
     # directory (own_config) says which config to load.
-    try:
+    with _refused_alike_on_every_rank():
         cfg = config_mod.load(recipe, overrides) if recipe is not None or resume is None else None
-    except ConfigError as e:
-        raise _alike_on_every_rank(e)
     import torch
 
     from ganscale import launch, memory, preflight, rundir
@@ -133,10 +131,8 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     recipe, found = own_config(recipe, run_dir, resume, worker)
     note = note or found or (os.environ.get(RESUME_NOTE_ENV) if worker else None)
     try:
-        try:
+        with _refused_alike_on_every_rank():
             cfg = cfg or config_mod.load(recipe, overrides)
-        except ConfigError as e:
-            raise _alike_on_every_rank(e)
         if cfg.train.engine == "tensorflow":
             trained = _train_tensorflow(cfg, recipe, overrides, nproc, workers, run_dir, resume, max_restarts, worker,
                                         lambda: say(note) if note else None)
@@ -148,10 +144,8 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
             raise ConfigError("--workers", "starts the tensorflow engine's worker processes",
                               "use --nproc N for N processes on the torch engine")
         world = environment_world_size() if worker else (nproc or 1)
-        try:
+        with _refused_alike_on_every_rank():
             preflight.check(cfg, world, torch.cuda.is_available())
-        except ConfigError as e:
-            raise _alike_on_every_rank(e)
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
             launch.check_stop_grace(cfg)
@@ -169,12 +163,16 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     return resolved_dir, summary
 
 
-def _alike_on_every_rank(error: ConfigError) -> ConfigError:
+@contextlib.contextmanager
+def _refused_alike_on_every_rank() -> Iterator[None]:
     """A refusal of the config itself, which every rank of a launched group reaches alike: said once a node, by
     its first rank (fault.told_elsewhere), as the README promises."""
     from ganscale.fault import has_peers, told_by
 
-    return told_by(0, error) if has_peers() and getattr(error, "told_by", None) is None else error
+    try:
+        yield
+    except ConfigError as e:
+        raise told_by(0, e) if has_peers() and getattr(e, "told_by", None) is None else e
 
 
 def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str], nproc: int | None,

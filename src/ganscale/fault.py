@@ -239,11 +239,15 @@ def told_elsewhere(error: BaseException) -> bool:
     return first <= teller < first + node_size or rank != first
 
 
+def under_launcher(environ=os.environ) -> bool:
+    """True in a worker started by torchrun / the elastic launcher."""
+    return "TORCHELASTIC_RUN_ID" in environ or ("RANK" in environ and "MASTER_ADDR" in environ)
+
+
 def has_peers(environ=os.environ) -> bool:
     """Whether this process is one rank of a group that a launcher (torchrun, `--nproc`'s elastic agent) or srun's
-    tasks make: its stop on a signal must be agreed with the others (launch.under_launcher, slurm.task_environment)."""
-    return ("TORCHELASTIC_RUN_ID" in environ or ("RANK" in environ and "MASTER_ADDR" in environ)
-            or ("SLURM_STEP_ID" in environ and environ.get("SLURM_NTASKS", "1") != "1"))
+    tasks make: its stop on a signal must be agreed with the others (slurm.task_environment for srun's)."""
+    return under_launcher(environ) or ("SLURM_STEP_ID" in environ and environ.get("SLURM_NTASKS", "1") != "1")
 
 
 class StoppedBeforeTraining(BaseException):

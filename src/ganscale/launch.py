@@ -34,7 +34,7 @@ def adopt_slurm_task(nproc: int | None) -> None:
 
 def under_launcher() -> bool:
     """True in a worker started by torchrun / the elastic launcher."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
+    return fault.under_launcher()
 
 
 def check_gpus(cfg: Config, nproc: int, visible: int) -> None:

@@ -172,6 +172,10 @@ class Evidence:
     one: list[dict] = field(default_factory=list)
     parted_at: int | None = None
 
+    def _before_parting(self, record: dict) -> bool:
+        """An optimizer step's record, up to the step the runs part."""
+        return record["net"] != "after" and (self.parted_at is None or record["step"] <= self.parted_at)
+
     @cached_property
     def rounding_noise(self) -> tuple[str, int, int, float | None, float | None] | None:
         """(tensor, step, element, one process's value, N processes') of the first gradient element, up to the step
@@ -179,7 +183,7 @@ class Evidence:
         both. A value is None where that run recorded none for the element although it would have, had it been
         rounding noise there: exactly 0 (terms that cancel exactly), or not near zero."""
         for a, b in zip(self.one, self.many):
-            if a["net"] == "after" or (self.parted_at is not None and a["step"] > self.parted_at):
+            if not self._before_parting(a):
                 continue
             mine, theirs = _noise_elements(a), _noise_elements(b)
             for name, i in sorted(mine.keys() | theirs.keys(), key=lambda key: (_order(a, key[0]), key[1])):
@@ -194,9 +198,7 @@ class Evidence:
     def dead_bias(self) -> tuple[str, int, float, float] | None:
         """(tensor, step, its gradient's norm, the network's largest) of the first bias, up to the step the runs part,
         whose whole gradient is rounding noise on one process: a normalisation after it subtracts it."""
-        for record in self.one:
-            if record["net"] == "after" or (self.parted_at is not None and record["step"] > self.parted_at):
-                continue
+        for record in filter(self._before_parting, self.one):
             norms = {name: norm for name, (norm, _) in record["grads"].items() if math.isfinite(norm)}
             largest = max(norms.values(), default=0.0)
             for name, norm in norms.items():
