@@ -390,7 +390,9 @@ def test_a_malformed_slurm_count_fails_the_slurm_section_where_it_raised(variabl
 @pytest.mark.parametrize("variable, value, said", [
     ("SLURM_TASKS_PER_NODE", "2(x", "'2(x' is not Slurm's list of tasks per node"),
     ("SLURM_TASKS_PER_NODE", "", "'' is not Slurm's list of tasks per node"),
-    ("SLURM_RESTART_COUNT", "abc", "'abc' is not a requeue count"), ("SLURM_JOB_ID", "abc", "'abc' is not a job id")])
+    ("SLURM_RESTART_COUNT", "abc", "'abc' is not a requeue count"), ("SLURM_JOB_ID", "abc", "'abc' is not a job id"),
+    ("SLURM_PROCID", "x", "'x' is not a task rank"), ("SLURM_PROCID", "8", "8 is not below SLURM_NTASKS=8"),
+    ("SLURM_JOB_NODELIST", "[07-08]", "'[07-08]' is not a node list")])
 def test_a_malformed_slurm_variable_train_refuses_fails_the_slurm_section(variable, value, said):
     job = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_GPUS_ON_NODE": "4",
            "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_ID": "0", variable: value}

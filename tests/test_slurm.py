@@ -292,6 +292,22 @@ def test_srun_tasks_refuse_a_malformed_slurm_count_by_name(variable, value, said
     assert refused.value.fix.startswith(f"set {variable} to an integer from ")
 
 
+@pytest.mark.parametrize("variable, value, said", [
+    ("SLURM_PROCID", None, "unset in a task of this 2-task job step"), ("SLURM_LOCALID", "", "unset in a task"),
+    ("SLURM_NODELIST", None, "unset in a task"), ("SLURM_PROCID", "one", "'one' is not a task rank"),
+    ("SLURM_PROCID", "2", "2 is not below SLURM_NTASKS=2"), ("SLURM_NODELIST", ",node1", "',node1' is not a node list")])
+def test_srun_tasks_refuse_a_missing_or_malformed_rank_or_node_list_by_name(variable, value, said):
+    """A task environment without SLURM_PROCID, SLURM_LOCALID or SLURM_NODELIST was a KeyError's traceback, and a
+    malformed rank was refused as RANK's, a variable the user never set."""
+    from ganscale.config import ConfigError
+    from ganscale.slurm import task_environment
+
+    environ = {k: v for k, v in srun_task(0, 2, 5).items() if k != variable}
+    with pytest.raises(ConfigError) as refused:
+        task_environment(environ if value is None else {**environ, variable: value}, None)
+    assert refused.value.key == variable and refused.value.problem.startswith(said)
+
+
 def test_srun_tasks_read_slurm_s_own_counts():
     from ganscale.slurm import task_environment
 

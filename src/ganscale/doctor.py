@@ -349,6 +349,7 @@ def environment_checks(environ: Mapping[str, str], nproc: int, cores: int, backe
 def slurm_checks(environ: Mapping[str, str]) -> list[Check]:
     """Inside a Slurm allocation: its layout, and the classic mistakes with their fix; [] outside one."""
     from ganscale.launch import environment_errors, environment_integer
+    from ganscale.config import ConfigError
     from ganscale.slurm import tasks_per_node, first_host
 
     if "SLURM_JOB_ID" not in environ:
@@ -360,7 +361,12 @@ def slurm_checks(environ: Mapping[str, str]) -> list[Check]:
     tasks = environment_integer(environ, "SLURM_NTASKS", 1)
     per_node = tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
     gpus = environment_integer(environ, "SLURM_GPUS_ON_NODE", 0)
-    host = first_host(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "localhost"))
+    nodelist = "SLURM_JOB_NODELIST" if environ.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
+    try:
+        host = first_host(environ.get(nodelist) or "localhost", nodelist)
+    except ConfigError as e:
+        return [Check(FAIL, "slurm layout", f"job {environ['SLURM_JOB_ID']}: {nodelist}={environ[nodelist]!r}",
+                      f"{e.problem}: `ganscale train` refuses it", e.fix)]
     layout = (f"job {environ['SLURM_JOB_ID']}: {environ.get('SLURM_NNODES', '1')} node(s), {tasks} task(s) "
               f"({per_node} per node), {gpus} GPU(s) per node, rendezvous on {host}")
     checks = [Check(PASS, "slurm layout", layout)]

@@ -73,7 +73,9 @@ UINT32_MAX = 2**32 - 1
 SLURM_INTEGERS = {"SLURM_JOB_ID": (-2**31, UINT32_MAX, "a job id", "Slurm sets it in a job"),
                   "SLURM_RESTART_COUNT": (0, UINT32_MAX, "a requeue count", "Slurm sets it in a batch job"),
                   "SLURM_NTASKS": (1, MAX_RANKS, "a task count", "Slurm sets it in a job"),
-                  "SLURM_GPUS_ON_NODE": (0, MAX_RANKS, "a GPU count", "Slurm sets it in a job with GPUs")}
+                  "SLURM_GPUS_ON_NODE": (0, MAX_RANKS, "a GPU count", "Slurm sets it in a job with GPUs"),
+                  "SLURM_PROCID": (0, MAX_RANKS - 1, "a task rank", "srun sets it in each task"),
+                  "SLURM_LOCALID": (0, MAX_RANKS - 1, "a task rank", "srun sets it in each task")}
 # What a variable's fix asks for, where "an integer from <least>" would not do.
 FIX_VALUES = {"MASTER_PORT": "the TCP port of rank 0's store, e.g. 29500",
               "SLURM_JOB_ID": "the job's id as Slurm writes it, e.g. 1234"}
@@ -96,7 +98,7 @@ def environment_errors(environ: Mapping[str, str]) -> dict[str, ConfigError]:
             errors[name] = ConfigError(name, f"{text!r} is not {what} ({span})",
                                        f"set {name} to {FIX_VALUES.get(name, f'an integer from {least}')}, or "
                                        f"unset it ({setter})")
-    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
         if rank in values and size in values and values[rank] >= values[size]:
             errors[rank] = ConfigError(rank, f"{values[rank]} is not below {size}={values[size]} (ranks count "
                                        "from 0)", f"set {rank} below {values[size]}, or {size} to the number "

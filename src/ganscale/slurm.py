@@ -226,11 +226,13 @@ def start_line(resume_from: Path | None, environ=os.environ) -> str | None:
     return f"ganscale: Slurm job {environ['SLURM_JOB_ID']}, requeued {requeue_count(environ)} times{resuming}"
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list ("node[03-05,9],gpu1" -> "node03"), as `scontrol show hostnames`."""
+def first_host(nodelist: str, name: str = "SLURM_NODELIST") -> str:
+    """The first host of a Slurm node list ("node[03-05,9],gpu1" -> "node03"), as `scontrol show hostnames`; a
+    ConfigError naming the variable `name` it was read from where it is none."""
     found = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
     if found is None:
-        raise ConfigError("SLURM_NODELIST", f"'{nodelist}' is not a node list", "run inside an allocation (srun)")
+        raise ConfigError(name, f"'{nodelist}' is not a node list", f"set {name} as Slurm writes it, e.g. "
+                          "node[03-05],gpu1, or unset it (Slurm sets it in a job)")
     return found[1] + (re.split(r"[,-]", found[2])[0] if found[2] else "")
 
 
@@ -260,12 +262,17 @@ def task_environment(environ, nproc: int | None) -> dict[str, str]:
     if nproc:
         raise ConfigError("--nproc", f"each of the {tasks} srun tasks would start its own {nproc} workers",
                           "leave --nproc out under srun (one task per process), or run one task per node")
+    for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODELIST"):
+        if not environ.get(name):
+            raise ConfigError(name, f"unset in a task of this {tasks}-task job step, so its rank or rendezvous "
+                              "host is unknown", f"start ganscale with srun, which sets {name} in each task")
+    rank, local_rank = (environment_integer(environ, name, 0) for name in ("SLURM_PROCID", "SLURM_LOCALID"))
     per_node = tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", str(tasks)))
     gpus = environment_integer(environ, "SLURM_GPUS_ON_NODE", 0)
     if gpus and per_node != gpus:
         raise ConfigError("srun", f"{per_node} tasks per node on {gpus} GPUs per node",
                           f"ask for one task per GPU: --ntasks-per-node={gpus}")
-    return {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ["SLURM_LOCALID"], "WORLD_SIZE": str(tasks),
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(tasks),
             "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": first_host(environ["SLURM_NODELIST"]),
             "MASTER_PORT": str(rendezvous_port(environment_integer(environ, "SLURM_JOB_ID", 0),
                                                requeue_count(environ)))}
