@@ -638,7 +638,8 @@ def test_a_user_d_that_cannot_be_built_on_meta_trains_with_its_memory_estimated(
     ("model.discriminator={pkg}.nets:NoDoubleBackward", "loss.r1_gamma", "double backward"),
     ("data.dataset_args={{scale: 3.0}}", "data.dataset", "[-1, 1]"),
     ("data.dataset_args={{spoil: {{0: nan}}}}", "data.dataset", "item 0 holds NaN or infinite values"),
-    ("data.dataset_args={{spoil: {{0: unreadable}}}}", "data.dataset", "item 0 failed to load (OSError: cannot read"),
+    ("data.dataset_args={{spoil: {{0: unreadable}}}}", "data.dataset", "item 0 failed to load (OSError: cannot read "
+     "image file img_0000.png) at {pkg}/data.py:"),
     ("data.dataset_args={{dtype: uint8}}", "data.dataset", "holds a torch.uint8 tensor, not a floating-point one"),
     ("data.resolution=16", "data.dataset", "(1, 16, 16)"),
     ("model.task=class-conditional", "data.dataset", "(image, label)"),
@@ -667,7 +668,7 @@ def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, overr
     assert result.returncode == 2, explain(result)
     assert "Traceback" not in result.stderr, explain(result)
     message = result.stderr.strip().splitlines()
-    assert len(message) == 1 and f"'{key}'" in message[0] and said in message[0], explain(result)
+    assert len(message) == 1 and f"'{key}'" in message[0] and said.format(pkg=package) in message[0], explain(result)
     assert not (tmp_path / "run").exists()
 
 
@@ -762,9 +763,9 @@ def test_a_bad_label_found_while_training_exits_2_naming_the_item(tmp_path, labe
     ("smaller", "item 5 holds a torch.float32 tensor of shape (1, 4, 4), not (1, 8, 8)"),
     ("bright", "item 5 has values in [-2"),
     ("nan", "item 5 holds NaN or infinite values"),
-    ("unreadable", "item 5 failed to load (OSError: cannot read image file img_0005.png)"),
+    ("unreadable", "item 5 failed to load (OSError: cannot read image file img_0005.png) at {pkg}/data.py:"),
 ])
-def test_an_item_unlike_item_0_is_refused_when_it_is_read(tmp_path, spoil, said):
+def test_an_item_unlike_item_0_is_refused_when_it_is_read(tmp_path, monkeypatch, spoil, said):
     """Only item 0 is checked before training; a later one with an extra field (trained on silently), a smaller
     image (torch's collate error), values out of range or NaN (trained on silently), or one whose __getitem__
     raises (a traceback) is refused as training reads it."""
@@ -773,13 +774,14 @@ def test_an_item_unlike_item_0_is_refused_when_it_is_read(tmp_path, spoil, said)
     from ganscale.data.folder import BadItem
 
     package = f"spoiled_item_gan_{abs(hash(spoil)) % 10**8}"
+    monkeypatch.chdir(tmp_path)  # the user's code is named relative to the current folder
     cfg = config_mod.load(str(write_user_gan(tmp_path, package)),
                           [f"data.dataset_args={{size: 8, spoil: {{5: {spoil}}}}}"])
     items = user_dataset(cfg)
     assert all(len(items[i]) == 1 for i in (0, 4, 6))
     with pytest.raises(BadItem) as refused:
         items[5]
-    assert said in refused.value.problem() and refused.value.key == "data.dataset"
+    assert said.format(pkg=package) in refused.value.problem() and refused.value.key == "data.dataset"
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
@@ -818,8 +820,9 @@ def test_an_item_that_fails_to_load_on_one_of_two_ranks_exits_2_naming_it(tmp_pa
     line, exit 2 on every rank (not a traceback and rank 0's 'Connection closed by peer'), and no restart into the
     same item."""
     result, line = _bad_item_on_rank_1(tmp_path, "unreadable_item_gan", "unreadable", "--max-restarts", "1")
-    assert "item 5 failed to load (OSError: cannot read image file img_0005.png). Fix: make __getitem__ return that " \
-        "item" in line, explain(result)
+    assert line.startswith("ganscale: data error at 'data.dataset': item 5 failed to load (OSError: cannot read image "
+                           "file img_0005.png) at unreadable_item_gan/data.py:") and " in __getitem__. Fix: make " \
+        "__getitem__ return that item" in line, explain(result)
     # Rank 0 may reach its next collective before rank 1 has left: then it says why it stopped, quoting gloo.
     assert all("another rank failed first" in line for line in result.stderr.splitlines()
                if "Connection closed" in line), explain(result)

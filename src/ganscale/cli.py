@@ -63,8 +63,8 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
     from ganscale.checkpoint import CheckpointWriteError
     from ganscale.data.folder import BadItem
 
-    if isinstance(error, BadItem):
-        return f"ganscale: {ConfigError(error.key, error.problem(), error.fix)}", EXIT_CONFIG
+    if isinstance(error, BadItem):  # the data's fault, not the config's: said as a data error, exit 2 all the same
+        return f"ganscale: data error at '{error.key}': {error.problem()}. Fix: {error.fix}", EXIT_CONFIG
     if isinstance(error, (CheckpointWriteError, NonFiniteTraining)):  # its own message names the file and the fix
         return f"ganscale: {error}", error.exit_code
     if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:

@@ -65,7 +65,9 @@ def _read(items: Dataset, index: int) -> tuple:
     try:
         item = items[index]
     except Exception as e:  # noqa: BLE001 - the user's code failing: one line naming the item, not a traceback
-        raise FailedUserItem(f"item {index} failed to load ({usercode.one_line(e)})") from None
+        raised = usercode.raised_at(e)
+        place = f" at {raised}" if raised else ""
+        raise FailedUserItem(f"item {index} failed to load ({usercode.one_line(e)}){place}") from None
     return tuple(item) if isinstance(item, (tuple, list)) else (item,)
 
 
