@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -136,6 +137,11 @@ class NoisyGenerator(Generator):
         return super().forward(z + 0.1 * torch.randn_like(z), labels)  # the rank's own stream
 
 
+class RankDropoutDiscriminator(Discriminator):
+    def forward(self, x, labels=None):
+        return self.head(torch.nn.functional.dropout(self.body(x), 0.2, self.training)).squeeze(1)  # the rank's own
+
+
 class DropoutDiscriminator(Discriminator):
     def forward(self, x, labels=None):
         from ganscale import randomness
@@ -215,8 +221,18 @@ class Blobs(Dataset):
         return item if self.labels else item[0] if len(item) == 1 else item
 
 
-def make_dataset(size=96, labels=False, scale=1.0, classes=10, relabel=None, spoil=None, dtype="float32"):
-    return Blobs(size, labels, scale, classes, relabel, spoil, dtype)
+def make_dataset(size=96, labels=False, scale=1.0, classes=10, relabel=None, spoil=None, dtype="float32",
+                 shuffled_by=None, unit_range=False):
+    blobs = Blobs(size, labels, scale, classes, relabel, spoil, dtype)
+    if unit_range:  # torchvision's ToTensor's range
+        blobs.images = (blobs.images + 1) / 2
+    if shuffled_by == "torch":  # the process's own generators: each rank's
+        blobs.images = blobs.images[torch.randperm(size)]
+    elif shuffled_by == "numpy":
+        import numpy
+
+        blobs.images = blobs.images[numpy.random.permutation(size)]
+    return blobs
 '''
 
 LOSSES = '''
@@ -576,6 +592,9 @@ def test_a_user_g_drawing_from_the_rank_stream_resumes_exactly_after_its_final_s
         result = ganscale("train", str(recipe), *user, "--set", f"train.steps={steps}", "--run-dir",
                           str(tmp_path / run), *more, cwd=tmp_path, timeout=300)
         assert result.returncode == 0, explain(result)
+        # said once: by rank 0, not by the other rank or the launcher too
+        assert result.stderr.count("model.generator's forward draws from torch's random generator") == 1, \
+            explain(result)
 
     train("straight", 6)
     train("stopped", 3)
@@ -714,6 +733,43 @@ def test_an_error_in_user_code_names_its_place_and_a_fix_that_applies(tmp_path, 
     assert len(message) == 1 and f"'{key}'" in message[0] and fix.format(at=at, pkg=package) in message[0], explain(result)
     if file:
         assert "batch size" not in message[0] and "code_path" not in message[0], explain(result)
+
+
+@pytest.mark.parametrize("override, said", [
+    ("model.generator={pkg}.nets:NoisyGenerator", "model.generator's forward draws from torch's random generator "
+     "(aten.randn_like at {pkg}/nets.py:{randn_like} in forward): each process has its own, so 1 and N processes train "
+     "differently (`ganscale verify` shows where they part); draw per-sample noise and dropout with "
+     "ganscale.randomness"),
+    ("model.discriminator={pkg}.nets:RankDropoutDiscriminator", "model.discriminator's forward draws from torch's "
+     "random generator (aten.bernoulli_.float at {pkg}/nets.py:{dropout} in forward)"),
+    ("data.dataset_args={{shuffled_by: torch}}", "data.dataset draws from the process's random generators (torch's or "
+     "numpy's) (aten.randperm at {pkg}/data.py:"),
+    ("data.dataset_args={{shuffled_by: numpy}}", "data.dataset draws from the process's random generators (torch's or "
+     "numpy's) while it is built or its item 0 read: each process has its own, so 1 and N"),
+    ("data.dataset_args={{unit_range: true}}", "data.dataset's images have no negative value in its first 16 items: "
+     "[0, 1] images, where ganscale reads [-1, 1] (G's tanh spans both halves, sample grids show them pale); map them "
+     "with image * 2 - 1"),
+    ("model.discriminator={pkg}.nets:DropoutDiscriminator", None),  # ganscale.randomness: the sample's own
+    ("train.steps=3", None),
+])
+def test_user_code_that_trains_but_not_as_meant_is_a_warning_naming_where(tmp_path, monkeypatch, override, said):
+    """G's torch.randn_like, D's dropout, a data set shuffled by the process's RNG: on N processes each rank draws
+    other values than one process does, so the run is not the same training: said before it starts (it was silent:
+    only `ganscale verify` found it). The check leaves the process's generators as they were. Images in [0, 1]
+    (they pass the [-1, 1] check) are said too."""
+    from ganscale import config as config_mod
+    from ganscale import preflight
+
+    monkeypatch.chdir(tmp_path)
+    package = f"drawing_gan_{abs(hash(override)) % 10**8}"
+    cfg = config_mod.load(str(write_user_gan(tmp_path, package)), [override.format(pkg=package)])
+    nets = (tmp_path / package / "nets.py").read_text().splitlines()
+    lines = {call: next(n for n, text in enumerate(nets, 1) if f"{call}(" in text) for call in ("randn_like", "dropout")}
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy())
+    warnings = preflight.check(cfg, 2, False)
+    assert warnings == [] if said is None else (len(warnings) == 1
+                                                and said.format(pkg=package, **lines) in warnings[0]), warnings
+    assert torch.equal(before[0], torch.get_rng_state()) and (before[1] == np.random.get_state()[1]).all()
 
 
 def test_a_loss_is_checked_on_the_logits_d_returns_and_a_sum_is_refused(tmp_path):

@@ -145,7 +145,10 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
                               "use --nproc N for N processes on the torch engine")
         world = environment_world_size() if worker else (nproc or 1)
         with _refused_alike_on_every_rank():
-            preflight.check(cfg, world, torch.cuda.is_available())
+            warnings = preflight.check(cfg, world, torch.cuda.is_available())
+        if not launching and launch.rank_from_environment() == 0:  # said once: by rank 0, not also by its launcher
+            for warning in warnings:
+                print(f"ganscale: warning: {warning}", file=sys.stderr, flush=True)
         if launching:  # refused here, before any worker starts; the workers then decide on rank 0 (decide_run)
             launch.check_gpus(cfg, nproc, torch.cuda.device_count())
             launch.check_stop_grace(cfg)

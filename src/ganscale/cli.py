@@ -224,7 +224,8 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         cfg = config_mod.load(recipe, overrides)
         from ganscale import preflight, rundir, runlock  # torch (~2 s) only once the options and config are read
 
-        preflight.check(cfg, shape.world_size, gpus_per_node > 0)
+        for warning in preflight.check(cfg, shape.world_size, gpus_per_node > 0):
+            click.echo(f"ganscale: warning: {warning}", err=True)
         sbatch = None if dry_run else slurming.check_sbatch()
         # A run directory that holds a run is continued (the job trains with --resume auto).
         target, _ = rundir.resolve_run(cfg, run_dir, "auto" if run_dir else None)

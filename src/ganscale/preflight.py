@@ -20,16 +20,20 @@ from torch.utils.data import Dataset
 from ganscale import augment, fault, objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset, subset
+from ganscale.data.custom import unit_range_warning
 from ganscale.data.mnist import mnist_file
 from ganscale.metrics.images import FEWEST_REFERENCES, check_reference_count
 from ganscale.models import biggan, build_networks, meta_networks, stylegan2
+from ganscale.randomness import process_draws, seeds_from
 from ganscale.parallel import CAPABILITIES
 from ganscale.tasks import build_task
 from ganscale.versions import require
 
 
-def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
-    """Combinations that cannot be right, checked once the world size is known."""
+def check(cfg: Config, world_size: int, cuda_available: bool) -> list[str]:
+    """Combinations that cannot be right, checked once the world size is known. Returns what trains, but not as the
+    same training on 1 and N processes (the user's code drawing from the per-rank random generators): one warning
+    each, for the caller to say once."""
     fault.check_injection()
     _check_user_code_named(cfg)
     _check_torch_features(cfg)
@@ -76,7 +80,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
     _check_parallel(cfg.parallel, world_size, on_cuda)
-    _check_user_code(cfg)
+    warnings = _check_user_code(cfg)
     _check_eval(cfg)
     _check_compile(cfg)
     _check_channels_last(cfg)
@@ -107,6 +111,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> None:
         if cfg.data.max_images:
             subset(source, cfg.data.max_images, cfg.data.kind)  # refused when the source holds fewer
     _check_eval_references(cfg, source)  # after the zip's own checks
+    return warnings
 
 
 def check_model_resolution(kind: str, resolution: int) -> None:
@@ -623,21 +628,36 @@ def _check_user_code_named(cfg: Config) -> None:
                               f"set data.kind=custom, or remove {key}")
 
 
-def _check_user_code(cfg: Config) -> None:
+def _check_user_code(cfg: Config) -> list[str]:
     """The user's data set, networks and loss, run once on the CPU (the data set: its first item; the networks:
-    batches of 2 and 3; the loss: logits of the shape D returns), without touching the global RNG."""
+    batches of 2 and 3; the loss: logits of the shape D returns), without touching the global RNG. Returns a warning
+    for the data set and for each network that draws from the per-rank random generators."""
     if not cfg.names_user_code:
-        return
+        return []
     user_loss = cfg.loss.kind not in SHIPPED_LOSSES
     usercode.search(cfg.code_path)
+    warnings = []
     with torch.random.fork_rng(devices=[]):
         if cfg.data.kind == "custom":
-            build_dataset(cfg)  # checks its first item against the task and the sample shape
+            with process_draws() as draws:
+                items = build_dataset(cfg)  # checks its first item against the task and the sample shape
+                in_unit_range = unit_range_warning(items, cfg.model.conditioning)  # as training reads them, each checked
+            warnings += [in_unit_range] if in_unit_range else []
+            if draws.drawn:
+                warnings.append(f"data.dataset draws from the process's random generators (torch's or numpy's)"
+                                f"{draws.said()} while it is built or its item 0 read: each process has its own, so "
+                                f"{DIFFERS}; draw from a generator seeded from data.dataset_args "
+                                "(numpy.random.default_rng(seed), torch.Generator().manual_seed(seed))")
         logit_shape = (1,)  # a shipped D's logits per sample
         if cfg.model.kind == "custom":
-            logit_shape = _check_user_networks(cfg)
+            logit_shape = _check_user_networks(cfg, warnings)
         if user_loss:
             _check_user_loss(cfg.loss.kind, logit_shape)
+    return warnings
+
+
+# What the user's code drawing from the per-rank random generators does to "the same training on 1 or N processes".
+DIFFERS = "1 and N processes train differently (`ganscale verify` shows where they part)"
 
 
 def _check_user_loss(kind: str, logit_shape: tuple[int, ...]) -> None:
@@ -688,10 +708,11 @@ CALLS = {  # the positional arguments each of those calls passes (a paired G's p
 }
 
 
-def _check_user_networks(cfg: Config) -> tuple[int, ...]:
+def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
     """No lazy layers; G's output is float32 of the data's sample shape, D gives one logit per sample (per patch,
     paired), for two batch sizes; every trained parameter gets a gradient; D can be differentiated twice where R1 or
-    the gradient penalty needs it.
+    the gradient penalty needs it. A network whose forward draws from torch's per-rank generator (not from
+    ganscale.randomness) adds a warning to `warnings`.
     Returns the shape of D's logits per sample."""
     m, shape = cfg.model, cfg.data.sample_shape
     generator, discriminator = build_networks(cfg)
@@ -717,15 +738,18 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
         images = torch.zeros(batch, *shape)
         real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
         built_for = m.generator_args.get("z_dim", m.z_dim)
-        fake = _run("model.generator", f"{m.generator} on {batch} latents",
-                    lambda: task.generate(generator, real, torch.randn(batch, m.z_dim), labels),
-                    f"give G {g_call} for any batch size" + (
-                        f", for latents of model.z_dim={m.z_dim} (the size the trainer draws; generator_args may "
-                        "build G for another)" if m.conditioning != "paired" else ""),
-                    "".join(["; G must take any batch size (it ran on 2)" if batch == 4 else "",
-                             f"; set model.z_dim={built_for}: generator_args builds G for z_dim={built_for}, but the "
-                             f"trainer draws latents of model.z_dim={m.z_dim}" if built_for != m.z_dim else ""]),
-                    ("G", generator, m))
+        z = torch.randn(batch, m.z_dim)
+        with process_draws() as g_draws, seeds_from(z):  # the trainer's seeds: ganscale.randomness draws none
+            fake = _run("model.generator", f"{m.generator} on {batch} latents",
+                        lambda: task.generate(generator, real, z, labels),
+                        f"give G {g_call} for any batch size" + (
+                            f", for latents of model.z_dim={m.z_dim} (the size the trainer draws; generator_args "
+                            "may build G for another)" if m.conditioning != "paired" else ""),
+                        "".join(["; G must take any batch size (it ran on 2)" if batch == 4 else "",
+                                 f"; set model.z_dim={built_for}: generator_args builds G for z_dim={built_for}, but "
+                                 f"the trainer draws latents of model.z_dim={m.z_dim}" if built_for != m.z_dim
+                                 else ""]),
+                        ("G", generator, m))
         if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (batch, *shape):
             got = f"shape {tuple(fake.shape)}" if isinstance(fake, torch.Tensor) else f"a {type(fake).__name__}"
             raise ConfigError("model.generator", f"{m.generator} returns {got} for {batch} latents of size "
@@ -738,10 +762,11 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
                               "return float32 from G (no .double(), .half() or .to(dtype) at its end); for mixed "
                               "precision set train.precision=bf16 or fp16")
         critic_input = task.critic_view(real, fake.detach()).requires_grad_(True)
-        logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
-                      lambda: discriminator(critic_input, *task.critic_conditions(None, labels)),
-                      f"give D {d_call} for any batch size", "; D must take any batch size (it ran on 2)"
-                      if batch == 4 else "", ("D", discriminator, m))
+        with process_draws() as d_draws, seeds_from(z):
+            logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
+                          lambda: discriminator(critic_input, *task.critic_conditions(None, labels)),
+                          f"give D {d_call} for any batch size", "; D must take any batch size (it ran on 2)"
+                          if batch == 4 else "", ("D", discriminator, m))
         per_patch = m.conditioning == "paired"
         if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or logits.shape[0] != batch or (
                 not per_patch and logits.numel() != batch):
@@ -750,6 +775,11 @@ def _check_user_networks(cfg: Config) -> tuple[int, ...]:
                               f"logit per sample{' (or per patch)' if per_patch else ''}",
                               f"return ({batch},) or ({batch}, 1){f' or ({batch}, 1, h, w)' if per_patch else ''} "
                               "logits")
+    for key, draws in (("model.generator", g_draws), ("model.discriminator", d_draws)):
+        if draws.drawn:
+            warnings.append(f"{key}'s forward draws from torch's random generator{draws.said()}: each process has "
+                            f"its own, so {DIFFERS}; draw per-sample noise and dropout with ganscale.randomness "
+                            "(README: Randomness inside your own network)")
     _check_all_trained("G", generator, fake, "model.generator")  # once: on the last batch's graphs
     _check_all_trained("D", discriminator, logits, "model.discriminator")
     if cfg.loss.penalises_input_gradient:

@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ganscale.usercode import called_at
 
 BITS = 0xFFFFFFFF  # the hash works on 32-bit values held in int64: no product overflows
 _UNIT = 2.0 ** -24  # uniform values take a hash's top 24 bits: exact in float32, in [0, 1)
@@ -119,3 +124,53 @@ class SampleDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, salt={self.salt}"
+
+
+@dataclass
+class ProcessDraws:
+    """What code drew from this process's random generators (torch's default one and numpy's global one, which each
+    rank seeds for itself): `drawn`, and the first torch op that drew with its place in the user's code."""
+
+    drawn: bool = False
+    op: str | None = None
+    place: str | None = None
+
+    def said(self) -> str:
+        """Where, for a message: " (aten.randn_like at my_gan/nets.py:30 in forward)", or ""."""
+        if self.op is None:
+            return ""
+        return f" ({self.op.removesuffix('.default')}" + (f" at {self.place})" if self.place else ")")
+
+
+class _SeededOps(TorchDispatchMode):
+    """Records the first op that draws from torch's default generator (a seeded op given no generator of its own)."""
+
+    def __init__(self, draws: ProcessDraws):
+        super().__init__()
+        self.draws = draws
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (self.draws.op is None and torch.Tag.nondeterministic_seeded in func.tags
+                and kwargs.get("generator") is None):
+            self.draws.op, self.draws.place = str(func), called_at()
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def process_draws() -> Iterator[ProcessDraws]:
+    """Within: whether the code inside draws from this process's random generators (on the CPU), and where; the
+    generators are put back as they were at the start, so the check itself changes no run's randomness. Not Python's
+    `random`, which imports draw from (scikit-learn's) and ganscale does not seed."""
+    states = (torch.get_rng_state(), np.random.get_state())
+    draws = ProcessDraws()
+    try:
+        with _SeededOps(draws):
+            yield draws
+    finally:
+        after = (torch.get_rng_state(), np.random.get_state())
+        draws.drawn = draws.op is not None or not (
+            torch.equal(states[0], after[0]) and np.array_equal(states[1][1], after[1][1])
+            and states[1][2:] == after[1][2:])
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])

@@ -161,7 +161,18 @@ def raised_at(error: BaseException) -> str | None:
              for frame, line in traceback.walk_tb(error.__traceback__)]
     if isinstance(error, SyntaxError) and error.filename and error.lineno:  # its frames are importlib's
         found.append((error.filename, error.lineno, ""))
-    for file, line, function in reversed(found):
+    return _innermost_users(found)
+
+
+def called_at() -> str | None:
+    """Where in the user's code the running call was made, as raised_at says it; None: not from the user's code."""
+    return _innermost_users([(frame.filename, frame.lineno, f" in {frame.name}")
+                             for frame in traceback.extract_stack()])
+
+
+def _innermost_users(frames: list[tuple[str, int, str]]) -> str | None:
+    """The last of (file, line, " in function") frames in the user's code, as "file:line in function"."""
+    for file, line, function in reversed(frames):
         path = os.path.abspath(file) if os.path.exists(file) else file  # "<string>": the interpreter's
         if _where(path) == USERS:
             shown = os.path.relpath(path) if Path(path).is_relative_to(os.getcwd()) else path
