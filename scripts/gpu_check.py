@@ -48,6 +48,7 @@ CUDA_TESTS = [
     "tests/test_fastpath.py::test_cuda_graphs_batch_one_step_trains_like_eager",
     "tests/test_fastpath.py::test_pix2pix_fast_path_on_cuda_trains_like_eager",
     "tests/test_strategies.py::test_cpu_offload_keeps_shards_and_optimizer_state_in_host_memory",
+    "tests/test_api.py::test_a_run_in_this_process_on_cuda_leaves_the_caller_s_cuda_random_numbers_as_it_found_them",
 ]
 # Precisions each recipe is run in: fp16 only where a GradScaler applies (image GANs with conv nets).
 RECIPE_PRECISIONS = {

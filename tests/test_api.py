@@ -198,6 +198,19 @@ def test_a_run_in_this_process_leaves_the_caller_s_random_numbers_as_it_found_th
     assert draws() == expected
 
 
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA's generators need a CUDA device")
+def test_a_run_in_this_process_on_cuda_leaves_the_caller_s_cuda_random_numbers_as_it_found_them(tmp_path):
+    """The CUDA branch of the restore above (torch.cuda.set_rng_state_all): scripts/gpu-check.sh runs it."""
+    import torch
+
+    torch.cuda.manual_seed_all(14)
+    expected = torch.rand(3, device="cuda").tolist()
+    torch.cuda.manual_seed_all(14)
+    api.train("digits", overrides=["train.steps=2", "train.batch_size=8", "log.sample_every=0", "checkpoint.every=0",
+                                   "log.tensorboard=false", "train.device=cuda"], run_dir=tmp_path / "run")
+    assert torch.rand(3, device="cuda").tolist() == expected
+
+
 @pytest.mark.parametrize("nproc", [None, 2])
 def test_a_run_dir_that_is_a_file_is_refused_and_the_file_kept(tmp_path, nproc):
     """The CLI's --run-dir type refuses a file; the API's run_dir was a NotADirectoryError from run.lock. (A path

@@ -25,9 +25,9 @@ def test_all_parts_without_a_gpu_list_every_item_as_not_run_and_the_machine(tmp_
     done = gpu_check(tmp_path, "--part", "all")
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
-    # 4 CUDA tests, 3 tensorflow engine runs, 15 recipe runs, the pix2pix targets, 3 pix2pix profiles,
+    # 5 CUDA tests, 3 tensorflow engine runs, 15 recipe runs, the pix2pix targets, 3 pix2pix profiles,
     # 2 throughput benches, 9 table rows
-    assert len(record["items"]) == 37
+    assert len(record["items"]) == 38
     assert {row["status"] for row in record["items"].values()} == {"not run"}
     summary = (tmp_path / "summary.md").read_text()
     assert "## Machine" in summary and f"torch: {torch.__version__}" in summary
