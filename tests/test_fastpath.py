@@ -135,12 +135,9 @@ def test_compiled_ddp_reusing_d_steps_samples_equals_one_eager_process(tmp_path)
         assert not [said for said in rank["dynamo_warnings"] if "will be ignored" in said]
 
 
-def test_compiled_networks_run_their_graphs_in_every_step(tmp_path, monkeypatch, capsys):
-    """torch.compile runs a compiled forward that it meets under a dispatch mode eagerly, and that forward's code
-    eagerly for the rest of the process, without a word: the traffic meter's mode on the third step turned the
-    fast path back to eager from there on. A compiled run does not measure its traffic, and says so. The graphs
-    are counted by a backend that runs dynamo's graph as it is (no inductor: fast on a CPU)."""
-    from ganscale import config
+def _graph_calls_per_step(monkeypatch, cfg, run_dir, before=lambda: None) -> list[int]:
+    """Calls of dynamo's graphs in each step of training `cfg` in this process (`before` run first), counted by a
+    backend that runs dynamo's graph as it is (no inductor: fast on a CPU)."""
     from ganscale.trainer import Trainer
     from dist_helpers import train_in_process
 
@@ -164,12 +161,33 @@ def test_compiled_networks_run_their_graphs_in_every_step(tmp_path, monkeypatch,
 
     monkeypatch.setattr(torch, "compile", counted)
     monkeypatch.setattr(Trainer, "_begin_step", noting_step)
-    steps = 5
-    train_in_process(config.load(None, [f"{k}={v}" for k, v in {**SMALL_DCGAN, **COMPILED,
-                                                                   "train.steps": steps}.items()]), tmp_path)
-    per_step = [graph_calls.count(step) for step in range(steps)]
+    before()
+    train_in_process(cfg, run_dir)
+    return [graph_calls.count(step) for step in range(cfg.train.steps)]
+
+
+def test_compiled_networks_run_their_graphs_in_every_step(tmp_path, monkeypatch, capsys):
+    """torch.compile runs a compiled forward that it meets under a dispatch mode eagerly, and that forward's code
+    eagerly for the rest of the process, without a word: the traffic meter's mode on the third step turned the
+    fast path back to eager from there on. A compiled run does not measure its traffic, and says so."""
+    from ganscale import config
+
+    cfg = config.load(None, [f"{k}={v}" for k, v in {**SMALL_DCGAN, **COMPILED, "train.steps": 5}.items()])
+    per_step = _graph_calls_per_step(monkeypatch, cfg, tmp_path)
     assert min(per_step) > 0 and len(set(per_step)) == 1, per_step  # G's and D's graphs, alike in every step
     assert "communicated per step  not measured (train.compile=default" in capsys.readouterr().out
+
+
+def test_a_user_gan_the_preflight_ran_under_its_dispatch_mode_runs_its_graphs_in_every_step(tmp_path, monkeypatch):
+    """The preflight runs the user's G and D forwards under a dispatch mode (randomness.process_draws), in the same
+    process as the training (the API's, one rank): their code must not be left to run eagerly."""
+    from ganscale import config, preflight
+    from test_custom import write_user_gan
+
+    recipe = write_user_gan(tmp_path / "code", "compiled_user_gan")
+    cfg = config.load(str(recipe), [f"{k}={v}" for k, v in {**COMPILED, "train.steps": 4}.items()])
+    per_step = _graph_calls_per_step(monkeypatch, cfg, tmp_path / "run", lambda: preflight.check(cfg, 1, False))
+    assert min(per_step) > 0 and len(set(per_step)) == 1, per_step
 
 
 @pytest.mark.parametrize("overrides, says", [
