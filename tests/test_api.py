@@ -149,7 +149,7 @@ def test_workers_reach_the_tensorflow_engine_s_checks(tmp_path):
     checks it (TensorFlow's open servers need consent) before anything is written or TensorFlow is imported."""
     with pytest.raises(ConfigError) as torch_engine:
         api.train("digits", workers=2, run_dir=tmp_path / "a")
-    assert torch_engine.value.key == "--workers"
+    assert torch_engine.value.key == "workers" and torch_engine.value.fix.startswith("use nproc=N for N processes")
     with pytest.raises(ConfigError) as tensorflow:
         api.train("digits", overrides=["train.engine=tensorflow"], workers=2, run_dir=tmp_path / "b")
     assert tensorflow.value.key == "parallel.tf_open_servers"
@@ -219,8 +219,33 @@ def test_a_run_dir_that_is_a_file_is_refused_and_the_file_kept(tmp_path, nproc):
     notes.write_text("mine")
     with pytest.raises(ConfigError) as refused:
         api.train("digits", run_dir=notes, nproc=nproc)
-    assert refused.value.key == "--run-dir" and f"'{notes}' is a file, not a folder" in str(refused.value)
+    assert refused.value.key == "run_dir" and f"'{notes}' is a file, not a folder" in str(refused.value)
     assert notes.read_text() == "mine" and list(tmp_path.iterdir()) == [notes]
+
+
+@pytest.mark.parametrize("arguments, key, said", [
+    ({"resume": "nowhere"}, "resume", "Fix: pass a checkpoint file, a run directory holding checkpoints/, or 'auto'"),
+    ({"run_dir": "full"}, "run_dir", "Fix: choose a new or empty run_dir"),
+    ({"max_restarts": 1, "nproc": 2, "overrides": ["train.engine=tensorflow"]}, "max_restarts",
+     "Fix: drop max_restarts and continue a stopped run with resume='auto'")])
+def test_api_errors_name_the_keyword_arguments_not_the_cli_s_options(tmp_path, monkeypatch, arguments, key, said):
+    """A ConfigError from train named the CLI's options (--run-dir, --resume auto), which a Python caller never
+    passed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError) as refused:
+        api.train("digits", **arguments)
+    assert refused.value.key == key and said in str(refused.value) and "--" not in str(refused.value), refused.value
+
+
+def test_in_api_terms_keeps_torchrun_s_options_and_quoted_commands():
+    error = ConfigError("--nproc", "`ganscale train --resume auto` ran under torchrun --max-restarts 2",
+                        "pass --nproc 2, --set train.steps=5 or torchrun --nproc-per-node 2")
+    said = api.in_api_terms(error)
+    assert (said.key, said.problem, said.fix) == (
+        "nproc", "`ganscale train --resume auto` ran under torchrun --max-restarts 2",
+        "pass nproc=2, overrides=['train.steps=5'] or torchrun --nproc-per-node 2")
 
 
 @pytest.mark.parametrize("value, said", [(lambda: __import__("numpy").int64(16), "a numpy.int64 (np.int64(16))"),

@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import os
+import re
 import signal
 import site
 import sys
@@ -79,12 +80,43 @@ def train(config: str | os.PathLike | dict | Config | None = None, *, overrides:
                                                    "dataset": dataset, "loss": loss}, source)
         trained = run(source, sets, nproc, run_dir, resume, max_restarts, print, workers, note)
     except Exception as e:
+        error = in_api_terms(e) if isinstance(e, ConfigError) else e
         if worker:
             from ganscale.cli import leave
 
-            leave(e)  # a rank: one line and its exit code, as `ganscale train`'s workers
-        raise
+            leave(error)  # a rank: one line and its exit code, as `ganscale train`'s workers
+        if error is e:
+            raise
+        raise error from None
     return None if trained is None else {**trained[1], "run_dir": str(trained[0])}
+
+
+# The CLI's options that a ConfigError may name (its key, its problem, its fix), as train's arguments: an option
+# with its value ("--resume auto", "--nproc 2", "--set train.steps=500") or alone. Not torchrun's --nproc-per-node.
+_CLI_OPTION = re.compile(r"(?<!torchrun )--(run-dir|resume|nproc|max-restarts|workers|set)(?![\w-])"
+                         r"(?: (auto\b|N\b|\d+\b|(?<=set )[\w.\-]+=[\w.\-]+))?")
+
+
+def in_api_terms(error: ConfigError) -> ConfigError:
+    """`error` naming train's keyword arguments where it names the CLI's options (run_dir, not --run-dir); a
+    command quoted in backticks (`ganscale train --resume auto`) stays as written."""
+    def argument(found: re.Match) -> str:
+        name, value = found[1].replace("-", "_"), found[2]
+        if name == "set":
+            return "overrides" if value is None else f"overrides=['{value}']"
+        return name if value is None else f"{name}={value!r}" if value == "auto" else f"{name}={value}"
+
+    def translated(text: str) -> str:
+        parts = text.split("`")
+        return "`".join(part if i % 2 else _CLI_OPTION.sub(argument, part) for i, part in enumerate(parts))
+
+    if not any(_CLI_OPTION.search(text) for text in (error.key, error.problem, error.fix)):
+        return error
+    told = getattr(error, "told_by", None)
+    error = ConfigError(translated(error.key), translated(error.problem), translated(error.fix))
+    if told is not None:
+        error.told_by = told
+    return error
 
 
 def check_arguments(config, overrides, nproc, max_restarts, workers) -> None:
