@@ -137,6 +137,13 @@ class NoisyGenerator(Generator):
         return super().forward(z + 0.1 * torch.randn_like(z), labels)  # the rank's own stream
 
 
+class LatentDimG(Generator):
+    """The latent size under another conventional name, with a default."""
+
+    def __init__(self, latent_dim=12, width=16):
+        super().__init__(latent_dim, width)
+
+
 class RankDropoutDiscriminator(Discriminator):
     def forward(self, x, labels=None):
         return self.head(torch.nn.functional.dropout(self.body(x), 0.2, self.training)).squeeze(1)  # the rank's own
@@ -770,6 +777,24 @@ def test_user_code_that_trains_but_not_as_meant_is_a_warning_naming_where(tmp_pa
     assert warnings == [] if said is None else (len(warnings) == 1
                                                 and said.format(pkg=package, **lines) in warnings[0]), warnings
     assert torch.equal(before[0], torch.get_rng_state()) and (before[1] == np.random.get_state()[1]).all()
+
+
+@pytest.mark.parametrize("arguments, said", [
+    ("{latent_dim: 10}", "set model.z_dim=10: generator_args builds G for latent_dim=10, but the trainer draws latents "
+     "of model.z_dim=8"),
+    ("{}", "set model.z_dim=12: LatentDimG's latent_dim defaults to 12, but the trainer draws latents of model.z_dim=8")])
+def test_a_latent_size_under_another_name_or_by_default_is_named_in_the_fix(tmp_path, arguments, said):
+    """The advice read only a generator_args key named z_dim: G's latent_dim (or its default) got none."""
+    from ganscale import config as config_mod
+    from ganscale import preflight
+    from ganscale.config import ConfigError
+
+    package = f"latent_gan_{len(arguments)}"
+    cfg = config_mod.load(str(write_user_gan(tmp_path, package)), [f"model.generator={package}.nets:LatentDimG",
+                                                                    f"model.generator_args={arguments}"])
+    with pytest.raises(ConfigError) as refused:
+        preflight.check(cfg, 1, False)
+    assert refused.value.key == "model.generator" and said in refused.value.fix, refused.value
 
 
 def test_a_loss_is_checked_on_the_logits_d_returns_and_a_sum_is_refused(tmp_path):

@@ -737,7 +737,7 @@ def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
         labels = torch.randint(m.n_classes, (batch,)) if task.n_classes else None
         images = torch.zeros(batch, *shape)
         real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
-        built_for = m.generator_args.get("z_dim", m.z_dim)
+        latent = _latent_size(generator, m.generator_args)
         z = torch.randn(batch, m.z_dim)
         with process_draws() as g_draws, seeds_from(z):  # the trainer's seeds: ganscale.randomness draws none
             fake = _run("model.generator", f"{m.generator} on {batch} latents",
@@ -746,9 +746,8 @@ def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
                             f", for latents of model.z_dim={m.z_dim} (the size the trainer draws; generator_args "
                             "may build G for another)" if m.conditioning != "paired" else ""),
                         "".join(["; G must take any batch size (it ran on 2)" if batch == 4 else "",
-                                 f"; set model.z_dim={built_for}: generator_args builds G for z_dim={built_for}, but "
-                                 f"the trainer draws latents of model.z_dim={m.z_dim}" if built_for != m.z_dim
-                                 else ""]),
+                                 f"; set model.z_dim={latent[1]}: {latent[0]}, but the trainer draws latents of "
+                                 f"model.z_dim={m.z_dim}" if latent and latent[1] != m.z_dim else ""]),
                         ("G", generator, m))
         if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (batch, *shape):
             got = f"shape {tuple(fake.shape)}" if isinstance(fake, torch.Tensor) else f"a {type(fake).__name__}"
@@ -788,6 +787,25 @@ def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
              lambda: objectives.r1_penalty(logits, critic_input).backward(),
              "set loss.r1_gamma=0 and no gradient penalty, or build D from layers that support double backward")
     return tuple(logits.shape[1:])
+
+
+# What a G's latent size is called among its arguments, by convention (DCGAN's nz, BigGAN's dim_z, ...).
+LATENT_ARGUMENTS = ("z_dim", "latent_dim", "nz", "dim_z", "noise_dim", "z_size", "latent_size", "z_channels")
+
+
+def _latent_size(generator: nn.Module, arguments: dict) -> tuple[str, int] | None:
+    """(how it is said, the latent size G was built for) where generator_args or, left out there, the default of
+    G's class names it by a LATENT_ARGUMENTS name; None otherwise."""
+    try:
+        defaults = {name: p.default for name, p in inspect.signature(type(generator)).parameters.items()}
+    except (TypeError, ValueError):  # no signature to read
+        defaults = {}
+    for name in LATENT_ARGUMENTS:
+        if isinstance(arguments.get(name), int):
+            return f"generator_args builds G for {name}={arguments[name]}", arguments[name]
+        if name not in arguments and isinstance(defaults.get(name), int):
+            return f"{type(generator).__name__}'s {name} defaults to {defaults[name]}", defaults[name]
+    return None
 
 
 def _check_all_trained(name: str, network: nn.Module, output: torch.Tensor, key: str) -> None:
