@@ -239,6 +239,16 @@ def test_api_errors_name_the_keyword_arguments_not_the_cli_s_options(tmp_path, m
     assert refused.value.key == key and said in str(refused.value) and "--" not in str(refused.value), refused.value
 
 
+def test_an_object_and_an_override_naming_the_same_network_are_refused(tmp_path):
+    """The object won silently over overrides' model.generator."""
+    from torch import nn
+
+    with pytest.raises(ConfigError) as refused:
+        api.train("digits", overrides=["model.generator=elsewhere:G"], generator=nn.Linear, run_dir=tmp_path / "run")
+    assert refused.value.key == "generator" and "overrides' model.generator both name it" in refused.value.problem
+    assert not (tmp_path / "run").exists()
+
+
 def test_in_api_terms_keeps_torchrun_s_options_and_quoted_commands():
     error = ConfigError("--nproc", "`ganscale train --resume auto` ran under torchrun --max-restarts 2",
                         "pass --nproc 2, --set train.steps=5 or torchrun --nproc-per-node 2")

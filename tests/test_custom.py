@@ -137,6 +137,31 @@ class NoisyGenerator(Generator):
         return super().forward(z + 0.1 * torch.randn_like(z), labels)  # the rank's own stream
 
 
+class BatchNormG(Generator):
+    """BatchNorm1d: no statistics from one sample."""
+
+    def __init__(self, z_dim, width=16, n_classes=0):
+        super().__init__(z_dim, width, n_classes)
+        self.net = nn.Sequential(nn.Linear(z_dim, width, bias=False), nn.BatchNorm1d(width), nn.LeakyReLU(0.2),
+                                 nn.Linear(width, 64), nn.Tanh())
+
+
+class OwnGeneratorG(Generator):
+    """Noise from a torch.Generator of its own, seeded alike on every rank."""
+
+    def __init__(self, z_dim, width=16, n_classes=0):
+        super().__init__(z_dim, width, n_classes)
+        self.noise = torch.Generator().manual_seed(0)
+
+    def forward(self, z, labels=None):
+        return super().forward(z + 0.1 * torch.randn(z.shape, generator=self.noise), labels)
+
+
+class NumpyRoundTripG(Generator):
+    def forward(self, z, labels=None):
+        return torch.from_numpy(super().forward(z, labels).detach().numpy())
+
+
 class LatentDimG(Generator):
     """The latent size under another conventional name, with a default."""
 
@@ -253,6 +278,11 @@ class Hinge:
 
     def g_loss(self, fake):
         return -fake.mean()
+
+
+class PyFloat(Hinge):
+    def g_loss(self, fake):
+        return float(-fake.mean())
 
 
 class NotScalar(Hinge):
@@ -670,6 +700,12 @@ def test_a_user_d_that_cannot_be_built_on_meta_trains_with_its_memory_estimated(
     ("data.resolution=16", "data.dataset", "(1, 16, 16)"),
     ("model.task=class-conditional", "data.dataset", "(image, label)"),
     ("loss.kind={pkg}.losses:NotScalar", "loss.kind", "not a scalar"),
+    # torch's warning about the float of a tensor is not printed above the one line
+    ("loss.kind={pkg}.losses:PyFloat", "loss.kind", "g_loss returned float, not a scalar computed from the logits"),
+    ("model.generator={pkg}.nets:NumpyRoundTripG", "model.generator", "G's output has no gradient: its forward cuts "
+     "the graph to its parameters (.detach(), .numpy() or .item() and back, torch.no_grad)"),
+    ("train.micro_batch=1", "train.micro_batch", "each rank trains on micro-batches of 1 sample, and "
+     "{pkg}.nets:BatchNormG fails on one (ValueError: Expected more than 1 value per channel when training"),
     # D's logits are (B,): the loss is tried on them, not on (2, 1) stand-ins
     ("loss.kind={pkg}.losses:ForColumns", "loss.kind", "on logits of shape (2,) failed (ValueError: Target size"),
     ("loss.kind={pkg}.losses:Summed", "loss.kind", "g_loss is"),
@@ -687,6 +723,8 @@ def test_bad_user_code_exits_2_naming_the_key_and_writes_nothing(tmp_path, overr
     package = f"bad_user_gan_{abs(hash(override)) % 10**8}"
     recipe = write_user_gan(tmp_path, package)
     extra = ["--set", "loss.r1_gamma=1"] if key == "loss.r1_gamma" else []
+    if key == "train.micro_batch":  # BatchNorm1d in G; no warning of memory not estimated before the refusal
+        extra += ["--set", f"model.generator={package}.nets:BatchNormG"]
     if override.startswith("parallel."):
         extra += ["--set", "parallel.discriminator=pipeline"]
     result = ganscale("train", str(recipe), "--set", override.format(pkg=package), *extra,
@@ -752,7 +790,11 @@ def test_an_error_in_user_code_names_its_place_and_a_fix_that_applies(tmp_path, 
     ("data.dataset_args={{shuffled_by: torch}}", "data.dataset draws from the process's random generators (torch's or "
      "numpy's) (aten.randperm at {pkg}/data.py:"),
     ("data.dataset_args={{shuffled_by: numpy}}", "data.dataset draws from the process's random generators (torch's or "
-     "numpy's) while it is built or its item 0 read: each process has its own, so 1 and N"),
+     "numpy's) while it is built or its first items read: each process has its own, so 1 and N"),
+    ("model.generator={pkg}.nets:OwnGeneratorG", "model.generator's forward draws from a torch.Generator of its own "
+     "(aten.randn.generator at {pkg}/nets.py:{own} in forward): every rank draws the same values, for other samples "
+     "than one process would, so 1 and N processes train differently (`ganscale verify` shows where they part), and "
+     "the checkpoints do not hold its state"),
     ("data.dataset_args={{unit_range: true}}", "data.dataset's images have no negative value in its first 16 items: "
      "[0, 1] images, where ganscale reads [-1, 1] (G's tanh spans both halves, sample grids show them pale); map them "
      "with image * 2 - 1"),
@@ -771,7 +813,8 @@ def test_user_code_that_trains_but_not_as_meant_is_a_warning_naming_where(tmp_pa
     package = f"drawing_gan_{abs(hash(override)) % 10**8}"
     cfg = config_mod.load(str(write_user_gan(tmp_path, package)), [override.format(pkg=package)])
     nets = (tmp_path / package / "nets.py").read_text().splitlines()
-    lines = {call: next(n for n, text in enumerate(nets, 1) if f"{call}(" in text) for call in ("randn_like", "dropout")}
+    lines = {name: next(n for n, text in enumerate(nets, 1) if marker in text)
+             for name, marker in (("randn_like", "randn_like("), ("dropout", "dropout("), ("own", "generator=self."))}
     before = (torch.get_rng_state(), np.random.get_state()[1].copy())
     warnings = preflight.check(cfg, 2, False)
     assert warnings == [] if said is None else (len(warnings) == 1
@@ -795,6 +838,58 @@ def test_a_latent_size_under_another_name_or_by_default_is_named_in_the_fix(tmp_
     with pytest.raises(ConfigError) as refused:
         preflight.check(cfg, 1, False)
     assert refused.value.key == "model.generator" and said in refused.value.fix, refused.value
+
+
+@pytest.mark.parametrize("overrides, world, key", [
+    (["train.micro_batch=1"], 2, "train.micro_batch"), (["train.batch_size=1"], 1, "train.batch_size"),
+    (["train.micro_batch=2"], 2, None), (["train.micro_batch=1", "parallel.sync_bn=true"], 2, None),
+    (["train.batch_size=2"], 2, None)])  # unset micro_batch: statistics span the ranks
+def test_a_network_that_cannot_run_on_one_sample_is_refused_where_each_rank_trains_on_one(tmp_path, overrides,
+                                                                                          world, key):
+    """The preflight ran the user's networks on 2 and 4 samples only: a G with BatchNorm1d trained on micro-batches of
+    1 was a traceback in the first step, after the run directory was written. Statistics across the ranks (sync_bn)
+    have 2 samples."""
+    from ganscale import config as config_mod
+    from ganscale import preflight
+    from ganscale.config import ConfigError
+
+    package = f"one_sample_gan_{abs(hash(tuple(overrides))) % 10**8}"
+    cfg = config_mod.load(str(write_user_gan(tmp_path, package)), [f"model.generator={package}.nets:BatchNormG",
+                                                                    *overrides])
+    if key is None:
+        preflight.check(cfg, world, False)
+        return
+    with pytest.raises(ConfigError) as refused:
+        preflight.check(cfg, world, False)
+    assert refused.value.key == key and "(BatchNorm needs 2 samples per rank), set parallel.sync_bn=true, or use " \
+        "GroupNorm or LayerNorm" in refused.value.fix, refused.value
+
+
+def test_a_class_count_beyond_g_s_embedding_is_said_as_the_labels_it_is_given(tmp_path):
+    """Random labels below G's 4 classes passed on 2 latents and failed on 4: blamed on the batch size."""
+    from ganscale import config as config_mod
+    from ganscale import preflight
+    from ganscale.config import ConfigError
+
+    overrides = [f"{k}={v}" for k, v in {**CLASSES, "model.generator_args": "{z_dim: 8, n_classes: 4}"}.items()]
+    cfg = config_mod.load(str(write_user_gan(tmp_path, "few_classes_gan")), overrides)
+    with pytest.raises(ConfigError) as refused:
+        preflight.check(cfg, 1, False)
+    assert "on 2 latents failed (IndexError: index out of range in self)" in refused.value.problem
+    assert refused.value.fix.endswith("; it is given class labels up to model.n_classes - 1 = 9"), refused.value
+
+
+def test_an_item_the_preflight_reads_that_is_bad_is_a_config_error_in_the_api(tmp_path, monkeypatch):
+    """The [0, 1] check reads the first 16 items: a bad one among them was the API's bare BadUserItem."""
+    import ganscale
+    from ganscale.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_user_gan(tmp_path, "bad_early_item_gan")
+    with pytest.raises(ConfigError) as refused:
+        ganscale.train(str(recipe), overrides=["data.dataset_args={spoil: {5: nan}}"], run_dir=tmp_path / "run")
+    assert refused.value.key == "data.dataset" and "item 5 holds NaN or infinite values" in refused.value.problem
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_loss_is_checked_on_the_logits_d_returns_and_a_sum_is_refused(tmp_path):

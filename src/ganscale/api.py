@@ -315,6 +315,10 @@ def command(config: str | os.PathLike | dict | Config | None, overrides: Sequenc
             config_mod.apply_override(raw, assignment)
         sets = list(settings(config_mod.build(raw)))  # every key, over the default recipe (source_name)
     named = {argument: import_path(obj, argument) for argument, obj in objects.items() if obj is not None}
+    for argument in named:  # which would win is no one's guess: refused
+        if any(assignment.partition("=")[0].strip() == OPTIONS[argument] for assignment in overrides):
+            raise ConfigError(argument, f"{argument}= and overrides' {OPTIONS[argument]} both name it",
+                              f"pass one of them: {argument}=... or '{OPTIONS[argument]}=module:attribute'")
     if not named:
         return source, sets
     folders = [folder for _, folder in named.values() if folder is not None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 from pathlib import Path
+from warnings import catch_warnings, simplefilter
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from ganscale import augment, fault, objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset, subset
 from ganscale.data.custom import unit_range_warning
+from ganscale.data.folder import BadItem
 from ganscale.data.mnist import mnist_file
 from ganscale.metrics.images import FEWEST_REFERENCES, check_reference_count
 from ganscale.models import biggan, build_networks, meta_networks, stylegan2
@@ -80,7 +82,7 @@ def check(cfg: Config, world_size: int, cuda_available: bool) -> list[str]:
         raise ConfigError("loss.gp_weight", "wgan-gp without a gradient penalty is an unconstrained critic",
                           "set loss.gp_weight > 0 (10 is standard) or choose another loss.kind")
     _check_parallel(cfg.parallel, world_size, on_cuda)
-    warnings = _check_user_code(cfg)
+    warnings = _check_user_code(cfg, None if cross_rank_batchnorm(cfg, world_size) else micro)
     _check_eval(cfg)
     _check_compile(cfg)
     _check_channels_last(cfg)
@@ -628,10 +630,11 @@ def _check_user_code_named(cfg: Config) -> None:
                               f"set data.kind=custom, or remove {key}")
 
 
-def _check_user_code(cfg: Config) -> list[str]:
-    """The user's data set, networks and loss, run once on the CPU (the data set: its first item; the networks:
-    batches of 2 and 3; the loss: logits of the shape D returns), without touching the global RNG. Returns a warning
-    for the data set and for each network that draws from the per-rank random generators."""
+def _check_user_code(cfg: Config, micro: int | None) -> list[str]:
+    """The user's data set, networks and loss, run once on the CPU (the data set: its first items; the networks:
+    batches of 2 and 4, and of 1 where each rank trains on `micro` = 1 sample with per-rank BatchNorm statistics; the
+    loss: logits of the shape D returns), without touching the global RNG. Returns a warning for what trains but
+    not as meant: the data set or a network drawing from the per-rank random generators, [0, 1] images."""
     if not cfg.names_user_code:
         return []
     user_loss = cfg.loss.kind not in SHIPPED_LOSSES
@@ -641,21 +644,25 @@ def _check_user_code(cfg: Config) -> list[str]:
         if cfg.data.kind == "custom":
             with process_draws() as draws:
                 items = build_dataset(cfg)  # checks its first item against the task and the sample shape
-                in_unit_range = unit_range_warning(items, cfg.model.conditioning)  # as training reads them, each checked
+                try:
+                    in_unit_range = unit_range_warning(items, cfg.model.conditioning)  # each read as training reads it
+                except BadItem as e:  # before anything is written: the config's data set, refused as item 0 is
+                    raise ConfigError(e.key, e.problem(), e.fix) from None
             warnings += [in_unit_range] if in_unit_range else []
             if draws.drawn:
                 warnings.append(f"data.dataset draws from the process's random generators (torch's or numpy's)"
-                                f"{draws.said()} while it is built or its item 0 read: each process has its own, so "
+                                f"{draws.at} while it is built or its first items read: each process has its own, so "
                                 f"{DIFFERS}; draw from a generator seeded from data.dataset_args "
                                 "(numpy.random.default_rng(seed), torch.Generator().manual_seed(seed))")
         logit_shape = (1,)  # a shipped D's logits per sample
         if cfg.model.kind == "custom":
-            logit_shape = _check_user_networks(cfg, warnings)
+            logit_shape = _check_user_networks(cfg, warnings, micro)
         if user_loss:
             _check_user_loss(cfg.loss.kind, logit_shape)
     return warnings
 
 
+PER_SAMPLE = "draw per-sample noise and dropout with ganscale.randomness (README: Randomness inside your own network)"
 # What the user's code drawing from the per-rank random generators does to "the same training on 1 or N processes".
 DIFFERS = "1 and N processes train differently (`ganscale verify` shows where they part)"
 
@@ -676,9 +683,11 @@ def _check_user_loss(kind: str, logit_shape: tuple[int, ...]) -> None:
             # Not leaves, as D's outputs are not: autograd lets an in-place op on them pass.
             r, f = (x.clone().requires_grad_(True).repeat(copies, *[1] * len(logit_shape)) for x in (real, fake))
             versions = (r._version, f._version)
-            value = _run("loss.kind", f"{kind}'s {term} on logits of shape {tuple(r.shape)}", lambda: compute(r, f),
-                         f"make it a function of logit tensors of the shape D returns, {batched} (see "
-                         "objectives.py)", f" (it is given logits of the shape D returns, {batched})")
+            with catch_warnings():  # torch's about the loss (a float of a tensor): the checks below say it
+                simplefilter("ignore")
+                value = _run("loss.kind", f"{kind}'s {term} on logits of shape {tuple(r.shape)}",
+                             lambda: compute(r, f), f"make it a function of logit tensors of the shape D returns, "
+                             f"{batched} (see objectives.py)", f" (it is given logits of the shape D returns, {batched})")
             if (r._version, f._version) != versions:  # FSDP2 then skips D's all-gather in backward, silently
                 raise ConfigError("loss.kind", f"{kind}'s {term} changes the logits it is given in place",
                                   "compute out of place (x = x.clamp(...), not x.clamp_(...) or x += ...)")
@@ -708,11 +717,11 @@ CALLS = {  # the positional arguments each of those calls passes (a paired G's p
 }
 
 
-def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
+def _check_user_networks(cfg: Config, warnings: list[str], micro: int | None) -> tuple[int, ...]:
     """No lazy layers; G's output is float32 of the data's sample shape, D gives one logit per sample (per patch,
     paired), for two batch sizes; every trained parameter gets a gradient; D can be differentiated twice where R1 or
-    the gradient penalty needs it. A network whose forward draws from torch's per-rank generator (not from
-    ganscale.randomness) adds a warning to `warnings`.
+    the gradient penalty needs it; where `micro` is 1, both run on one sample. A network whose forward draws from
+    torch's per-rank generator or a generator of its own (not from ganscale.randomness) adds a warning to `warnings`.
     Returns the shape of D's logits per sample."""
     m, shape = cfg.model, cfg.data.sample_shape
     generator, discriminator = build_networks(cfg)
@@ -734,7 +743,7 @@ def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
     task = build_task(cfg, previews=False)
     g_call, d_call = SIGNATURES[m.conditioning]
     for batch in (2, 4):  # two sizes: a network written for one fails on the other (4: minibatch-std groups divide it)
-        labels = torch.randint(m.n_classes, (batch,)) if task.n_classes else None
+        labels = (torch.arange(batch) - 1) % m.n_classes if task.n_classes else None  # the last class among them
         images = torch.zeros(batch, *shape)
         real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
         latent = _latent_size(generator, m.generator_args)
@@ -746,6 +755,8 @@ def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
                             f", for latents of model.z_dim={m.z_dim} (the size the trainer draws; generator_args "
                             "may build G for another)" if m.conditioning != "paired" else ""),
                         "".join(["; G must take any batch size (it ran on 2)" if batch == 4 else "",
+                                 f"; it is given class labels up to model.n_classes - 1 = {m.n_classes - 1}"
+                                 if task.n_classes else "",
                                  f"; set model.z_dim={latent[1]}: {latent[0]}, but the trainer draws latents of "
                                  f"model.z_dim={m.z_dim}" if latent and latent[1] != m.z_dim else ""]),
                         ("G", generator, m))
@@ -764,8 +775,10 @@ def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
         with process_draws() as d_draws, seeds_from(z):
             logits = _run("model.discriminator", f"{m.discriminator} on {batch} samples",
                           lambda: discriminator(critic_input, *task.critic_conditions(None, labels)),
-                          f"give D {d_call} for any batch size", "; D must take any batch size (it ran on 2)"
-                          if batch == 4 else "", ("D", discriminator, m))
+                          f"give D {d_call} for any batch size", "".join([
+                              "; D must take any batch size (it ran on 2)" if batch == 4 else "",
+                              f"; it is given class labels up to model.n_classes - 1 = {m.n_classes - 1}"
+                              if task.n_classes else ""]), ("D", discriminator, m))
         per_patch = m.conditioning == "paired"
         if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or logits.shape[0] != batch or (
                 not per_patch and logits.numel() != batch):
@@ -776,9 +789,14 @@ def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
                               "logits")
     for key, draws in (("model.generator", g_draws), ("model.discriminator", d_draws)):
         if draws.drawn:
-            warnings.append(f"{key}'s forward draws from torch's random generator{draws.said()}: each process has "
-                            f"its own, so {DIFFERS}; draw per-sample noise and dropout with ganscale.randomness "
-                            "(README: Randomness inside your own network)")
+            warnings.append(f"{key}'s forward draws from torch's random generator{draws.at}: each process has "
+                            f"its own, so {DIFFERS}; {PER_SAMPLE}")
+        elif draws.own_at:
+            warnings.append(f"{key}'s forward draws from a torch.Generator of its own{draws.own_at}: every rank "
+                            "draws the same values, for other samples than one process would, so "
+                            f"{DIFFERS}, and the checkpoints do not hold its state; {PER_SAMPLE}")
+    if micro == 1:
+        _check_one_sample(cfg, task, generator, discriminator)
     _check_all_trained("G", generator, fake, "model.generator")  # once: on the last batch's graphs
     _check_all_trained("D", discriminator, logits, "model.discriminator")
     if cfg.loss.penalises_input_gradient:
@@ -787,6 +805,32 @@ def _check_user_networks(cfg: Config, warnings: list[str]) -> tuple[int, ...]:
              lambda: objectives.r1_penalty(logits, critic_input).backward(),
              "set loss.r1_gamma=0 and no gradient penalty, or build D from layers that support double backward")
     return tuple(logits.shape[1:])
+
+
+def _check_one_sample(cfg: Config, task, generator: nn.Module, discriminator: nn.Module) -> None:
+    """G and D each run on the one sample per rank a micro-batch of 1 gives them (a BatchNorm1d cannot)."""
+    m, t = cfg.model, cfg.train
+    key = "train.micro_batch" if t.micro_batch is not None else "train.batch_size"
+    z = torch.randn(1, m.z_dim)
+    labels = torch.zeros(1, dtype=torch.int64) if task.n_classes else None
+    images = torch.zeros(1, *cfg.data.sample_shape)
+    real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
+    for spec, forward in ((m.generator, lambda: task.generate(generator, real, z, labels)),
+                          (m.discriminator, lambda: discriminator(task.critic_view(real, images),
+                                                                  *task.critic_conditions(None, labels)))):
+        try:
+            with seeds_from(z):
+                forward()
+        except Exception as e:  # noqa: BLE001 - the user's network failing: one line naming the option
+            fewer = ("set train.micro_batch=2 or more" if key == "train.micro_batch" else
+                     "make train.batch_size at least 2 per rank")
+            batchnorm = "Expected more than 1 value per channel" in str(e)
+            raised = usercode.raised_at(e)
+            raise ConfigError(key, f"each rank trains on micro-batches of 1 sample, and {spec} fails on one "
+                              f"({usercode.one_line(e)})",
+                              f"{fewer} (BatchNorm needs 2 samples per rank), set parallel.sync_bn=true, or use "
+                              "GroupNorm or LayerNorm" if batchnorm else
+                              f"{fewer}, or fix the error at {raised}" if raised else fewer) from None
 
 
 # What a G's latent size is called among its arguments, by convention (DCGAN's nz, BigGAN's dim_z, ...).
@@ -817,8 +861,11 @@ def _check_all_trained(name: str, network: nn.Module, output: torch.Tensor, key:
         raise ConfigError(key, f"{name} has no parameter to train (none at all, or all frozen with "
                           "requires_grad_(False)): ganscale updates G and D in turn",
                           f"give {name} at least one parameter that requires a gradient")
-    grads = (torch.autograd.grad(output.sum(), [p for _, p in trained], allow_unused=True, retain_graph=True)
-             if output.requires_grad else [None] * len(trained))
+    if not output.requires_grad:  # no parameter reaches it: the graph was cut, not the parameters left unused
+        raise ConfigError(key, f"{name}'s output has no gradient: its forward cuts the graph to its parameters "
+                          "(.detach(), .numpy() or .item() and back, torch.no_grad)",
+                          f"compute {name}'s output from its layers with torch operations throughout")
+    grads = torch.autograd.grad(output.sum(), [p for _, p in trained], allow_unused=True, retain_graph=True)
     unused = [f"{name}.{n}" for (n, _), g in zip(trained, grads) if g is None]
     if unused:
         one = len(unused) == 1

@@ -129,17 +129,17 @@ class SampleDropout(nn.Module):
 @dataclass
 class ProcessDraws:
     """What code drew from this process's random generators (torch's default one and numpy's global one, which each
-    rank seeds for itself): `drawn`, and the first torch op that drew with its place in the user's code."""
+    rank seeds for itself): `drawn`, and the first torch op that drew with its place in the user's code (`at`); and
+    the first that drew from a torch.Generator of the code's own (`own_at`)."""
 
     drawn: bool = False
-    op: str | None = None
-    place: str | None = None
+    at: str = ""
+    own_at: str = ""
 
-    def said(self) -> str:
-        """Where, for a message: " (aten.randn_like at my_gan/nets.py:30 in forward)", or ""."""
-        if self.op is None:
-            return ""
-        return f" ({self.op.removesuffix('.default')}" + (f" at {self.place})" if self.place else ")")
+
+def _said(op, place: str | None) -> str:
+    """" (aten.randn_like at my_gan/nets.py:30 in forward)", for a message."""
+    return f" ({str(op).removesuffix('.default')}" + (f" at {place})" if place else ")")
 
 
 class _SeededOps(TorchDispatchMode):
@@ -151,9 +151,12 @@ class _SeededOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (self.draws.op is None and torch.Tag.nondeterministic_seeded in func.tags
-                and kwargs.get("generator") is None):
-            self.draws.op, self.draws.place = str(func), called_at()
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            own = kwargs.get("generator") not in (None, torch.default_generator)
+            if own and not self.draws.own_at:
+                self.draws.own_at = _said(func, called_at())
+            elif not own and not self.draws.at:
+                self.draws.at = _said(func, called_at())
         return func(*args, **kwargs)
 
 
@@ -169,7 +172,7 @@ def process_draws() -> Iterator[ProcessDraws]:
             yield draws
     finally:
         after = (torch.get_rng_state(), np.random.get_state())
-        draws.drawn = draws.op is not None or not (
+        draws.drawn = bool(draws.at) or not (
             torch.equal(states[0], after[0]) and np.array_equal(states[1][1], after[1][1])
             and states[1][2:] == after[1][2:])
         torch.set_rng_state(states[0])
