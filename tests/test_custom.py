@@ -879,19 +879,6 @@ def test_a_class_count_beyond_g_s_embedding_is_said_as_the_labels_it_is_given(tm
     assert refused.value.fix.endswith("; it is given class labels up to model.n_classes - 1 = 9"), refused.value
 
 
-def test_an_item_the_preflight_reads_that_is_bad_is_a_config_error_in_the_api(tmp_path, monkeypatch):
-    """The [0, 1] check reads the first 16 items: a bad one among them was the API's bare BadUserItem."""
-    import ganscale
-    from ganscale.config import ConfigError
-
-    monkeypatch.chdir(tmp_path)
-    recipe = write_user_gan(tmp_path, "bad_early_item_gan")
-    with pytest.raises(ConfigError) as refused:
-        ganscale.train(str(recipe), overrides=["data.dataset_args={spoil: {5: nan}}"], run_dir=tmp_path / "run")
-    assert refused.value.key == "data.dataset" and "item 5 holds NaN or infinite values" in refused.value.problem
-    assert not (tmp_path / "run").exists()
-
-
 def test_a_loss_is_checked_on_the_logits_d_returns_and_a_sum_is_refused(tmp_path):
     """The loss written for (B, 1) logits passes with a D returning (B, 1); a sum over samples is refused (on 2 ranks
     it would train otherwise than on one), saying so."""

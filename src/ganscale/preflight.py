@@ -22,7 +22,6 @@ from ganscale import augment, fault, objectives, usercode
 from ganscale.config import SHIPPED_LOSSES, Config, ConfigError, ParallelConfig
 from ganscale.data import build_dataset, subset
 from ganscale.data.custom import unit_range_warning
-from ganscale.data.folder import BadItem
 from ganscale.data.mnist import mnist_file
 from ganscale.metrics.images import FEWEST_REFERENCES, check_reference_count
 from ganscale.models import biggan, build_networks, meta_networks, stylegan2
@@ -644,10 +643,7 @@ def _check_user_code(cfg: Config, micro: int | None) -> list[str]:
         if cfg.data.kind == "custom":
             with process_draws() as draws:
                 items = build_dataset(cfg)  # checks its first item against the task and the sample shape
-                try:
-                    in_unit_range = unit_range_warning(items, cfg.model.conditioning)  # each read as training reads it
-                except BadItem as e:  # before anything is written: the config's data set, refused as item 0 is
-                    raise ConfigError(e.key, e.problem(), e.fix) from None
+                in_unit_range = unit_range_warning(items, cfg.model.conditioning)
             warnings += [in_unit_range] if in_unit_range else []
             if draws.drawn:
                 warnings.append(f"data.dataset draws from the process's random generators (torch's or numpy's)"

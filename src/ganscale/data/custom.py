@@ -108,12 +108,20 @@ def unit_range_warning(items: Dataset, task: str) -> str | None:
     """A warning where the first items' images hold no negative value: [0, 1] images (torchvision's ToTensor), which
     pass the [-1, 1] check but are not what ganscale's networks, sample grids and metrics take them for."""
     images = 2 if task == "paired" else 1
-    fields = [field for index in range(min(FIRST_ITEMS, len(items))) for field in items[index][:images]]
-    if min(float(field.min()) for field in fields) < 0 or max(float(field.max()) for field in fields) <= 0:
+    fields = [field for index in range(min(FIRST_ITEMS, len(items))) for field in _good_item(items, index)[:images]]
+    if not fields or min(float(field.min()) for field in fields) < 0 or max(float(field.max()) for field in fields) <= 0:
         return None
     return (f"data.dataset's images have no negative value in its first {min(FIRST_ITEMS, len(items))} items: "
             "[0, 1] images, where ganscale reads [-1, 1] (G's tanh spans both halves, sample grids show them pale); "
             "map them with image * 2 - 1")
+
+
+def _good_item(items: Dataset, index: int) -> tuple:
+    """Item `index`, or () where it is bad: training says so when it reads it (only item 0 is refused before)."""
+    try:
+        return items[index]
+    except BadItem:
+        return ()
 
 
 def item_problem(item: tuple, index: int, task: str, shape: tuple[int, ...], n_classes: int
