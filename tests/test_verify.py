@@ -31,7 +31,7 @@ def test_both_runs_compute_fp32_without_tf32():
     turns TF32 off for both runs, whatever the user set."""
     from ganscale.verify import plan
 
-    cfg, sets = plan("digits", ("train.tf32=true",), 2, 4)
+    cfg, sets, _ = plan("digits", ("train.tf32=true",), 2, 4)
     assert not cfg.train.tf32 and sets[-1] == "train.tf32=false"
 
 
@@ -308,10 +308,72 @@ def test_rounding_noise_is_recognised_from_gradient_elements_that_differ():
 
 def test_a_data_set_drawn_from_the_process_rng_is_recognised(monkeypatch):
     import ganscale.data
+    from ganscale.verify import Evidence, probable_cause
 
     assert _cause([]) == "no known cause"  # the shipped digits: the same in every process
     monkeypatch.setattr(ganscale.data, "build_dataset", lambda cfg: TensorDataset(torch.rand(100, 1, 8, 8) * 2 - 1))
-    assert _cause([]) == "a data set whose items differ between processes"
+    cause, _, fix = probable_cause(Evidence(config.load("digits", []), 2, []))
+    assert cause == "a data set whose items differ between processes" and "seeded from train.seed" in fix
+
+
+def _user_gan_plan(tmp_path: Path, package: str, *overrides: str):
+    """verify's plan for test_custom's user GAN (nets, data set) written under `package`: (config, preflight's
+    warnings)."""
+    from test_custom import write_user_gan
+
+    from ganscale.verify import plan
+
+    cfg, _, warnings = plan(str(write_user_gan(tmp_path, package)), overrides, 2, 2)
+    return cfg, warnings
+
+
+def _line_of(path: Path, call: str) -> int:
+    return next(n for n, text in enumerate(path.read_text().splitlines(), 1) if f"{call}(" in text)
+
+
+@pytest.mark.parametrize("network, key, op, call", [
+    ("model.generator={pkg}.nets:NoisyGenerator", "model.generator", "aten.randn_like", "randn_like"),
+    ("model.discriminator={pkg}.nets:RankDropoutDiscriminator", "model.discriminator", "aten.bernoulli_.float",
+     "dropout"),
+])
+def test_the_randomness_cause_names_the_network_op_and_place_preflight_found(tmp_path, monkeypatch, network, key, op,
+                                                                              call):
+    """A user's G drawing torch.randn_like in forward: the verdict named D's gradient as the first tensor that
+    differs and "a network" as the cause, while preflight had named G, its op and its line: the cause names them."""
+    from ganscale.verify import Evidence, probable_cause
+
+    monkeypatch.chdir(tmp_path)  # where `ganscale verify` runs: the place is said relative to it
+    package = f"verify_drawing_{call}"
+    cfg, warnings = _user_gan_plan(tmp_path, package, network.format(pkg=package))
+    drawn = [{"step": 1, "net": "D", "rng_drawn": True}]
+    cause, problem, _ = probable_cause(Evidence(cfg, 2, drawn, warnings=warnings))
+    assert cause == "randomness drawn from the per-rank RNG inside a network"
+    line = _line_of(tmp_path / package / "nets.py", call)
+    assert problem.startswith(f"{key}'s forward drew from its rank's own RNG stream in step 1 ({op} at "
+                              f"{package}/nets.py:{line} in forward): "), problem
+
+
+@pytest.mark.parametrize("shuffled_by, said", [
+    ("torch", ": data.dataset draws from the process's random generators (aten.randperm at {pkg}/data.py:{line} in "
+              "make_dataset)"),
+    ("numpy", ": data.dataset draws from the process's random generators"),  # numpy's draws have no op to name
+])
+def test_a_custom_data_set_drawn_from_the_process_rng_is_named_and_seeded_from_its_arguments(tmp_path, monkeypatch,
+                                                                                              shuffled_by, said):
+    """A data.kind=custom data set shuffled by the process's RNG in __init__: the fix said to seed it from train.seed,
+    which a custom data set is never given (train's warning says data.dataset_args); and the draw preflight found is
+    named."""
+    from ganscale.verify import Evidence, probable_cause
+
+    monkeypatch.chdir(tmp_path)
+    package = f"verify_shuffled_by_{shuffled_by}"
+    cfg, warnings = _user_gan_plan(tmp_path, package, f"data.dataset_args={{shuffled_by: {shuffled_by}}}")
+    cause, problem, fix = probable_cause(Evidence(cfg, 2, [], warnings=warnings))
+    assert cause == "a data set whose items differ between processes"
+    line = _line_of(tmp_path / package / "data.py", "randperm")
+    assert problem.endswith(said.format(pkg=package, line=line)), problem
+    assert ("seeded from data.dataset_args (numpy.random.default_rng(seed), torch.Generator().manual_seed(seed))"
+            in fix and "train.seed" not in fix), fix
 
 
 def test_the_noise_fault_draws_from_the_rank_stream_from_its_step_on():

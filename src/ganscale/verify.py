@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -171,6 +172,14 @@ class Evidence:
     many: list[dict]
     one: list[dict] = field(default_factory=list)
     parted_at: int | None = None
+    warnings: list[str] = field(default_factory=list)  # preflight.check's, for the N-process run
+
+    @cached_property
+    def drawing(self) -> dict[str, str]:
+        """{key: where} of the user's code preflight found drawing from the per-rank random generators:
+        model.generator, model.discriminator, data.dataset; where: "aten.randn_like at nets.py:24 in forward", or ""
+        where preflight could not name the op (numpy's draws)."""
+        return {m["key"]: m["where"] or "" for m in map(DRAWS.match, self.warnings) if m}
 
     def _before_parting(self, record: dict) -> bool:
         """An optimizer step's record, up to the step the runs part."""
@@ -284,6 +293,38 @@ def _as_another_process() -> Iterator[None]:
         random.setstate(python_state)
 
 
+# How preflight.check words the user's code drawing from the per-rank generators (its warnings, tested against it):
+# "model.generator's forward draws from torch's random generator (aten.randn_like at nets.py:24 in forward): ...",
+# "data.dataset draws from the process's random generators (torch's or numpy's) (aten.randperm at ...) while ...".
+DRAWS = re.compile(r"(?P<key>model\.generator|model\.discriminator|data\.dataset)(?:'s forward)? draws from "
+                   r"(?:torch's random generator|the process's random generators \(torch's or numpy's\))"
+                   r"(?: \((?P<where>[^()]*)\))?[: ]")
+
+
+def _network_draws(e: Evidence) -> str:
+    """The randomness cause's problem: the networks preflight found drawing, with their op and place, or "a
+    network" where it found none (a draw its two batches did not reach, an injected fault)."""
+    named = {key: where for key, where in e.drawing.items() if key.startswith("model.")}
+    subject = " and ".join(f"{key}'s forward" for key in named) or "a network"
+    where = "; ".join(where or "a random op" for where in named.values()) or (
+        "torch.randn, dropout or another random op in forward")
+    return (f"{subject} drew from its rank's own RNG stream in step {e.rng_steps[0]} ({where}): each rank draws other "
+            "numbers than one process does")
+
+
+def _data_set_draws(e: Evidence) -> tuple[str, str]:
+    """The data-set cause: (problem, fix), naming data.dataset's draw where preflight found it. A custom data set is
+    given data.dataset_args, not train.seed: its seed goes there (as train's warning says)."""
+    problem = "built as another rank with other RNG states would build it, the data set holds other samples"
+    if "data.dataset" in e.drawing:
+        where = e.drawing["data.dataset"]
+        problem += f": data.dataset draws from the process's random generators{f' ({where})' if where else ''}"
+    seeded = ("data.dataset_args (numpy.random.default_rng(seed), torch.Generator().manual_seed(seed))"
+              if e.cfg.data.kind == "custom" else "train.seed")
+    return problem, (f"make the data set a function of its config alone: draw its randomness from a generator seeded "
+                     f"from {seeded}, never from the process's RNG, its rank or the clock")
+
+
 def _split_fix(warning: str, fallback: str) -> tuple[str, str]:
     problem, _, fix = warning.partition(" Fix: ")
     return problem.rstrip("."), fix or fallback
@@ -309,13 +350,10 @@ CAUSES = (
           lambda e: _split_fix(e.batchnorm, "leave train.micro_batch unset")),
     Cause("a data set whose items differ between processes",
           lambda e: e.data_differs,
-          lambda e: ("built as another rank with other RNG states would build it, the data set holds other samples",
-                     "make the data set a function of its config alone: draw its randomness from a generator "
-                     "seeded from train.seed, never from the process's RNG, its rank or the clock")),
+          _data_set_draws),
     Cause("randomness drawn from the per-rank RNG inside a network",
           lambda e: bool(e.rng_steps),
-          lambda e: (f"a network drew from its rank's own RNG stream in step {e.rng_steps[0]} (torch.randn, "
-                     "dropout or another random op in forward): each rank draws other numbers than one process does",
+          lambda e: (_network_draws(e),
                      "derive per-sample randomness from the sample's global position, e.g. from its latent (as "
                      "pix2pix's dropout does: ganscale.randomness's normal, uniform and dropout), or remove it")),
     Cause("a bias whose gradient is rounding noise, which Adam scales up",
@@ -359,9 +397,10 @@ def probable_cause(evidence: Evidence) -> tuple[str, str, str]:
 
 
 # ----------------------------------------------------------------------------------- the command
-def plan(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int) -> tuple[Config, list[str]]:
-    """(config as both runs train it, the --set overrides that make it): refused with a ConfigError where the two
-    runs cannot be compared."""
+def plan(recipe: str | None, overrides: tuple[str, ...], nproc: int,
+         steps: int) -> tuple[Config, list[str], list[str]]:
+    """(config as both runs train it, the --set overrides that make it, preflight's warnings for the N-process run):
+    refused with a ConfigError where the two runs cannot be compared."""
     if nproc < 2:
         raise ConfigError("--nproc", f"{nproc} process: verify compares N processes with one",
                           "pass --nproc 2 or more")
@@ -378,12 +417,14 @@ def plan(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int)
                           "engine's", "verify with train.engine=torch (its replicas are proven equal to one process "
                           "by tests/test_tf_engine.py)")
     cuda = torch.cuda.is_available()
+    warnings = []
     for world in (nproc, 1):
         try:
-            preflight.check(cfg, world, cuda)
+            said = preflight.check(cfg, world, cuda)
         except ConfigError as e:
             raise ConfigError(e.key, f"{e.problem} (the {world}-process run)", e.fix) from None
-    return cfg, sets
+        warnings = said if world == nproc else warnings
+    return cfg, sets, warnings
 
 
 def verify_folder(run_dir: str | None) -> contextlib.AbstractContextManager[Path]:
@@ -433,7 +474,7 @@ def run(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, 
     if launch.under_launcher():
         raise ConfigError("verify", "it starts its own processes, and runs here under a launcher (torchrun)",
                           "run `ganscale verify --nproc N` directly")
-    cfg, sets = plan(recipe, overrides, nproc, steps)
+    cfg, sets, warnings = plan(recipe, overrides, nproc, steps)
     tolerance = TOLERANCES[cfg.train.precision]
     with verify_folder(run_dir) as folder:
         folder = Path(folder)
@@ -447,7 +488,7 @@ def run(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, 
         differences = compare_steps(*records, tolerance)
         differences += compare_outputs(cfg, one, many, steps, tolerance.state)
         parted = next((d for d in differences if d.exceeds), None)
-        evidence = Evidence(cfg, nproc, records[1], records[0], parted.step if parted else None)
+        evidence = Evidence(cfg, nproc, records[1], records[0], parted.step if parted else None, warnings)
         verdict = report(differences, evidence, cfg, nproc, tolerance)
         for line in verdict:
             say(line)
