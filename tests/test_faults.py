@@ -481,6 +481,34 @@ def test_a_peer_failure_is_summed_up_to_its_sign_whole():
     assert peer_failure_summary(RuntimeError("Connection closed by peer [127.0.0.1]:1")) == "Connection closed by peer"
 
 
+@pytest.mark.parametrize("said, cause", [
+    ("Got the following error when running the callback: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/"
+     "transport/tcp/pair.cc:537] Read error [127.0.0.1]:26536: Connection reset by peer",
+     "its connection to the others closed"),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1",
+     "its connection to the others closed"),
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process exited or there "
+     "was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error",
+     "its connection to the others closed"),
+    ("NCCL communicator was aborted on rank 1.", "NCCL communicator was aborted on rank 1."),  # another cause: as said
+])
+def test_a_rank_stopped_by_another_s_failure_says_a_closed_connection_in_words(monkeypatch, capsys, said, cause):
+    """Rank 1 of a run whose rank 0 failed on a data set item quoted gloo's source path and socket ("[/__w/pytorch/
+    .../pair.cc:537] Read error [127.0.0.1]:26536: Connection reset by peer"): its line says what happened instead."""
+    import torch.distributed as dist
+
+    from ganscale.cli import leave
+    from ganscale.fault import EXIT_PEER_FAILED
+
+    for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR"):  # not a worker: the line, then the exit code
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as left:
+        leave((dist.DistBackendError if said.startswith("NCCL") else RuntimeError)(said))  # as gloo and NCCL raise them
+    assert left.value.code == EXIT_PEER_FAILED
+    assert capsys.readouterr().err == f"ganscale: rank 1 stopped because another rank failed first ({cause})\n"
+
+
 def test_the_watchdog_works_when_its_descriptors_are_numbered_above_1024(tmp_path):
     """Many open files (data.workers=500) give the watchdog's sockets numbers select() cannot watch; it must still
     notice a stop signal and enforce fault.exit_timeout_s (with select() its thread died at once, silently)."""

@@ -22,7 +22,7 @@ from ganscale import config as config_mod
 from ganscale.config import DIGIT_DATASETS, ConfigError
 from ganscale.fault import (EXIT_CONFIG, EXIT_FILE_REFUSED, EXIT_HANG, EXIT_PEER_FAILED, REFUSED_FILE_OPERATION,
                             NonFiniteTraining, Preempted, ReplicaDivergence, RunDirectoryTakenOver, is_peer_failure,
-                            is_peer_timeout, peer_failure_summary, told_elsewhere)
+                            is_peer_timeout, peer_failure_cause, peer_failure_summary, told_elsewhere)
 
 
 # A rank that leaves an error to another (told_by) exits this much later: a launcher stops every worker at the
@@ -173,7 +173,7 @@ def leave(error: Exception) -> NoReturn:
         sys.exit(EXIT_HANG)
     if isinstance(error, RuntimeError) and is_peer_failure(error):
         click.echo(f"ganscale: rank {launch.rank_from_environment()} stopped because another rank failed first "
-                   f"({peer_failure_summary(error)})", err=True)
+                   f"({peer_failure_cause(error)})", err=True)
         sys.exit(EXIT_PEER_FAILED)
     if not worker:
         raise error  # _Commands shows a known failure in one line

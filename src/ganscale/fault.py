@@ -68,6 +68,19 @@ def peer_failure_summary(error: BaseException, width: int = 200) -> str:
     return line if len(line) <= width else "..." + line[-(width - 3):]
 
 
+# What gloo and NCCL (ncclRemoteError) say where this rank's connection to another closed under it, the other rank
+# having exited: quoted, they name the backend's own source file and socket, which tell a user nothing.
+CONNECTION_CLOSED_SIGNS = (*PEER_FAILURE_SIGNS, "remote process exited or there was a network error")
+
+
+def peer_failure_cause(error: BaseException) -> str:
+    """Why this rank stopped, for "stopped because another rank failed first (...)": "its connection to the others
+    closed" where the backend said so, any other cause as peer_failure_summary sums it up."""
+    if any(sign in str(error) for sign in CONNECTION_CLOSED_SIGNS):
+        return "its connection to the others closed"
+    return peer_failure_summary(error)
+
+
 class Preempted(Exception):
     """A stop was requested by a signal on some rank; every rank checkpointed and stopped."""
 
