@@ -816,7 +816,7 @@ def test_user_code_that_trains_but_not_as_meant_is_a_warning_naming_where(tmp_pa
     lines = {name: next(n for n, text in enumerate(nets, 1) if marker in text)
              for name, marker in (("randn_like", "randn_like("), ("dropout", "dropout("), ("own", "generator=self."))}
     before = (torch.get_rng_state(), np.random.get_state()[1].copy())
-    warnings = preflight.check(cfg, 2, False)
+    warnings = [str(warning) for warning in preflight.check(cfg, 2, False)]
     assert warnings == [] if said is None else (len(warnings) == 1
                                                 and said.format(pkg=package, **lines) in warnings[0]), warnings
     assert torch.equal(before[0], torch.get_rng_state()) and (before[1] == np.random.get_state()[1]).all()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from warnings import catch_warnings, simplefilter
 
@@ -31,7 +32,24 @@ from ganscale.tasks import build_task
 from ganscale.versions import require
 
 
-def check(cfg: Config, world_size: int, cuda_available: bool) -> list[str]:
+@dataclass(frozen=True)
+class StartWarning:
+    """What trains but not as meant, said once before training (str: the line). A draw from the per-rank random
+    generators names the option that draws (`key`) and the op with its place (`where`; "" where not known)."""
+
+    text: str
+    key: str | None = None
+    where: str = ""
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _in_brackets(where: str) -> str:
+    return f" ({where})" if where else ""
+
+
+def check(cfg: Config, world_size: int, cuda_available: bool) -> list[StartWarning]:
     """Combinations that cannot be right, checked once the world size is known. Returns what trains, but not as the
     same training on 1 and N processes (the user's code drawing from the per-rank random generators): one warning
     each, for the caller to say once."""
@@ -629,7 +647,7 @@ def _check_user_code_named(cfg: Config) -> None:
                               f"set data.kind=custom, or remove {key}")
 
 
-def _check_user_code(cfg: Config, micro: int | None) -> list[str]:
+def _check_user_code(cfg: Config, micro: int | None) -> list[StartWarning]:
     """The user's data set, networks and loss, run once on the CPU (the data set: its first items; the networks:
     batches of 2 and 4, and of 1 where each rank trains on `micro` = 1 sample with per-rank BatchNorm statistics; the
     loss: logits of the shape D returns), without touching the global RNG. Returns a warning for what trains but
@@ -644,12 +662,13 @@ def _check_user_code(cfg: Config, micro: int | None) -> list[str]:
             with process_draws() as draws:
                 items = build_dataset(cfg)  # checks its first item against the task and the sample shape
                 in_unit_range = unit_range_warning(items, cfg.model.conditioning)
-            warnings += [in_unit_range] if in_unit_range else []
+            warnings += [StartWarning(in_unit_range)] if in_unit_range else []
             if draws.drawn:
-                warnings.append(f"data.dataset draws from the process's random generators (torch's or numpy's)"
-                                f"{draws.at} while it is built or its first items read: each process has its own, so "
-                                f"{DIFFERS}; draw from a generator seeded from data.dataset_args "
-                                "(numpy.random.default_rng(seed), torch.Generator().manual_seed(seed))")
+                warnings.append(StartWarning(
+                    f"data.dataset draws from the process's random generators (torch's or numpy's)"
+                    f"{_in_brackets(draws.at)} while it is built or its first items read: each process has its own, "
+                    f"so {DIFFERS}; draw from a generator seeded from data.dataset_args (numpy.random.default_rng(seed), "
+                    "torch.Generator().manual_seed(seed))", "data.dataset", draws.at))
         logit_shape = (1,)  # a shipped D's logits per sample
         if cfg.model.kind == "custom":
             logit_shape = _check_user_networks(cfg, warnings, micro)
@@ -713,7 +732,7 @@ CALLS = {  # the positional arguments each of those calls passes (a paired G's p
 }
 
 
-def _check_user_networks(cfg: Config, warnings: list[str], micro: int | None) -> tuple[int, ...]:
+def _check_user_networks(cfg: Config, warnings: list[StartWarning], micro: int | None) -> tuple[int, ...]:
     """No lazy layers; G's output is float32 of the data's sample shape, D gives one logit per sample (per patch,
     paired), for two batch sizes; every trained parameter gets a gradient; D can be differentiated twice where R1 or
     the gradient penalty needs it; where `micro` is 1, both run on one sample. A network whose forward draws from
@@ -785,12 +804,14 @@ def _check_user_networks(cfg: Config, warnings: list[str], micro: int | None) ->
                               "logits")
     for key, draws in (("model.generator", g_draws), ("model.discriminator", d_draws)):
         if draws.drawn:
-            warnings.append(f"{key}'s forward draws from torch's random generator{draws.at}: each process has "
-                            f"its own, so {DIFFERS}; {PER_SAMPLE}")
+            warnings.append(StartWarning(f"{key}'s forward draws from torch's random generator"
+                                         f"{_in_brackets(draws.at)}: each process has its own, so {DIFFERS}; "
+                                         f"{PER_SAMPLE}", key, draws.at))
         elif draws.own_at:
-            warnings.append(f"{key}'s forward draws from a torch.Generator of its own{draws.own_at}: every rank "
-                            "draws the same values, for other samples than one process would, so "
-                            f"{DIFFERS}, and the checkpoints do not hold its state; {PER_SAMPLE}")
+            warnings.append(StartWarning(f"{key}'s forward draws from a torch.Generator of its own"
+                                         f"{_in_brackets(draws.own_at)}: every rank draws the same values, for other "
+                                         f"samples than one process would, so {DIFFERS}, and the checkpoints do not "
+                                         f"hold its state; {PER_SAMPLE}"))
     if micro == 1:
         _check_one_sample(cfg, task, generator, discriminator)
     _check_all_trained("G", generator, fake, "model.generator")  # once: on the last batch's graphs

@@ -138,8 +138,8 @@ class ProcessDraws:
 
 
 def _said(op, place: str | None) -> str:
-    """" (aten.randn_like at my_gan/nets.py:30 in forward)", for a message."""
-    return f" ({str(op).removesuffix('.default')}" + (f" at {place})" if place else ")")
+    """"aten.randn_like at my_gan/nets.py:30 in forward", for a message."""
+    return str(op).removesuffix(".default") + (f" at {place}" if place else "")
 
 
 class _SeededOps(TorchDispatchMode):

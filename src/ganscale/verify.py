@@ -15,7 +15,6 @@ import contextlib
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from ganscale import config as config_mod
 from ganscale.config import Config, ConfigError
 from ganscale.fault import EXIT_CONFIG, run_training_process
 from ganscale.observe import fingerprints
-from ganscale.preflight import cross_rank_batchnorm
+from ganscale.preflight import StartWarning, cross_rank_batchnorm
 
 
 
@@ -172,14 +171,14 @@ class Evidence:
     many: list[dict]
     one: list[dict] = field(default_factory=list)
     parted_at: int | None = None
-    warnings: list[str] = field(default_factory=list)  # preflight.check's, for the N-process run
+    warnings: list[StartWarning] = field(default_factory=list)  # preflight.check's, for the N-process run
 
     @cached_property
     def drawing(self) -> dict[str, str]:
         """{key: where} of the user's code preflight found drawing from the per-rank random generators:
         model.generator, model.discriminator, data.dataset; where: "aten.randn_like at nets.py:24 in forward", or ""
         where preflight could not name the op (numpy's draws)."""
-        return {m["key"]: m["where"] or "" for m in map(DRAWS.match, self.warnings) if m}
+        return {warning.key: warning.where for warning in self.warnings if warning.key is not None}
 
     def _before_parting(self, record: dict) -> bool:
         """An optimizer step's record, up to the step the runs part."""
@@ -291,14 +290,6 @@ def _as_another_process() -> Iterator[None]:
         torch.set_rng_state(torch_state)
         np.random.set_state(numpy_state)
         random.setstate(python_state)
-
-
-# How preflight.check words the user's code drawing from the per-rank generators (its warnings, tested against it):
-# "model.generator's forward draws from torch's random generator (aten.randn_like at nets.py:24 in forward): ...",
-# "data.dataset draws from the process's random generators (torch's or numpy's) (aten.randperm at ...) while ...".
-DRAWS = re.compile(r"(?P<key>model\.generator|model\.discriminator|data\.dataset)(?:'s forward)? draws from "
-                   r"(?:torch's random generator|the process's random generators \(torch's or numpy's\))"
-                   r"(?: \((?P<where>[^()]*)\))?[: ]")
 
 
 def _network_draws(e: Evidence) -> str:
