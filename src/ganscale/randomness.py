@@ -143,7 +143,8 @@ def _said(op, place: str | None) -> str:
 
 
 class _SeededOps(TorchDispatchMode):
-    """Records the first op that draws from torch's default generator (a seeded op given no generator of its own)."""
+    """Records the first seeded op that draws from torch's default generator (given none), and the first that draws
+    from a generator of the code's own."""
 
     def __init__(self, draws: ProcessDraws):
         super().__init__()
