@@ -231,10 +231,12 @@ def check_stop_grace(cfg: Config) -> None:
 def root_cause_order(exit_code: int) -> int:
     """How likely a worker's exit code is the failure's root cause, most likely first: a worker that failed on its
     own; one killed by a signal of its own (SIGKILL by the OOM killer or a user, a crash); one whose collective broke
-    because a peer had died (EXIT_PEER_FAILED); last, SIGTERM, which the agent sends every worker still running."""
+    because a peer had died (EXIT_PEER_FAILED) or stalled past its stop's timeout waiting for it (EXIT_HANG: a rank
+    asked to stop in a collective with a killed peer, whose socket had not yet closed); last, SIGTERM, which the
+    agent sends every worker still running. Ranks that all hang share EXIT_HANG, which is then named."""
     if exit_code == -signal.SIGTERM:
         return 3
-    if exit_code == EXIT_PEER_FAILED:
+    if exit_code in (EXIT_PEER_FAILED, EXIT_HANG):
         return 2
     return 1 if exit_code < 0 else 0
 
