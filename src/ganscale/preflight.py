@@ -50,9 +50,9 @@ def _in_brackets(where: str) -> str:
 
 
 def check(cfg: Config, world_size: int, cuda_available: bool) -> list[StartWarning]:
-    """Combinations that cannot be right, checked once the world size is known. Returns what trains, but not as the
-    same training on 1 and N processes (the user's code drawing from the per-rank random generators): one warning
-    each, for the caller to say once."""
+    """Combinations that cannot be right, checked once the world size is known. Returns what trains, but not as
+    meant (the user's code drawing from the per-rank random generators, [0, 1] images): one warning each, for the
+    caller to say once."""
     fault.check_injection()
     _check_user_code_named(cfg)
     _check_torch_features(cfg)
@@ -757,11 +757,10 @@ def _check_user_networks(cfg: Config, warnings: list[StartWarning], micro: int |
                               "nn.LazyLinear")
     task = build_task(cfg, previews=False)
     g_call, d_call = SIGNATURES[m.conditioning]
+    latent = _latent_size(generator, m.generator_args)
     for batch in (2, 4):  # two sizes: a network written for one fails on the other (4: minibatch-std groups divide it)
         labels = (torch.arange(batch) - 1) % m.n_classes if task.n_classes else None  # the last class among them
-        images = torch.zeros(batch, *shape)
-        real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
-        latent = _latent_size(generator, m.generator_args)
+        real = _stand_in_reals(m.conditioning, torch.zeros(batch, *shape), labels)
         z = torch.randn(batch, m.z_dim)
         with process_draws() as g_draws, seeds_from(z):  # the trainer's seeds: ganscale.randomness draws none
             fake = _run("model.generator", f"{m.generator} on {batch} latents",
@@ -824,6 +823,11 @@ def _check_user_networks(cfg: Config, warnings: list[StartWarning], micro: int |
     return tuple(logits.shape[1:])
 
 
+def _stand_in_reals(conditioning: str, images: torch.Tensor, labels: torch.Tensor | None) -> tuple:
+    """A batch of real samples as the task gives them: (images,), (images, labels) or (input, target)."""
+    return {"class-conditional": (images, labels), "paired": (images, images)}.get(conditioning, (images,))
+
+
 def _check_one_sample(cfg: Config, task, generator: nn.Module, discriminator: nn.Module) -> None:
     """G and D each run on the one sample per rank a micro-batch of 1 gives them (a BatchNorm1d cannot)."""
     m, t = cfg.model, cfg.train
@@ -831,7 +835,7 @@ def _check_one_sample(cfg: Config, task, generator: nn.Module, discriminator: nn
     z = torch.randn(1, m.z_dim)
     labels = torch.zeros(1, dtype=torch.int64) if task.n_classes else None
     images = torch.zeros(1, *cfg.data.sample_shape)
-    real = {"class-conditional": (images, labels), "paired": (images, images)}.get(m.conditioning, (images,))
+    real = _stand_in_reals(m.conditioning, images, labels)
     for spec, forward in ((m.generator, lambda: task.generate(generator, real, z, labels)),
                           (m.discriminator, lambda: discriminator(task.critic_view(real, images),
                                                                   *task.critic_conditions(None, labels)))):
