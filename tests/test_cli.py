@@ -150,6 +150,34 @@ def test_a_new_run_starts_over_a_failed_runs_files_but_not_over_other_files(tmp_
     assert refused.returncode == 2 and "--run-dir" in refused.stderr and "NOTES.txt" in refused.stderr
     assert [p.name for p in mine.iterdir()] == ["NOTES.txt"]
 
+    # A config.yaml ganscale did not write (the user's own, trained from where it lies) was replaced by the
+    # resolved config; likewise a manifest written there by `ganscale k8s --out DIR/config.yaml`.
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "config.yaml").write_text("# two steps of the default recipe\ntrain: {steps: 2, batch_size: 6}\n")
+    refused = ganscale("train", "own/config.yaml", "--run-dir", "own", cwd=tmp_path)
+    assert refused.returncode == 2 and "'own' holds files that are not a ganscale run's (config.yaml)" in \
+        refused.stderr, explain(refused)
+    assert "keep your own files, a YAML config too, outside it" in refused.stderr
+    assert (own / "config.yaml").read_text().startswith("# two steps") and len(list(own.iterdir())) == 1
+
+
+def test_a_config_file_is_a_failed_run_s_own_only_as_ganscale_writes_it(tmp_path):
+    """rundir._own_file: a resolved config (config.to_yaml) may be started over; a hand-written YAML file or a
+    multi-document manifest of the same name may not."""
+    from ganscale import rundir
+
+    written = tmp_path / "config.yaml"
+    written.write_text(config.to_yaml(config.load("digits")))
+    assert rundir._own_file(written)
+    for text in ("train:\n    steps: 2\n", "# mine\ntrain: {steps: 2}\n", "kind: ConfigMap\n---\nkind: JobSet\n",
+                 "train: [\n"):
+        written.write_text(text)
+        assert not rundir._own_file(written), text
+    resumed = tmp_path / "config.resumed-00000010.yaml"
+    resumed.write_text("train: {steps: 20}\n")
+    assert not rundir._own_file(resumed) and rundir._own_file(tmp_path / "metrics.jsonl")
+
 
 def test_resume_auto_that_finds_no_run_says_it_starts_a_new_one(tmp_path):
     result = ganscale("train", *TINY_RUN, "--resume", "auto", cwd=tmp_path)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+import yaml
 
 from ganscale import checkpoint, runlock
 from ganscale.config import Config, ConfigError
@@ -71,11 +72,26 @@ def resolve_run(cfg: Config, run_dir: str | None, resume: str | None, report: bo
     if newest is not None and resume is None:
         raise ConfigError("--run-dir", f"'{path}' already holds a run (checkpoints/{newest.name})",
                           "pass --resume auto to continue it, or choose a new --run-dir")
-    foreign = sorted(p.name for p in path.iterdir() if not RUN_FILES.match(p.name)) if path.is_dir() else []
+    foreign = sorted(p.name for p in path.iterdir() if not _own_file(p)) if path.is_dir() else []
     if newest is None and foreign:  # a fresh run replaces a failed run's own files, and nothing else
         raise ConfigError("--run-dir", f"'{path}' holds files that are not a ganscale run's ({', '.join(foreign[:3])})",
-                          "choose a new or empty --run-dir")
+                          "choose a new or empty --run-dir (keep your own files, a YAML config too, outside it)")
     return path, (_left_to_train(cfg, _resumable(path, report)) if newest is not None else None)
+
+
+def _own_file(path: Path) -> bool:
+    """`path` (right inside a run directory) is one a run writes. A config file only as ganscale writes it
+    (`config.to_yaml`, which loading and dumping give back unchanged): a user's own YAML file or a manifest under
+    that name is not replaced."""
+    if not RUN_FILES.match(path.name):
+        return False
+    if path.name != "config.yaml" and not RESUMED_CONFIG.match(path.name):
+        return True
+    try:
+        text = path.read_text()
+        return yaml.safe_dump(yaml.safe_load(text), sort_keys=False) == text
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
 
 
 def own_config(run_dir: str | None, resume: str | None) -> Path | None:
