@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +37,13 @@ def test_the_range_takes_2_11_through_2_15_and_later_releases_but_not_older_ones
 def test_lacking_names_each_feature_older_than_its_first_version():
     assert versions.lacking("2.11.0") == ["grid-sample-double-backward", "launcher-grace"]
     assert versions.lacking("2.12.1") == []
-    assert versions.lacking("2.5.1") == ["fsdp", "sharded-checkpoint", "compile-callbacks", "flight-recorder",
-                                         "grid-sample-double-backward", "launcher-grace"]
+    assert versions.lacking("2.5.1") == ["fsdp", "sharded-checkpoint", "grid-sample-double-backward", "launcher-grace"]
     assert "pipeline" in versions.lacking("2.3.1") and "pipeline" not in versions.lacking("2.4.0")
+
+
+def test_a_private_api_read_only_from_2_11_on_is_unknown_before_not_lacking():
+    assert versions.unread("2.10.0") == ["compile-callbacks", "flight-recorder"]
+    assert versions.unread("2.11.0") == [] and versions.unread("2.16.0") == []
 
 
 def test_ddp_keyword_follows_the_2_13_rename(monkeypatch):
@@ -152,3 +157,127 @@ def test_the_loopback_override_matches_this_torch_and_a_renamed_method_is_refuse
     with pytest.raises(ConfigError) as info:
         loopback.register()
     assert info.value.key == "--nproc" and "127.0.0.1" in info.value.problem and "torchrun" in info.value.fix
+
+
+# ------------------------------------------------------------------------------------ scripts/bootstrap.sh
+BOOTSTRAP = Path(__file__).parents[1] / "scripts" / "bootstrap.sh"
+FAKE_PIP = """#!/bin/sh
+echo "$*" >> "$(dirname "$0")/../pip.log"
+"""
+
+
+@pytest.mark.parametrize("installed, wanted, requirement", [
+    ("2.14.1+cu130", "2.14", None), ("2.14.0", "2.14", None), ("2.14.1+cu130", "2.14.1", None),
+    ("2.14.1+cu130", "2.14.1+cu130", None), ("2.13.0+cpu", "", None), ("2.16.0", "", None),
+    ("2.13.0+cpu", "2.14", "torch==2.14.*"), ("2.14.0", "2.14.1", "torch==2.14.1"),
+    ("2.14.1+cpu", "2.14.1+cu130", "torch==2.14.1+cu130"), ("2.10.0", "", "torch==2.13.0"),
+    (None, "", "torch==2.13.0"), (None, "2.14", "torch==2.14.*"),
+])
+def test_bootstrap_keeps_a_torch_that_fits_and_names_the_one_it_installs(installed, wanted, requirement):
+    chosen, line = versions.bootstrap_torch(installed, wanted, "/v")
+    assert chosen == requirement
+    assert (line == "") == (requirement is None or installed is None)  # a replacement says so; a new venv is quiet
+    if line:
+        assert line.startswith("ganscale: ") and "\n" not in line and f"torch {installed} in /v" in line
+
+
+@pytest.mark.parametrize("wanted", ["2.10.0", "2.10", "nightly", "2.14.1foo"])
+def test_bootstrap_refuses_a_torch_asked_for_outside_the_range(wanted):
+    with pytest.raises(ValueError) as info:
+        versions.bootstrap_torch("2.13.0", wanted, "/v")
+    line = str(info.value)
+    assert f"GANSCALE_TORCH={wanted}" in line and "2.11 through 2.15" in line and "unset it" in line
+
+
+def fake_venv(path: Path, torch_version: str | None) -> Path:
+    """A venv without pip whose torch is only metadata, and a bin/pip that logs its arguments (to pip.log)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=60)
+    if torch_version:
+        (site,) = path.glob("lib/python*/site-packages")
+        (site / f"torch-{torch_version}.dist-info").mkdir()
+        (site / f"torch-{torch_version}.dist-info" / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: torch\nVersion: {torch_version}\n")
+    (path / "bin" / "pip").write_text(FAKE_PIP)
+    (path / "bin" / "pip").chmod(0o755)
+    return path
+
+
+def bootstrap(cwd: Path, tmp_path: Path, **variables: str) -> subprocess.CompletedProcess:
+    """scripts/bootstrap.sh sourced from `cwd`; a venv it creates is a fake_venv (PYTHON's `-m venv`), and
+    pip cannot reach an index whatever happens."""
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/sh
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+  {sys.executable} -c 'import sys; sys.path.insert(0, sys.argv[1]); import test_versions as t; t.fake_venv(__import__("pathlib").Path(sys.argv[2]), None)' {Path(__file__).parent} "$3"
+  exit
+fi
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GANSCALE_", "PIP_")) and k != "PYTHONPATH"}
+    env.update(PYTHON=str(python), PIP_NO_INDEX="1", **variables)
+    return subprocess.run(["bash", "-c", 'source "$0"', str(BOOTSTRAP)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def stamped(venv: Path) -> Path:
+    """`venv` as bootstrap leaves it after an install of the default extras."""
+    (venv / ".ganscale-installed").write_text("test\n")
+    return venv
+
+
+def pip_calls(venv: Path) -> list[str]:
+    log = venv / "pip.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_bootstrap_keeps_a_2_14_x_for_GANSCALE_TORCH_2_14_quietly(tmp_path):
+    venv = stamped(fake_venv(tmp_path / "v", "2.14.1+cu130"))
+    result = bootstrap(tmp_path, tmp_path, GANSCALE_VENV=str(venv), GANSCALE_TORCH="2.14")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "" and result.stdout == "" and pip_calls(venv) == []
+
+
+def test_bootstrap_says_in_one_line_which_torch_it_replaces(tmp_path):
+    venv = stamped(fake_venv(tmp_path / "v", "2.10.0"))
+    result = bootstrap(tmp_path, tmp_path, GANSCALE_VENV=str(venv))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == (f"ganscale: torch 2.10.0 in {venv} is outside the supported range 2.11-2.15; "
+                             "installing torch 2.13.0 (set GANSCALE_TORCH=... to choose)\n")
+    assert pip_calls(venv) == ["install --quiet torch==2.13.0", "install --quiet -e .[test]"]
+    venv = stamped(fake_venv(tmp_path / "w", "2.13.0+cpu"))
+    result = bootstrap(tmp_path, tmp_path, GANSCALE_VENV=str(venv), GANSCALE_TORCH="2.14")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "torch 2.13.0+cpu" in result.stderr and "2.14.*" in result.stderr
+    assert pip_calls(venv)[0] == "install --quiet torch==2.14.*"
+
+
+def test_bootstrap_refuses_GANSCALE_TORCH_outside_the_range_before_installing_anything(tmp_path):
+    venv = stamped(fake_venv(tmp_path / "v", "2.13.0"))
+    for target in (venv, tmp_path / "new"):
+        result = bootstrap(tmp_path, tmp_path, GANSCALE_VENV=str(target), GANSCALE_TORCH="2.10.0")
+        assert result.returncode == 2
+        assert len(result.stderr.splitlines()) == 1 and "GANSCALE_TORCH=2.10.0 is outside" in result.stderr
+    assert pip_calls(venv) == [] and not (tmp_path / "new").exists()
+
+
+def test_bootstrap_reads_a_relative_GANSCALE_VENV_from_the_callers_directory(tmp_path):
+    (tmp_path / "x").mkdir()
+    result = bootstrap(tmp_path / "x", tmp_path, GANSCALE_VENV="venv")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # a new venv's first install is the quiet, normal case
+    assert pip_calls(tmp_path / "x" / "venv") == ["install --quiet torch==2.13.0", "install --quiet -e .[test]"]
+    assert not (BOOTSTRAP.parents[1] / "venv").exists()
+
+
+def test_bootstrap_refuses_a_GANSCALE_VENV_folder_that_is_not_a_venv(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("mine")
+    result = bootstrap(tmp_path, tmp_path, GANSCALE_VENV="data")
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and f"GANSCALE_VENV={folder} is not a venv" in result.stderr
+    assert [p.name for p in folder.iterdir()] == ["keep.txt"]
+    (tmp_path / "empty").mkdir()  # an empty folder becomes the venv
+    assert bootstrap(tmp_path, tmp_path, GANSCALE_VENV="empty").returncode == 0
+    assert (tmp_path / "empty" / "bin" / "python").exists()

@@ -24,6 +24,7 @@ class Feature:
     first: tuple[int, int]  # the first release that has it; for a private API, the oldest release read (2.11)
     api: str                # what ganscale calls
     used_by: str            # what a user loses without it
+    first_known: bool = True  # False: `first` is only the oldest release read, an older one may have it too
 
 
 FEATURES = {
@@ -34,9 +35,9 @@ FEATURES = {
     "sharded-checkpoint": Feature((2, 6), "torch.distributed.checkpoint save/load, state_dict API, "
                                   "distribute_tensor(src_data_rank=)", "checkpoint.format=sharded"),
     "compile-callbacks": Feature((2, 11), "torch._dynamo.callback.callback_handler with CallbackArgs",
-                                 "the hang watchdog's extra patience while torch compiles"),
+                                 "the hang watchdog's extra patience while torch compiles", first_known=False),
     "flight-recorder": Feature((2, 11), "torch._C._distributed_c10d._dump_fr_trace_json (gloo and NCCL)",
-                               "rankN-flight-recorder.json in a hang's diagnostics"),
+                               "rankN-flight-recorder.json in a hang's diagnostics", first_known=False),
     "grid-sample-double-backward": Feature((2, 12), "the double backward of torch.nn.functional.grid_sample "
                                            "(aten::grid_sampler_2d_backward's derivative)",
                                            "R1 or the gradient penalty with ADA's geometric operations "
@@ -69,7 +70,14 @@ def checked(version: str) -> bool:
 def lacking(version: str) -> list[str]:
     """The features (FEATURES' names) a torch of `version` does not have."""
     release = parse(version)[:2]
-    return [name for name, feature in FEATURES.items() if release < feature.first]
+    return [name for name, feature in FEATURES.items() if feature.first_known and release < feature.first]
+
+
+def unread(version: str) -> list[str]:
+    """The features whose API was not read in a torch of `version` (older than the oldest release read): it may
+    or may not have them."""
+    release = parse(version)[:2]
+    return [name for name, feature in FEATURES.items() if not feature.first_known and release < feature.first]
 
 
 def running() -> str:
@@ -93,6 +101,49 @@ def require(name: str, option: str, instead: str | None = None) -> None:
 
 def describe_range() -> str:
     return f"torch {'.'.join(map(str, OLDEST))} through {'.'.join(map(str, NEWEST))}"
+
+
+_WANTED = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?(\+[0-9A-Za-z.]+)?")
+
+
+def bootstrap_torch(installed: str | None, wanted: str, venv: str) -> tuple[str | None, str]:
+    """scripts/bootstrap.sh's choice for the venv `venv` holding torch `installed` (None: none) and GANSCALE_TORCH
+    `wanted` ('' when unset): (the pip requirement to install, or None to keep `installed`; the line to print, ''
+    for none). A `wanted` that is not a version, or is outside the range, raises ValueError with the line to print.
+
+    `wanted` "2.14" is any 2.14.x (installed as pip's newest 2.14.x), "2.14.1" that release, "2.14.1+cu130" that
+    build."""
+    supported = f"the supported range ({describe_range()}; a later release is allowed)"
+    match = _WANTED.fullmatch(wanted) if wanted else None
+    if wanted and match is None:
+        raise ValueError(f"ganscale: GANSCALE_TORCH={wanted} is not a torch version; set it to one in {supported}, "
+                         f"e.g. GANSCALE_TORCH={DEFAULT_INSTALL}, or unset it")
+    if wanted and not in_range(wanted):
+        raise ValueError(f"ganscale: GANSCALE_TORCH={wanted} is outside {supported}: pip would replace it with "
+                         f"the newest torch on every call; set GANSCALE_TORCH to a version in the range, e.g. "
+                         f"{DEFAULT_INSTALL}, or unset it")
+    # "2.14" asks for the newest 2.14.x pip finds; a full version asks for exactly that one
+    requirement = (f"torch=={wanted}" if match and match[3] else f"torch=={wanted}.*" if match
+                   else f"torch=={DEFAULT_INSTALL}")
+    shown = requirement.removeprefix("torch==")
+    if installed is None:
+        return requirement, ""  # a new venv: its first install is the normal, quiet case
+    try:
+        release = parse(installed)
+    except ValueError:
+        release = None
+    if release is None or not in_range(installed):
+        how = f" (GANSCALE_TORCH={wanted})" if wanted else " (set GANSCALE_TORCH=... to choose)"
+        return requirement, (f"ganscale: torch {installed} in {venv} is outside the supported range "
+                             f"{'.'.join(map(str, OLDEST))}-{'.'.join(map(str, NEWEST))}; installing torch {shown}{how}")
+    if match:
+        local = installed.partition("+")[2]
+        same = release[:2] == (int(match[1]), int(match[2])) and (not match[3] or release[2] == int(match[3])) and \
+            (not match[4] or local == match[4][1:])
+        if not same:
+            return requirement, (f"ganscale: torch {installed} in {venv} is not GANSCALE_TORCH={wanted}; "
+                                 f"replacing it with torch {shown}")
+    return None, ""
 
 
 def ddp_no_buffer_sync() -> dict[str, bool]:
