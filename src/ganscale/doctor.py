@@ -5,7 +5,7 @@
 One line per check, `STATUS  name  detail`, in this order:
 
 1. Versions: python, torch (against the supported range of ganscale.versions, naming the features an older
-   torch lacks), CUDA runtime of the torch build, cuDNN, NCCL, GPU driver, gloo.
+   torch lacks; older than the range is a FAIL), CUDA runtime of the torch build, cuDNN, NCCL, GPU driver, gloo.
 2. Devices: the visible GPUs (name, memory) against the N ranks of a CUDA run (one GPU per rank;
    more ranks than GPUs is a FAIL), CUDA_VISIBLE_DEVICES repeating a device (CUDA then shows no GPU
    at all), and N ranks against the CPU cores of a CPU run.
@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -428,17 +429,22 @@ def _driver_version() -> str | None:
 
 
 def torch_check(version: str) -> Check:
-    """The torch version against ganscale's supported range (ganscale.versions), naming the features it lacks."""
+    """The torch version against ganscale's supported range (ganscale.versions), naming the features it lacks;
+    older than the range is a FAIL (not supported)."""
     supported = versions.describe_range()
     lost = "; ".join(f"{name} ({versions.FEATURES[name].used_by})" for name in versions.lacking(version))
     if not versions.in_range(version):
-        return Check(WARN, "torch", f"{version}: older than the supported range ({supported})",
-                     "ganscale was not checked on it" + (f"; it lacks: {lost}" if lost else ""),
+        # a private API read only from the oldest supported release on: not known to be missing before it
+        unread = ", ".join(versions.unread(version))
+        return Check(FAIL, "torch", f"{version}: older than the supported range ({supported})",
+                     "ganscale does not support it" + (f"; it lacks: {lost}" if lost else "")
+                     + (f"; not checked whether it has: {unread}" if unread else ""),
                      f"install torch>={'.'.join(map(str, versions.OLDEST))} (the CUDA build on GPU machines)")
     if not versions.checked(version):
         return Check(WARN, "torch", f"{version}: newer than the checked range ({supported})",
                      "the private torch APIs ganscale overrides were not read in this version",
-                     "run `scripts/test.sh` once in this environment; if it fails, install torch "
+                     f"run `GANSCALE_VENV={shlex.quote(sys.prefix)} scripts/test.sh` in the ganscale checkout once "
+                     "(it installs the test extras here and tests this torch); if it fails, install torch "
                      f"{'.'.join(map(str, versions.NEWEST))}")
     return Check(PASS, "torch", f"{version} (supported: {supported}; {f'lacks {lost}' if lost else 'all features'})")
 
