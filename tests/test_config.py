@@ -47,6 +47,28 @@ def test_recipe_yaml_round_trips_through_to_yaml():
         assert config.build(yaml.safe_load(config.to_yaml(cfg))) == cfg
 
 
+def test_a_written_config_leaves_out_the_options_nothing_in_it_reads(tmp_path):
+    """A custom GAN's config.yaml listed g_width, mapping_layers, channel_base...: options its networks never get.
+    Left out at their defaults (loading gives them back); an older version's full text still compares equal, so a
+    resume writes no config.resumed file for it."""
+    from ganscale import rundir
+
+    custom = config.load("digits", ["model.kind=custom", "model.generator=nets:G", "model.discriminator=nets:D"],
+                         files_here=False)
+    written = yaml.safe_load(config.to_yaml(custom))["model"]
+    assert {"g_width", "d_width", "g_batchnorm", "mapping_layers", "channel_base", "norm"}.isdisjoint(written)
+    assert written["generator"] == "nets:G" and "z_dim" in written
+    stylegan2 = yaml.safe_load(config.to_yaml(config.load("digits-stylegan2")))["model"]
+    assert "mapping_layers" in stylegan2 and "g_width" not in stylegan2
+
+    older = yaml.safe_dump(custom.model_dump(mode="json"), sort_keys=False)  # every option, as before
+    assert config.settings_in(older) == config.settings_in(config.to_yaml(custom)) and older != config.to_yaml(custom)
+    (tmp_path / "config.yaml").write_text(older)
+    assert rundir.config_to_write(tmp_path, 10, config.to_yaml(custom)) is None
+    changed = custom.model_copy(update={"name": "renamed"})
+    assert rundir.config_to_write(tmp_path, 10, config.to_yaml(changed)) == tmp_path / "config.resumed-00000010.yaml"
+
+
 def test_no_source_means_the_default_recipe():
     assert config.load(None) == config.load(config.DEFAULT_RECIPE)
 

@@ -18,6 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from ganscale.scope import unread
+
 
 class ConfigError(ValueError):
     """A user error in the configuration: names the key and how to fix it."""
@@ -677,4 +679,21 @@ def _absolute_folders(folders: list[str], yaml_folder: Path | None, cwd: bool) -
 
 
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as a run writes it (config.yaml, checkpoints, manifests): every option, less those that
+    nothing in this config reads, at their defaults (`scope.unread`: loading the text gives them back)."""
+    settings = cfg.model_dump(mode="json")
+    for key in unread(cfg):
+        section, name = key.split(".")
+        del settings[section][name]
+    return yaml.safe_dump(settings, sort_keys=False)
+
+
+def settings_in(text: str) -> Any:
+    """What a written config (`to_yaml`'s text, a checkpoint's or an older version's) configures: every option, so
+    two texts that differ only in the options they leave at their defaults compare equal. The YAML as it is where
+    it is no valid config."""
+    raw = yaml.safe_load(text)
+    try:
+        return build(raw).model_dump(mode="json") if isinstance(raw, dict) else raw
+    except ConfigError:
+        return raw

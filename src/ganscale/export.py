@@ -10,6 +10,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from ganscale import checkpoint
 from ganscale.evaluate import fitted_generator, run_config
+from ganscale.config import settings_in
 from ganscale.finite import refuse_non_finite_checkpoint
 from ganscale.outputs import write_output
 from ganscale.rundir import config_at
@@ -44,7 +45,7 @@ def foreign_checkpoint(run_dir: Path, source: Path, state: dict) -> str | None:
     the config it was written with, not RUN_DIR's. None when it is RUN_DIR's config (a checkpoint copied elsewhere)."""
     own = config_at(run_dir, int(state["step"]))
     written = yaml.safe_load(state["config"])
-    if own is not None and yaml.safe_load(own.read_text()) == written:
+    if own is not None and settings_in(own.read_text()) == settings_in(state["config"]):
         return None
     by = f"a '{written.get('name')}' run" if isinstance(written, dict) else "another run"
     if own is None:  # nothing to compare with: whose checkpoint it is cannot be told

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import yaml
 
 from ganscale import checkpoint, runlock
-from ganscale.config import Config, ConfigError
+from ganscale.config import Config, ConfigError, settings_in
 from ganscale.fault import error_of_rank, report_of, told_by
 
 RUNS_ROOT = Path("runs")
@@ -146,7 +146,8 @@ def config_to_write(run: Path, step: int, resolved: str) -> Path | None:
     before = config_at(run, step) if step > 0 else None  # what trained until now
     if before is None:
         return run / "config.yaml"
-    return run / f"config.resumed-{step:08d}.yaml" if before.read_text() != resolved else None
+    changed = settings_in(before.read_text()) != settings_in(resolved)  # an older version wrote more options
+    return run / f"config.resumed-{step:08d}.yaml" if changed else None
 
 
 def _refuse_two_histories(run_dir: Path, source: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ganscale import usercode
-from ganscale.config import Config, ConfigError
+from ganscale.config import Config, ConfigError, settings_in
 from ganscale.models.biggan import BigGANDiscriminator, BigGANGenerator
 from ganscale.models.dcgan import DCGANDiscriminator, DCGANGenerator
 from ganscale.models.mlp import MLPDiscriminator, MLPGenerator
@@ -50,9 +50,7 @@ def changed_networks(cfg: Config, written_config: str, networks: tuple[str, ...]
     """Why a checkpoint written with `written_config` (its YAML) no longer fits the networks `cfg` builds although
     both configure them alike (model settings, data resolution and channels): their code changed; None where the
     configs differ (then the config is what to fix)."""
-    import yaml
-
-    written = yaml.safe_load(written_config)
+    written = settings_in(written_config)
     if not isinstance(written, dict):
         return None
     now = cfg.model_dump(mode="json")
