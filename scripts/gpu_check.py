@@ -408,6 +408,14 @@ def write_summary(out: Path, record: dict) -> None:
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
+def out_problem(out: Path) -> str | None:
+    """Why --out cannot be the result folder (it or a folder above it is a file), checked before anything runs."""
+    for path in (out, *out.parents):
+        if path.exists():
+            return None if path.is_dir() else f"{path} is a file, not a folder"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     global deadline
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -440,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --only {args.only!r}: no item's name holds any of these (summary.md lists the names)",
               file=sys.stderr)
         return 2
+    problem = out_problem(args.out.resolve()) if args.out is not None else None
+    if problem:
+        print(f"error: --out {args.out}: {problem}; give a new folder or an earlier check's", file=sys.stderr)
+        return 2
     if args.budget is not None:
         deadline = time.monotonic() + args.budget
     jobs = args.jobs or max(1, min(6, (os.cpu_count() or 2) // 2))
@@ -447,7 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = ensure_dependencies(args.wheels)
     machine = describe_machine()
     out = (args.out or result_folder(machine)).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # e.g. no permission: out_problem has ruled out a file in the way
+        print(f"error: --out {out}: cannot create it ({error.strerror}); give a folder you can write",
+              file=sys.stderr)
+        return 2
     SCRATCH.mkdir(parents=True, exist_ok=True)
     record_path = out / "results.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {"items": {}}

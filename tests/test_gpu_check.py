@@ -227,3 +227,15 @@ def test_only_with_no_matching_item_is_refused_before_anything_is_written(tmp_pa
     done = gpu_check(tmp_path / "out", "--only", "no such item")
     assert done.returncode == 2 and "--only 'no such item'" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_out_that_is_or_lies_below_a_file_is_one_line_and_exit_2(tmp_path, below):
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    out = afile / below if below else afile
+    done = gpu_check(out)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: --out {out}: {afile} is a file, not a folder; give a new folder or an earlier check's"]
+    assert done.stdout == "" and afile.read_text() == "mine\n"  # refused before the dependency step
