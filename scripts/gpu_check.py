@@ -395,6 +395,37 @@ def result_folder(machine: dict) -> Path:
     return ROOT / "benchmarks" / "results" / f"gpu-check-{datetime.date.today():%Y%m%d}-{slug}"
 
 
+STATUSES = ("pass", "fail", "not run")
+
+
+class DamagedRecord(Exception):
+    """results.json in --out is not a record this script wrote (truncated, edited, another file)."""
+
+
+def load_record(path: Path) -> dict:
+    """The folder's record of earlier calls, or an empty one; DamagedRecord saying what is wrong with it."""
+    if not path.exists():
+        return {"items": {}}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise DamagedRecord(f"{type(error).__name__}: {error}") from None
+    items = record.get("items") if isinstance(record, dict) else None
+    if not isinstance(items, dict):
+        raise DamagedRecord("no \"items\" object")
+    for name, row in items.items():
+        if not (isinstance(row, dict) and row.get("status") in STATUSES and isinstance(row.get("detail"), str)):
+            raise DamagedRecord(f"item {name!r} has no status of {'/'.join(STATUSES)} with a detail")
+    return record
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """A reader, or a later call after this one is killed at its time limit, finds the old file or the new one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def write_summary(out: Path, record: dict) -> None:
     m = record["machine"]
     lines = ["# GPU check", "", "## Machine", "",
@@ -405,7 +436,7 @@ def write_summary(out: Path, record: dict) -> None:
     for item in items():
         row = record["items"].get(item.name, {"status": "not run", "detail": f"part {item.part} not run yet"})
         lines.append(f"| {item.part} | {item.name} | {row['status']} | {row.get('seconds', '')} | {row['detail']} |")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    write_atomically(out / "summary.md", "\n".join(lines) + "\n")
 
 
 def out_problem(out: Path) -> str | None:
@@ -414,6 +445,17 @@ def out_problem(out: Path) -> str | None:
         if path.exists():
             return None if path.is_dir() else f"{path} is a file, not a folder"
     return None
+
+
+def open_record(out: Path) -> dict | None:
+    """The record in out (empty where there is none), or None after one error line saying it is damaged."""
+    path = out / "results.json"
+    try:
+        return load_record(path)
+    except DamagedRecord as error:
+        print(f"error: {path} is damaged ({error}); give a new --out, or move that file aside to start the "
+              f"folder's record afresh", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: --out {args.out}: {problem}; give a new folder or an earlier check's", file=sys.stderr)
         return 2
+    # A given --out's record is checked before anything runs; the default folder is named after the probe's GPU.
+    record = open_record(args.out.resolve()) if args.out is not None else {}
+    if record is None:
+        return 2
     if args.budget is not None:
         deadline = time.monotonic() + args.budget
     jobs = args.jobs or max(1, min(6, (os.cpu_count() or 2) // 2))
@@ -459,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = ensure_dependencies(args.wheels)
     machine = describe_machine()
     out = (args.out or result_folder(machine)).resolve()
+    if args.out is None and (record := open_record(out)) is None:
+        return 2
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # e.g. no permission: out_problem has ruled out a file in the way
@@ -467,7 +515,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     SCRATCH.mkdir(parents=True, exist_ok=True)
     record_path = out / "results.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else {"items": {}}
     record.update(machine=machine, command=" ".join(["scripts/gpu-check.sh", *(argv or sys.argv[1:])]))
     blocker = (f"dependencies missing: {' '.join(missing)}; pass --wheels" if missing
                else "torch does not import" if machine["torch"] is None
@@ -483,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_item(item.name, item.check, out, blocker)
         with lock:  # items finish in any order; the record and summary always hold every finished one
             record["items"][item.name] = row
-            record_path.write_text(json.dumps(record, indent=2) + "\n")
+            write_atomically(record_path, json.dumps(record, indent=2) + "\n")
             write_summary(out, record)
         print(f"[part {item.part}] {item.name}: {row['status']} ({row['seconds']} s)", flush=True)
 

@@ -239,3 +239,33 @@ def test_an_out_that_is_or_lies_below_a_file_is_one_line_and_exit_2(tmp_path, be
     assert done.stderr.strip().splitlines() == [
         f"error: --out {out}: {afile} is a file, not a folder; give a new folder or an earlier check's"]
     assert done.stdout == "" and afile.read_text() == "mine\n"  # refused before the dependency step
+
+
+@pytest.mark.parametrize("damaged", ['{"items": {"a": {"status": "pass", "det', "{}", '{"items": []}',
+                                     '{"items": {"a": {"status": 1, "detail": ""}}}', "[]"])
+def test_a_damaged_record_is_one_line_exit_2_and_left_as_it_is(tmp_path, damaged):
+    (tmp_path / "results.json").write_text(damaged)
+    done = gpu_check(tmp_path, "--part", "1")
+    assert done.returncode == 2 and done.stdout == ""
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {tmp_path / 'results.json'} is damaged (")
+    assert line.endswith("); give a new --out, or move that file aside to start the folder's record afresh")
+    assert (tmp_path / "results.json").read_text() == damaged and not (tmp_path / "summary.md").exists()
+
+
+def test_a_call_killed_while_writing_its_record_leaves_the_earlier_record_whole(tmp_path, monkeypatch,
+                                                                                check_on_a_gpu_machine):
+    gpu_check = check_on_a_gpu_machine
+    monkeypatch.setattr(gpu_check, "items", lambda: [gpu_check.Item(1, "a", lambda out: ("pass", ""))])
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    earlier = (tmp_path / "results.json").read_text()
+    write_text = Path.write_text
+
+    def killed_halfway(path, text, *args, **kwargs):
+        write_text(path, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt  # as the device's time limit ends the call
+
+    monkeypatch.setattr(Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(["--out", str(tmp_path)])
+    assert (tmp_path / "results.json").read_text() == earlier
