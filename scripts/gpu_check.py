@@ -3,6 +3,9 @@
 Run through scripts/gpu-check.sh. Each item is recorded as pass, fail or not run (why), with its seconds, in
 benchmarks/results/gpu-check-<date>-<machine>/results.json (or --out); summary.md is rewritten after every item,
 so a call cut off by its time limit still leaves one, and parts run in separate calls add to the same folder.
+A "not run" never replaces an earlier call's pass or fail; each result keeps the machine (GPU, driver, torch,
+CUDA) of the call that produced it, and the summary names each row's machine where they differ. The exit status
+is the folder's: 1 while any recorded fail stands, also one from an earlier call.
 
 The items that only check correctness (the CUDA tests, the tensorflow engine, the recipes) run --jobs at a time,
 side by side on the GPU; then the benches run one at a time on a quiet machine, the targets first: ganscale's
@@ -403,9 +406,12 @@ class DamagedRecord(Exception):
 
 
 def load_record(path: Path) -> dict:
-    """The folder's record of earlier calls, or an empty one; DamagedRecord saying what is wrong with it."""
+    """The folder's record of earlier calls, or an empty one; DamagedRecord saying what is wrong with it.
+
+    A record holds the calls into the folder (command, machine) and each item's standing result, with the index
+    of the call that produced it."""
     if not path.exists():
-        return {"items": {}}
+        return {"calls": [], "items": {}}
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as error:  # ValueError: JSONDecodeError, UnicodeDecodeError
@@ -413,9 +419,18 @@ def load_record(path: Path) -> dict:
     items = record.get("items") if isinstance(record, dict) else None
     if not isinstance(items, dict):
         raise DamagedRecord("no \"items\" object")
+    if "calls" not in record:  # written before calls were kept: one machine and command stood for every row
+        record["calls"] = [{"command": record.pop("command", None), "machine": record.pop("machine", None) or {}}]
+    calls = record["calls"]
+    if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("machine"), dict)
+                                            for c in calls)):
+        raise DamagedRecord("\"calls\" is not a list of calls with their machine")
     for name, row in items.items():
         if not (isinstance(row, dict) and row.get("status") in STATUSES and isinstance(row.get("detail"), str)):
             raise DamagedRecord(f"item {name!r} has no status of {'/'.join(STATUSES)} with a detail")
+        row.setdefault("call", len(calls) - 1)
+        if not (isinstance(row["call"], int) and 0 <= row["call"] < len(calls)):
+            raise DamagedRecord(f"item {name!r} names no recorded call")
     return record
 
 
@@ -426,16 +441,44 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def machine_key(machine: dict) -> tuple:
+    """What makes results from two calls not alike: the GPU and the software stack (not the host's name)."""
+    return tuple(machine.get(key) for key in ("gpu", "driver", "torch", "cuda"))
+
+
+def machine_lines(m: dict) -> list[str]:
+    if not m:
+        return ["- not recorded"]
+    return [f"- GPU: {m.get('gpu') or 'none (no CUDA GPU)'}", f"- driver: {m.get('driver') or 'none'}",
+            f"- torch: {m.get('torch')}", f"- CUDA: {m.get('cuda')}",
+            f"- python: {m.get('python')}, {m.get('cpus')} CPUs"]
+
+
 def write_summary(out: Path, record: dict) -> None:
-    m = record["machine"]
-    lines = ["# GPU check", "", "## Machine", "",
-             f"- GPU: {m['gpu'] or 'none (no CUDA GPU)'}", f"- driver: {m['driver'] or 'none'}",
-             f"- torch: {m['torch']}", f"- CUDA: {m['cuda']}", f"- python: {m['python']}, {m['cpus']} CPUs", "",
-             "## Items", "", f"Last call: `{record['command']}`", "",
-             "| part | item | status | s | detail |", "|---|---|---|---|---|"]
+    calls, rows = record["calls"], record["items"]
+    standing = sorted({row["call"] for row in rows.values()}) or [len(calls) - 1]
+    # machine number -> the calls of the standing rows that ran on it, in call order
+    machines: dict[tuple, list[int]] = {}
+    for call in standing:
+        machines.setdefault(machine_key(calls[call]["machine"]), []).append(call)
+    number = {call: n for n, on_it in enumerate(machines.values(), 1) for call in on_it}
+    mixed = len(machines) > 1
+    lines = ["# GPU check", ""]
+    if mixed:
+        lines += ["## Machines", "", f"The results come from {len(machines)} machines (GPU, driver, torch or CUDA "
+                  "differ); the table's last column names each row's.", ""]
+        for n, on_it in enumerate(machines.values(), 1):
+            lines += [f"### Machine {n}", "", *machine_lines(calls[on_it[-1]]["machine"]),
+                      "- calls: " + "; ".join(f"`{calls[call]['command']}`" for call in on_it), ""]
+    else:
+        lines += ["## Machine", "", *machine_lines(calls[standing[-1]]["machine"]), ""]
+    lines += ["## Items", "", f"Last call: `{calls[-1]['command']}`", "",
+              "| part | item | status | s | detail |" + (" machine |" if mixed else ""),
+              "|---|---|---|---|---|" + ("---|" if mixed else "")]
     for item in items():
-        row = record["items"].get(item.name, {"status": "not run", "detail": f"part {item.part} not run yet"})
-        lines.append(f"| {item.part} | {item.name} | {row['status']} | {row.get('seconds', '')} | {row['detail']} |")
+        row = rows.get(item.name, {"status": "not run", "detail": f"part {item.part} not run yet"})
+        line = f"| {item.part} | {item.name} | {row['status']} | {row.get('seconds', '')} | {row['detail']} |"
+        lines.append(line + (f" {number.get(row.get('call'), '')} |" if mixed else ""))
     write_atomically(out / "summary.md", "\n".join(lines) + "\n")
 
 
@@ -515,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     SCRATCH.mkdir(parents=True, exist_ok=True)
     record_path = out / "results.json"
-    record.update(machine=machine, command=" ".join(["scripts/gpu-check.sh", *(argv or sys.argv[1:])]))
+    call = len(record["calls"])
+    record["calls"].append({"command": " ".join(["scripts/gpu-check.sh", *(argv or sys.argv[1:])]),
+                            "machine": machine, "started": datetime.datetime.now().isoformat(timespec="seconds")})
     blocker = (f"dependencies missing: {' '.join(missing)}; pass --wheels" if missing
                else "torch does not import" if machine["torch"] is None
                else None if machine["cuda_available"] else "no CUDA GPU")
@@ -525,13 +570,23 @@ def main(argv: list[str] | None = None) -> int:
               and asked_for(item)]
     lock = threading.Lock()
 
+    def save() -> None:
+        write_atomically(record_path, json.dumps(record, indent=2) + "\n")
+        write_summary(out, record)
+
     def check(item: Item) -> None:
         print(f"[part {item.part}] {item.name} ...", flush=True)
         row = run_item(item.name, item.check, out, blocker)
         with lock:  # items finish in any order; the record and summary always hold every finished one
-            record["items"][item.name] = row
-            write_atomically(record_path, json.dumps(record, indent=2) + "\n")
-            write_summary(out, record)
+            earlier = record["items"].get(item.name, {"status": "not run"})
+            if row["status"] == "not run" and earlier["status"] != "not run":
+                # a result that did not come about never hides one that did (another machine's, or before a
+                # --budget ran out)
+                print(f"[part {item.part}] {item.name}: not run ({row['detail']}); its earlier "
+                      f"{earlier['status']} stands", flush=True)
+                return
+            record["items"][item.name] = row = {**row, "call": call}
+            save()
         print(f"[part {item.part}] {item.name}: {row['status']} ({row['seconds']} s)", flush=True)
 
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
@@ -539,9 +594,15 @@ def main(argv: list[str] | None = None) -> int:
     for item in chosen:  # the benches, one at a time on a quiet machine
         if item.timed:
             check(item)
-    write_summary(out, record)
+    save()  # this call, also where it changed no result
     print(f"results: {out / 'summary.md'}")
-    return 1 if any(row["status"] == "fail" for row in record["items"].values()) else 0
+    # The exit status is the folder's: a fail recorded by an earlier call and not since passed still fails.
+    fails = [row for row in record["items"].values() if row["status"] == "fail"]
+    earlier = sum(row["call"] != call for row in fails)
+    if fails:
+        print(f"{len(fails)} item(s) fail in the record" + (f", {earlier} of them from earlier calls" if earlier
+                                                          else ""))
+    return 1 if fails else 0
 
 
 if __name__ == "__main__":

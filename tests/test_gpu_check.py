@@ -2,9 +2,11 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -153,7 +155,7 @@ def test_the_budget_cuts_a_running_item_off_and_starts_no_other(tmp_path, monkey
     rows = json.loads((tmp_path / "results.json").read_text())["items"]
     assert rows["hangs"]["status"] == "not run" and rows["hangs"]["detail"] == "cut off by --budget (exit 124)"
     assert rows["hangs"]["seconds"] < 60 and re.search(r"timed out after \d s", (tmp_path / "hangs.log").read_text())
-    assert rows["after"] == {"item": "after", "status": "not run", "seconds": 0,
+    assert rows["after"] == {"item": "after", "status": "not run", "seconds": 0, "call": 0,
                              "detail": "the --budget was spent before it started"}
     assert "| 3 | after | not run | 0 | the --budget was spent before it started |" in (
         tmp_path / "summary.md").read_text()
@@ -269,3 +271,61 @@ def test_a_call_killed_while_writing_its_record_leaves_the_earlier_record_whole(
     with pytest.raises(KeyboardInterrupt):
         gpu_check.main(["--out", str(tmp_path)])
     assert (tmp_path / "results.json").read_text() == earlier
+
+
+CPU_MACHINE = {"gpu": None, "driver": None, "torch": torch.__version__, "cuda": None, "cuda_available": False,
+               "python": "3", "cpus": 2}
+
+
+def test_a_not_run_never_replaces_an_earlier_pass_or_fail_and_each_result_keeps_its_machine(
+        tmp_path, monkeypatch, check_on_a_gpu_machine):
+    gpu_check = check_on_a_gpu_machine
+    monkeypatch.setattr(gpu_check, "items", lambda: [
+        gpu_check.Item(1, "passes", lambda out: ("pass", "ok")), gpu_check.Item(1, "fails", lambda out: ("fail", "x")),
+        gpu_check.Item(2, "later", lambda out: ("pass", "ok"))])
+    assert gpu_check.main(["--out", str(tmp_path), "--part", "1"]) == 1
+    monkeypatch.setattr(gpu_check, "describe_machine", lambda: CPU_MACHINE)
+    # the earlier fail still stands, so the folder still fails
+    assert gpu_check.main(["--out", str(tmp_path), "--only", "passes,fails"]) == 1
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert [(row["status"], row["call"]) for row in record["items"].values()] == [("pass", 0), ("fail", 0)]
+    assert [call["machine"]["gpu"] for call in record["calls"]] == ["Test GPU", None]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Machine\n\n- GPU: Test GPU\n" in summary and "no CUDA GPU" not in summary
+    assert "Last call: `scripts/gpu-check.sh --out" in summary
+
+    assert gpu_check.main(["--out", str(tmp_path)]) == 1  # a CPU's "not run" of "later" stands beside them
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Machines" in summary and "### Machine 1\n\n- GPU: Test GPU\n" in summary
+    assert "### Machine 2\n\n- GPU: none (no CUDA GPU)\n" in summary
+    assert "| 1 | passes | pass | 0.0 | ok | 1 |" in summary and "| 2 | later | not run | 0 | no CUDA GPU | 2 |" in summary
+
+
+def test_a_spent_budget_keeps_the_earlier_results_and_their_exit_status(tmp_path, monkeypatch,
+                                                                        check_on_a_gpu_machine):
+    gpu_check = check_on_a_gpu_machine
+    monkeypatch.setattr(gpu_check, "items", lambda: [
+        gpu_check.Item(3, "passes", lambda out: ("pass", "ok"), True),
+        gpu_check.Item(3, "fails", lambda out: ("fail", "x"), True)])
+    assert gpu_check.main(["--out", str(tmp_path)]) == 1
+    monkeypatch.setattr(gpu_check, "describe_machine", lambda: time.sleep(0.05) or {  # the budget runs out here
+        "gpu": "Test GPU", "driver": "1", "torch": torch.__version__, "cuda": "12.8", "cuda_available": True,
+        "python": "3", "cpus": 16})
+    done = gpu_check.main(["--out", str(tmp_path), "--budget", "0.01"])
+    assert done == 1
+    rows = json.loads((tmp_path / "results.json").read_text())["items"]
+    assert [rows[name]["status"] for name in ("passes", "fails")] == ["pass", "fail"]
+
+
+def test_a_cpu_call_into_the_h200_results_keeps_every_recorded_pass_and_its_machine(tmp_path):
+    out = tmp_path / "h200"
+    shutil.copytree(ROOT / "benchmarks" / "results" / "gpu-check-20261127-h200", out)
+    before = json.loads((out / "results.json").read_text())["items"]
+    done = gpu_check(out, "--only", "pix2pix row")
+    assert done.returncode == 1, done.stderr  # the targets' fail recorded on the H200 stands
+    after = json.loads((out / "results.json").read_text())["items"]
+    assert {name: row["status"] for name, row in after.items() if row["status"] != "not run"} == {
+        name: row["status"] for name, row in before.items() if row["status"] != "not run"}
+    summary = (out / "summary.md").read_text()
+    assert "### Machine 1\n\n- GPU: NVIDIA H200\n- driver: 580.159.04\n" in summary
+    assert "| 3 | pix2pix row amp-bf16 | pass |" in summary and summary.count("no CUDA GPU | 2 |") == 4
