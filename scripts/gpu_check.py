@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -113,8 +114,9 @@ def probe_torch() -> dict:
             "'gpu': torch.cuda.get_device_name(0) if c else None}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
         return {"torch": None, "cuda": None, "cuda_available": False, "gpu": None,
-                "torch_error": done.stderr.strip().splitlines()[-1:]}
+                "torch_error": lines[-1] if lines else f"python exit {done.returncode}"}
     return json.loads(done.stdout)
 
 
@@ -446,9 +448,17 @@ def machine_key(machine: dict) -> tuple:
     return tuple(machine.get(key) for key in ("gpu", "driver", "torch", "cuda"))
 
 
+def torch_error(machine: dict) -> str:
+    error = machine.get("torch_error")
+    return "; ".join(error) if isinstance(error, list) else str(error)  # a list in records from before
+
+
 def machine_lines(m: dict) -> list[str]:
     if not m:
         return ["- not recorded"]
+    if m.get("torch") is None and m.get("torch_error"):  # without torch there was no asking for a GPU
+        return [f"- torch: could not be imported ({torch_error(m)})", f"- driver: {m.get('driver') or 'none'}",
+                f"- python: {m.get('python')}, {m.get('cpus')} CPUs"]
     return [f"- GPU: {m.get('gpu') or 'none (no CUDA GPU)'}", f"- driver: {m.get('driver') or 'none'}",
             f"- torch: {m.get('torch')}", f"- CUDA: {m.get('cuda')}",
             f"- python: {m.get('python')}, {m.get('cpus')} CPUs"]
@@ -499,6 +509,14 @@ def open_record(out: Path) -> dict | None:
         print(f"error: {path} is damaged ({error}); give a new --out, or move that file aside to start the "
               f"folder's record afresh", file=sys.stderr)
         return None
+
+
+def missing_line(missing: list[str], wheels: Path | None) -> str:
+    if wheels is None:
+        return f"dependencies missing: {' '.join(missing)}; pass --wheels"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    fill = shlex.join(["scripts/gpu-wheels.sh", str(wheels), python, *(DEPENDENCIES[name] for name in missing)])
+    return f"dependencies missing: {' '.join(missing)}; --wheels {wheels} has no wheel for them: {fill}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -559,10 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     SCRATCH.mkdir(parents=True, exist_ok=True)
     record_path = out / "results.json"
     call = len(record["calls"])
-    record["calls"].append({"command": " ".join(["scripts/gpu-check.sh", *(argv or sys.argv[1:])]),
-                            "machine": machine, "started": datetime.datetime.now().isoformat(timespec="seconds")})
-    blocker = (f"dependencies missing: {' '.join(missing)}; pass --wheels" if missing
-               else "torch does not import" if machine["torch"] is None
+    # quoted as a shell needs it, so that the summary's "Last call:" can be pasted back
+    command = shlex.join(["scripts/gpu-check.sh", *(sys.argv[1:] if argv is None else argv)])
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    record["calls"].append({"command": command, "machine": machine, "started": started})
+    blocker = (missing_line(missing, args.wheels) if missing
+               else f"torch does not import: {torch_error(machine)}" if machine["torch"] is None
                else None if machine["cuda_available"] else "no CUDA GPU")
 
     chosen = [item for item in items() if args.part in ("all", str(item.part))

@@ -298,7 +298,8 @@ def test_a_not_run_never_replaces_an_earlier_pass_or_fail_and_each_result_keeps_
     summary = (tmp_path / "summary.md").read_text()
     assert "## Machines" in summary and "### Machine 1\n\n- GPU: Test GPU\n" in summary
     assert "### Machine 2\n\n- GPU: none (no CUDA GPU)\n" in summary
-    assert "| 1 | passes | pass | 0.0 | ok | 1 |" in summary and "| 2 | later | not run | 0 | no CUDA GPU | 2 |" in summary
+    assert "| 1 | passes | pass | 0.0 | ok | 1 |" in summary
+    assert "| 2 | later | not run | 0 | no CUDA GPU | 2 |" in summary
 
 
 def test_a_spent_budget_keeps_the_earlier_results_and_their_exit_status(tmp_path, monkeypatch,
@@ -329,3 +330,36 @@ def test_a_cpu_call_into_the_h200_results_keeps_every_recorded_pass_and_its_mach
     summary = (out / "summary.md").read_text()
     assert "### Machine 1\n\n- GPU: NVIDIA H200\n- driver: 580.159.04\n" in summary
     assert "| 3 | pix2pix row amp-bf16 | pass |" in summary and summary.count("no CUDA GPU | 2 |") == 4
+
+
+def test_a_torch_that_fails_to_import_is_named_in_the_summary_not_taken_for_no_gpu(tmp_path):
+    broken = tmp_path / "broken" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    done = gpu_check(tmp_path / "out", "--part", "1",
+                     PYTHONPATH=os.pathsep.join([str(broken.parent), os.environ.get("PYTHONPATH", "")]))
+    assert done.returncode == 0, done.stderr
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "- torch: could not be imported (ImportError: broken on purpose)\n" in summary
+    assert "no CUDA GPU" not in summary and "torch: None" not in summary
+    assert f"| {CUDA_TEST} | not run | 0 | torch does not import: ImportError: broken on purpose |" in summary
+
+
+def test_a_wheel_folder_without_the_missing_dependency_says_so(tmp_path, monkeypatch):
+    gpu_check = import_gpu_check()
+    monkeypatch.setattr(gpu_check, "DEPENDENCIES", {**gpu_check.DEPENDENCIES, "no_such_dependency": "no-such>=1"})
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    assert gpu_check.main(["--part", "1", "--out", str(tmp_path / "out"), "--wheels", str(wheels)]) == 0
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert (f"| {CUDA_TEST} | not run | 0 | dependencies missing: no_such_dependency; --wheels {wheels} has no "
+            f"wheel for them: scripts/gpu-wheels.sh {wheels} {python} 'no-such>=1' |"
+            in (tmp_path / "out" / "summary.md").read_text())
+
+
+def test_the_last_call_is_quoted_to_be_pasted_back(tmp_path, monkeypatch, check_on_a_gpu_machine):
+    gpu_check = check_on_a_gpu_machine
+    monkeypatch.setattr(gpu_check, "items", lambda: [gpu_check.Item(2, "recipe ring8 fp32", lambda out: ("pass", ""))])
+    assert gpu_check.main(["--out", str(tmp_path), "--only", "ring8 fp32"]) == 0
+    assert f"Last call: `scripts/gpu-check.sh --out {tmp_path} --only 'ring8 fp32'`" in (
+        tmp_path / "summary.md").read_text()
