@@ -135,6 +135,23 @@ def test_feature_options_are_checked(digits_run, ring_run):
         evaluate(ring_run[0], features="digits")
 
 
+@pytest.mark.parametrize("run, said", [
+    ("ring_run", "2000000000 samples need about"),
+    ("digits_run", "scoring 2000000000 samples needs about")])
+def test_eval_samples_beyond_the_machine_s_memory_are_refused_naming_how_many_fit(request, run, said):
+    """--samples was a torch allocation traceback (the 2D mixtures draw every sample at once) or an out-of-memory
+    kill, where sample --n is refused in one line."""
+    folder = request.getfixturevalue(run)[0]
+    scores = folder / "eval.json"
+    before = scores.read_bytes() if scores.exists() else None  # another test's eval, kept
+    with pytest.raises(ConfigError) as refused:
+        evaluate(folder, samples=2_000_000_000)
+    assert refused.value.key == "--samples" and said in refused.value.problem, refused.value
+    fits = int(refused.value.fix.split("--samples ")[1].split(";")[0].rstrip(")"))
+    assert 10_000 < fits < 2_000_000_000
+    assert (scores.read_bytes() if scores.exists() else None) == before
+
+
 def test_eval_of_a_run_on_fewer_images_than_density_coverage_need_is_one_line_and_exit_2(tmp_path):
     """k = 5 nearest neighbours need 6 real images: refused before scoring, not a traceback from the distances."""
     from click.testing import CliRunner

@@ -19,7 +19,7 @@ from ganscale.config import Config, ConfigError, auto_features, build, load_raw
 from ganscale.data import build_dataset
 from ganscale.data.mixtures import MIXTURE_MODES
 from ganscale.finite import refuse_non_finite_checkpoint
-from ganscale.memory import check_sampling
+from ganscale.memory import FP32, check_sampling, check_scoring
 from ganscale.metrics.features import build_extractor
 from ganscale.metrics.images import (FEWEST_REFERENCES, REFERENCE_LIMIT, check_reference_count, image_metrics,
                                      reference_features)
@@ -158,6 +158,7 @@ def evaluate(run_dir: Path, samples: int | None = None, seed: int | None = None,
     samples, seed = PROTOCOL_SAMPLES if samples is None else samples, seed or 0
     if cfg.data.kind in MIXTURE_MODES:
         _refuse_unread(options, ("--samples", "--seed"), "2D mixture runs are scored by modes captured")
+        check_sampling(cfg, lambda net, z: net(z), samples, None, "--samples")  # drawn at once
         result = {"step": step, "data": cfg.data.kind, "seed": seed,
                   **score_named(cfg.data.kind, draw(generator, cfg.model.z_dim, samples, seed)).as_dict()}
     elif cfg.data.kind == "paired":
@@ -206,6 +207,9 @@ def score_images(cfg: Config, generator: nn.Module, samples: int, seed: int, fea
     check_reference_count(cfg, len(training_images), f"score a run trained on at least {FEWEST_REFERENCES} "
                           "images (thousands for stable numbers)")
     extractor = build_extractor(features, "cpu", inception_weights, inception_preprocess=inception_preprocess)
+    width = extractor(torch.zeros(1, *cfg.data.sample_shape)).shape[1]  # the features' width
+    # The noise (and its padded copy), the float32 features and the scores' float64 copies of them, all n rows.
+    check_scoring(samples, 2 * cfg.model.z_dim * FP32 + width * (FP32 + 2 * 8))
     reference = reference_features(training_images, extractor, reference_limit, seed)
     task = build_task(cfg)
     return image_metrics(lambda z: task.from_noise(generator, z).float(), cfg.model.z_dim, samples, seed, extractor,

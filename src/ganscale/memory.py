@@ -323,10 +323,11 @@ def _drawing_bytes(generator: nn.Module, preview: Callable[[nn.Module, Tensor], 
 
 
 def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], n: int,
-                   columns: int | None) -> str | None:
-    """`ganscale sample --n` (and interpolate's): ConfigError when the latents and drawing n samples exceed the
-    host's available memory, or their grid is a picture larger than Pillow opens. The line to print when G's
-    forward could not be counted (then only the latents and samples are), else None."""
+                   columns: int | None, option: str = "--n") -> str | None:
+    """`ganscale sample --n` (and interpolate's, and eval's `--samples` of a 2D mixture, drawn at once):
+    ConfigError at `option` when the latents and drawing n samples exceed the host's available memory, or their
+    grid is a picture larger than Pillow opens. The line to print when G's forward could not be counted (then only
+    the latents and samples are), else None."""
     z = torch.empty(n, cfg.model.z_dim, device="meta")
     try:
         (drawing, shown), note = _drawing_bytes(meta_networks(cfg)[0].eval(), preview, z, columns), None
@@ -337,8 +338,8 @@ def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], 
     room = host_available()
     if needed > REFUSE_ABOVE * room:
         fits = max(1, math.floor(n * room / needed))  # every part grows with n
-        raise ConfigError("--n", f"{n} samples need about {gib(needed)}, more than the {gib(room)} this machine has "
-                          "available", f"draw at most about {fits} (--n {fits})")
+        raise ConfigError(option, f"{n} samples need about {gib(needed)}, more than the {gib(room)} this machine has "
+                          "available", f"draw at most about {fits} ({option} {fits})")
     limit = Image.MAX_IMAGE_PIXELS  # what Pillow opens without refusing it as a decompression bomb
     pixels = grid_pixels(shown, columns) if len(shown) == 4 else 0
     if limit and pixels > limit:
@@ -347,6 +348,17 @@ def check_sampling(cfg: Config, preview: Callable[[nn.Module, Tensor], Tensor], 
         raise ConfigError("--n", f"the grid of {n} samples is {pixels:,} pixels, more than Pillow opens ({limit:,}; "
                           "it refuses more as a decompression bomb)", f"draw at most {most} (--n {most})")
     return note
+
+
+def check_scoring(n: int, bytes_per_sample: int) -> None:
+    """`ganscale eval --samples` of an image run: ConfigError when the n samples' noise and features
+    (`bytes_per_sample`, their copies included) exceed the host's available memory."""
+    needed, room = n * bytes_per_sample, host_available()
+    if needed > REFUSE_ABOVE * room:
+        fits = max(1, math.floor(room / bytes_per_sample))
+        raise ConfigError("--samples", f"scoring {n} samples needs about {gib(needed)} for their noise and features, "
+                          f"more than the {gib(room)} this machine has available",
+                          f"score at most about {fits} (--samples {fits}; thousands give stable numbers)")
 
 
 GIF_FRAME_BYTES_PER_PIXEL = 1  # Pillow's GIF writer keeps every frame, palette-quantized: a byte a pixel, until the end
