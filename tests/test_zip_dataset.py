@@ -368,7 +368,8 @@ def zip_with(path: Path, case: str) -> None:
     ("no images", "data.path", "holds no images"),
     ("mixed sizes", "data.path", "mixed sizes: 00000/img00000000.png is 8x8, 00000/img00000001.png is 16x16"),
     ("not square", "data.path", "not square (00000/img00000000.png is 8x4)"),
-    ("unreadable member", "data.path", "member 00000/img00000002.png is not a readable image"),
+    ("unreadable member", "data.path", "member 00000/img00000002.png is not a readable image (Pillow does not "
+                                       "recognise its format)"),  # not Pillow's repr of the zip's stream
     ("encrypted member", "data.path", "member 00000/img00000000.png is not a readable image"),
     ("Deflate64 member", "data.path", "member 00000/img00000000.png is not a readable image"),
     ("resolution", "data.path", "the images are 16x16, not data.resolution=8"),

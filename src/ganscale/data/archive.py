@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from ganscale.config import ConfigError
@@ -24,6 +24,11 @@ from ganscale.data.folder import UNDECODABLE, UnreadableImage, in_mode
 # A member that is not a readable image: PIL's errors, a broken zip, an encrypted member (RuntimeError) or one
 # compressed by a method zipfile lacks (NotImplementedError: Deflate64, for one).
 UNREADABLE_MEMBER = (*UNDECODABLE, zipfile.BadZipFile, RuntimeError, NotImplementedError)
+
+
+def _why_unreadable(error: Exception) -> str:
+    """Why a member is no image: Pillow's own text names the stream object it read from, not the member."""
+    return "Pillow does not recognise its format" if isinstance(error, UnidentifiedImageError) else str(error)
 
 LABELS_FILE = "dataset.json"
 ZIP_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -65,7 +70,7 @@ def image_side(archive: zipfile.ZipFile, path: Path, names: list[str]) -> int:
             with archive.open(name) as member, Image.open(member) as image:
                 sizes.setdefault(image.size, name)
         except UNREADABLE_MEMBER as e:
-            raise _problem(path, f"member {name} is not a readable image ({e})", "remove or replace it") from None
+            raise _problem(path, f"member {name} is not a readable image ({_why_unreadable(e)})", "remove or replace it") from None
         if len(sizes) > 1:
             (first, first_name), (other, other_name) = sizes.items()
             raise _problem(path, f"images of mixed sizes: {first_name} is {first[0]}x{first[1]}, {other_name} is "
@@ -163,6 +168,6 @@ class ImageZip(Dataset):
             with Image.open(io.BytesIO(self._zip().read(name))) as image:
                 array = np.asarray(in_mode(image, MODES[self.channels]), dtype=np.float32)
         except UNREADABLE_MEMBER as e:
-            raise UnreadableImage(f"cannot read image {name} of {self.path}: {e}") from None
+            raise UnreadableImage(f"cannot read image {name} of {self.path}: {_why_unreadable(e)}") from None
         pixels = torch.from_numpy(array).reshape(*array.shape[:2], -1).permute(2, 0, 1) / 127.5 - 1.0
         return (pixels,) if self.labels is None else (pixels, self.labels[index])
