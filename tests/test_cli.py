@@ -125,6 +125,7 @@ def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_7(tmp_path):
     result = ganscale("train", *TINY_RUN, "--run-dir", "afile/run", cwd=tmp_path)
     assert result.returncode == 7, explain(result)
     assert "afile" in result.stderr and "Traceback" not in result.stderr
+    assert "Fix: a folder on that path is a file: rename or move it, or choose another location" in result.stderr
     again = ganscale("train", *TINY_RUN, "--run-dir", "afile/run", "--max-restarts", "2", cwd=tmp_path)
     assert again.returncode == 7 and "afile" in again.stderr, explain(again)  # the launcher's own hold on it fails
     assert "Traceback" not in again.stderr and "restarting the workers" not in again.stderr, explain(again)

@@ -7,6 +7,7 @@ process starts or anything is written.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -69,8 +70,10 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
         return f"ganscale: {error}", error.exit_code
     if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:
         where = f": {error.filename}" if error.filename else ""
-        return (f"ganscale: {error.strerror}{where}. Fix: check that path's permissions and free space, or choose "
-                "another location (--run-dir, --out)"), EXIT_FILE_REFUSED
+        check = ("a folder on that path is a file: rename or move it" if error.errno == errno.ENOTDIR
+                 else "check that path's permissions and free space")
+        return f"ganscale: {error.strerror}{where}. Fix: {check}, or choose another location (--run-dir, --out)", \
+            EXIT_FILE_REFUSED
     return None
 
 
