@@ -353,6 +353,24 @@ def test_the_randomness_cause_names_the_network_op_and_place_preflight_found(tmp
                               f"{package}/nets.py:{line} in forward): "), problem
 
 
+def test_a_network_drawing_from_a_generator_of_its_own_is_the_cause_named(tmp_path, monkeypatch):
+    """Such a G (preflight warns of it) draws no number from the rank's stream, so verify fell through to the
+    rounding-noise cause, which said the runs were the same training up to rounding."""
+    from ganscale.verify import Evidence, probable_cause
+
+    monkeypatch.chdir(tmp_path)
+    package = "verify_own_generator"
+    cfg, warnings = _user_gan_plan(tmp_path, package, f"model.generator={package}.nets:OwnGeneratorG")
+    one = many = [{"step": 1, "net": "D", "grads": {"net.0.weight": [2.0, 0.1]}}]
+    cause, problem, fix = probable_cause(Evidence(cfg, 2, many, one, 1, warnings=warnings))
+    assert cause == "randomness drawn from a torch.Generator a network holds", (cause, problem)
+    line = _line_of(tmp_path / package / "nets.py", "randn")
+    assert problem.startswith("model.generator's forward draws from a torch.Generator of its own (aten.randn.generator "
+                              f"at {package}/nets.py:{line} in forward): every rank draws the same numbers"), problem
+    assert "ganscale.randomness" in fix
+    assert probable_cause(Evidence(cfg, 2, many, one, 1))[0] != cause  # without preflight's finding
+
+
 @pytest.mark.parametrize("shuffled_by, said", [
     ("torch", ": data.dataset draws from the process's random generators (aten.randperm at {pkg}/data.py:{line} in "
               "make_dataset)"),

@@ -36,11 +36,13 @@ from ganscale.versions import require
 @dataclass(frozen=True)
 class StartWarning:
     """What trains but not as meant, said once before training (str: the line). A draw from the per-rank random
-    generators names the option that draws (`key`) and the op with its place (`where`; "" where not known)."""
+    generators, or from a torch.Generator the network holds (`own_generator`), names the option that draws (`key`)
+    and the op with its place (`where`; "" where not known)."""
 
     text: str
     key: str | None = None
     where: str = ""
+    own_generator: bool = False
 
     def __str__(self) -> str:
         return self.text
@@ -726,7 +728,7 @@ def _check_user_networks(cfg: Config, warnings: list[StartWarning], micro: int |
             warnings.append(StartWarning(f"{key}'s forward draws from a torch.Generator of its own"
                                          f"{_in_brackets(draws.own_at)}: every rank draws the same values, for other "
                                          f"samples than one process would, so {DIFFERS}, and the checkpoints do not "
-                                         f"hold its state; {PER_SAMPLE}"))
+                                         f"hold its state; {PER_SAMPLE}", key, draws.own_at, own_generator=True))
     if micro == 1:
         _check_one_sample(cfg, task, generator, discriminator)
     _check_all_trained("G", generator, fake, "model.generator")  # once: on the last batch's graphs

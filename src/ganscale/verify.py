@@ -178,7 +178,12 @@ class Evidence:
         """{key: where} of the user's code preflight found drawing from the per-rank random generators:
         model.generator, model.discriminator, data.dataset; where: "aten.randn_like at nets.py:24 in forward", or ""
         where preflight could not name the op (numpy's draws)."""
-        return {warning.key: warning.where for warning in self.warnings if warning.key is not None}
+        return {w.key: w.where for w in self.warnings if w.key is not None and not w.own_generator}
+
+    @cached_property
+    def own_generators(self) -> dict[str, str]:
+        """{key: where} of the networks preflight found drawing from a torch.Generator of their own."""
+        return {w.key: w.where for w in self.warnings if w.key is not None and w.own_generator}
 
     def _before_parting(self, record: dict) -> bool:
         """An optimizer step's record, up to the step the runs part."""
@@ -347,6 +352,14 @@ CAUSES = (
           lambda e: (_network_draws(e),
                      "derive per-sample randomness from the sample's global position, e.g. from its latent (as "
                      "pix2pix's dropout does: ganscale.randomness's normal, uniform and dropout), or remove it")),
+    Cause("randomness drawn from a torch.Generator a network holds",
+          lambda e: bool(e.own_generators),
+          lambda e: ("; ".join(f"{key}'s forward draws from a torch.Generator of its own" + (f" ({where})" if where
+                                                                                             else "")
+                               for key, where in e.own_generators.items()) + ": every rank draws the same numbers for "
+                     "its share of the batch, where one process draws other numbers for each sample",
+                     "draw per-sample randomness from the sample's global position (ganscale.randomness's normal, "
+                     "uniform and dropout), or remove it")),
     Cause("a bias whose gradient is rounding noise, which Adam scales up",
           lambda e: e.rounding_noise is not None and e.dead_bias is not None,
           lambda e: ("{0}'s gradient in step {1} is zero up to rounding (norm {2:.1e}, the network's largest {3:.1e}): "
