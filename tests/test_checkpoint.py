@@ -979,6 +979,110 @@ def test_an_intact_checkpoint_that_cannot_be_read_is_one_line_and_passed_over(tm
 
 
 
+@contextlib.contextmanager
+def _within(seconds: int):
+    """Fails the test, rather than hanging it, when the block takes longer (a read that never ends)."""
+    import signal
+
+    def hung(*_):
+        raise AssertionError(f"still running after {seconds} s: a read blocked")
+
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+
+
+EMPTY = {"bytes": 0, "sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}  # of b""
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("make, what", [(os.mkfifo, "a FIFO"), (lambda p: p.symlink_to("/dev/zero"),
+                                                                 "a character device")], ids=["fifo", "dev-zero"])
+def test_a_checkpoint_file_that_is_no_regular_file_is_named_and_passed_over_never_read(tmp_path, capsys, sharded,
+                                                                                        make, what):
+    """Its size (0) matched a marker of 0 bytes, and hashing it blocked (FIFO) or never ended (/dev/zero)."""
+    run = tmp_path / "run"
+    if sharded:
+        with _one_rank(tmp_path):
+            older = checkpoint.save_sharded(_SHARDS, _state(10), run, 10, keep=3)
+            newest = checkpoint.save_sharded(_SHARDS, _state(20), run, 20, keep=3)
+        member = next(newest.glob("*.distcp"))
+    else:
+        older, newest = checkpoint.save(_state(10), run, 10, 3), checkpoint.save(_state(20), run, 20, 3)
+        member = newest
+    member.unlink()
+    make(member)
+    marker = json.loads(checkpoint.manifest_path(newest).read_text())
+    marker["files"][member.name] = EMPTY
+    checkpoint.manifest_path(newest).write_text(json.dumps(marker))
+    with _within(20):
+        assert checkpoint.problem(newest) == f"not a regular file: {member.name} is {what}" + (
+            " (named pipe)" if what == "a FIFO" else "")
+        assert checkpoint.newest_valid(run) == older
+        with pytest.raises(ConfigError, match="not a regular file"):
+            checkpoint.load(newest)
+    assert f"skipping checkpoint {newest}: not a regular file" in capsys.readouterr().err
+    with _within(20), pytest.raises(OSError, match="not a regular file"):  # opened plainly, a FIFO waits for a writer
+        checkpoint._sha256(member)
+
+
+def test_a_completion_marker_too_large_for_ganscale_to_have_written_is_not_read_whole(tmp_path, capsys):
+    """A sparse 1 TB marker was read whole: a MemoryError traceback."""
+    run = tmp_path / "run"
+    older, newest = checkpoint.save(_state(10), run, 10, 3), checkpoint.save(_state(20), run, 20, 3)
+    os.truncate(checkpoint.manifest_path(newest), 1 << 40)  # sparse: no disk used
+    assert "unreadable completion marker step-00000020.json (over 16 MiB" in checkpoint.problem(newest)
+    assert checkpoint.newest_valid(run) == older
+    assert f"skipping checkpoint {newest}: unreadable completion marker" in capsys.readouterr().err
+    copy = tmp_path / "best.pt"  # a copy renamed with its marker: its step is read from the marker
+    copy.write_bytes(older.read_bytes())
+    checkpoint.manifest_path(copy).touch()
+    os.truncate(checkpoint.manifest_path(copy), 1 << 40)
+    assert checkpoint.step_of(copy) is None
+    checkpoint.manifest_path(newest).unlink()
+    os.mkfifo(checkpoint.manifest_path(newest))  # opened plainly, it would wait for a writer
+    with _within(20):
+        assert "unreadable completion marker step-00000020.json (step-00000020.json is a FIFO" in \
+            checkpoint.problem(newest)
+
+
+@pytest.mark.parametrize("make", [lambda p: p.write_bytes(pickle.dumps({"step": 20})), lambda p: p.write_bytes(b""),
+                                  lambda p: p.symlink_to("/etc/passwd")], ids=["raw-pickle", "empty", "etc-passwd"])
+def test_a_file_that_is_not_torch_s_is_said_to_be_so_in_one_line(tmp_path, capsys, make):
+    """Was torch's 'mmap can only be used with files saved with torch.save(_use_new_zipfile_serialization=True)'."""
+    run = tmp_path / "run"
+    older, newest = checkpoint.save(_state(10), run, 10, 3), checkpoint.save(_state(20), run, 20, 3)
+    newest.unlink()
+    make(newest)
+    _remark(newest)
+    reason = "unreadable: step-00000020.pt is not a torch checkpoint file (torch.save writes a zip archive; this is " \
+             "not one)"
+    assert checkpoint.problem(newest) == reason
+    assert checkpoint.newest_valid(run) == older
+    assert "mmap" not in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="not a torch checkpoint file"):
+        checkpoint.load(newest)
+
+
+def test_a_checkpoint_of_the_wrong_kind_of_entry_says_which_not_missing(tmp_path):
+    """A folder named step-N.pt was 'step-N.pt is missing'."""
+    run = tmp_path / "run"
+    checkpoint.save(_state(10), run, 10, 3)
+    folder = checkpoint.checkpoint_dir(run)
+    (folder / "step-00000020.pt").mkdir()
+    (folder / "step-00000020.pt" / "step-00000020.pt").write_bytes(b"")  # what the marker names: not looked into
+    (folder / "step-00000020.json").write_text(json.dumps({"step": 20, "files": {"step-00000020.pt": EMPTY}}))
+    assert checkpoint.problem(folder / "step-00000020.pt") == "step-00000020.pt is a folder, not a checkpoint file"
+    (folder / "step-00000030.dcp").write_bytes(b"")
+    (folder / "step-00000030.json").write_text(json.dumps({"step": 30, "files": {".metadata": EMPTY}}))
+    assert checkpoint.problem(folder / "step-00000030.dcp") == "step-00000030.dcp is not a folder, as a .dcp " \
+                                                                 "checkpoint is"
+    assert checkpoint.newest_valid(run) == folder / "step-00000010.pt"
+
+
 @pytest.mark.slow
 def test_resume_auto_passes_over_intact_checkpoints_that_cannot_be_read(tmp_path):
     """A malformed .dcp was an AttributeError traceback, an unloadable .pt eight lines of torch text and exit 2."""

@@ -27,6 +27,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import warnings
 from collections.abc import Callable
@@ -80,7 +81,7 @@ def step_of(path: Path) -> int | None:
     if named:
         return int(named.group(1))
     try:
-        step = json.loads(manifest_path(Path(path)).read_text()).get("step")
+        step = json.loads(_read_marker(manifest_path(Path(path)))).get("step")
     except (OSError, ValueError, AttributeError):
         return None
     return step if type(step) is int else None
@@ -116,10 +117,49 @@ def engine_of(path: Path) -> str:
 
 
 def _files(path: Path) -> dict[str, Path]:
-    """The files a checkpoint consists of, by name relative to it."""
+    """The files a checkpoint consists of, by name relative to it: every entry but folders, a FIFO or device
+    included (`problem` names it rather than calling it missing)."""
     if not path.is_dir():
         return {path.name: path}
-    return {str(p.relative_to(path)): p for p in sorted(path.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(path)): p for p in sorted(path.rglob("*")) if not p.is_dir()}
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file of st_mode `mode` is when it is not a regular file, else None: reading a FIFO or a device such
+    as /dev/zero would block or never end, and its size (0) would match any marker."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                                         (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                                         (stat.S_ISSOCK, "a socket")) if test(mode)), "not a regular file")
+
+
+def _open_regular(path: Path):
+    """`path` opened for reading, never blocking: an OSError when it is not a regular file (a FIFO opened
+    plainly waits for a writer; one swapped in after `problem` looked is refused here too)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        what = _not_regular(os.fstat(fd).st_mode)
+        if what is not None:
+            raise OSError(errno.EINVAL, f"{Path(path).name} is {what}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+MARKER_BYTES = 16 << 20  # a marker takes ~130 bytes a file: this is a checkpoint of over 100,000 files
+
+
+def _read_marker(marker: Path) -> str:
+    """A completion marker's text; an OSError or ValueError when it is no marker ganscale could have written
+    (not a regular file, or over MARKER_BYTES: read whole, a sparse 1 TB file was a MemoryError)."""
+    with _open_regular(marker) as f:
+        text = f.read(MARKER_BYTES + 1)
+    if len(text) > MARKER_BYTES:
+        raise ValueError(f"over {MARKER_BYTES >> 20} MiB, larger than any marker ganscale writes")
+    return text.decode()
 
 
 def _manifest(path: Path, step: int) -> dict:
@@ -129,7 +169,7 @@ def _manifest(path: Path, step: int) -> dict:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -142,24 +182,31 @@ def problem(path: Path, content: bool = True) -> str | None:
     marker = manifest_path(path)
     if marker == Path(path):
         return "a completion marker, not a checkpoint: pass the checkpoint beside it (.pt, or .dcp when sharded)"
-    if not marker.is_file():
+    if not marker.exists():  # one that is there but no file (a FIFO, a folder) is named below
         return (f"incomplete: no completion marker {marker.name} beside it (the write was interrupted, or the file "
                 "was copied without it)")
     try:
-        manifest = json.loads(marker.read_text())
+        manifest = json.loads(_read_marker(marker))
     except (OSError, ValueError) as e:
-        return f"unreadable completion marker {marker.name} ({e})"
+        return f"unreadable completion marker {marker.name} ({os_reason(e) if isinstance(e, OSError) else e})"
     expected = _expected_files(manifest, path)
     if isinstance(expected, str):
         return f"malformed completion marker {marker.name} ({expected})"
+    if path.is_dir() != is_folder(path):  # step-N.pt made a folder, or step-N.dcp a file: nothing in it is read
+        return (f"{path.name} is a folder, not a checkpoint file" if path.is_dir() else
+                f"{path.name} is not a folder, as a {path.suffix} checkpoint is")
     if not path.is_dir() and len(expected) == 1:  # one file, renamed with its marker (best.pt, best.json): by content
         expected = {path.name: next(iter(expected.values()))}
     try:
         present = _files(path)
         for name, want in expected.items():
-            if name not in present:
+            if name not in present or not present[name].exists():  # a symbolic link to nothing is missing too
                 return f"incomplete: {name} is missing"
-            size = present[name].stat().st_size
+            status = present[name].stat()
+            what = _not_regular(status.st_mode)
+            if what is not None:
+                return f"not a regular file: {name} is {what}"
+            size = status.st_size
             if size != want["bytes"]:
                 if size < want["bytes"]:
                     return f"truncated: {name} has {size} bytes, {want['bytes']} expected"
@@ -182,10 +229,18 @@ def _unreadable(path: Path) -> str | None:
             warnings.simplefilter("ignore")
             if is_sharded(path):
                 _shard_reader(path).read_metadata()
-            torch.load(path / META if is_sharded(path) else path, map_location="cpu", weights_only=True, mmap=True)
+            read = path / META if is_sharded(path) else path
+            with _open_regular(read) as f:
+                if f.read(4) != ZIP_MAGIC:  # else torch's "mmap can only be used with files saved with ..."
+                    return (f"unreadable: {read.name} is not a torch checkpoint file (torch.save writes a zip archive; "
+                            "this is not one)")
+            torch.load(read, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - whatever the file holds, it is named in one line
         return f"unreadable: {read_failure(e)}"
     return None
+
+
+ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins (a zip archive's first local header)
 
 
 # The lines of torch's weights_only error that are not about the file (one advises weights_only=False).
