@@ -930,6 +930,32 @@ def test_a_crafted_non_tensor_item_in_a_shard_file_is_refused_unread(tmp_path):
     assert not ran.exists()
 
 
+def test_a_sharded_checkpoint_whose_metadata_points_an_item_at_a_crafted_pickle_is_passed_over_unread(tmp_path, capsys):
+    """Its .metadata and meta.pt were checked, not its non-tensor items: a resume failed in DCP's load, saying the
+    networks had changed since."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run, ran = tmp_path / "run", tmp_path / "ran"
+    shards = {**_SHARDS, "G": {**_SHARDS["G"], "optim": {"param_groups": [{"lr": 0.5}]}}}  # lr: a non-tensor item
+    with _one_rank(tmp_path):
+        older = checkpoint.save_sharded(shards, _state(10), run, 10, keep=3)
+        newest = checkpoint.save_sharded(shards, _state(20), run, 20, keep=3)
+    metadata = FileSystemReader(str(newest)).read_metadata()  # written by this test: trusted
+    torch.save(_payloads(ran)[0], newest / "crafted.distcp")  # pickled, never called
+    (info,) = (info for index, info in metadata.storage_data.items() if index.fqn == "G.optim.param_groups.0.lr")
+    info.relative_path, info.offset, info.length = "crafted.distcp", 0, (newest / "crafted.distcp").stat().st_size
+    metadata.storage_meta = None
+    (newest / ".metadata").write_bytes(pickle.dumps(metadata))
+    _remark(newest)
+    assert checkpoint.problem(newest).startswith("unreadable: it holds more than tensors and plain data, refused")
+    assert checkpoint.problem(newest).endswith("it was not written by ganscale, or was altered")
+    assert checkpoint.newest_valid(run) == older  # whose lr item is read as plainly
+    assert f"skipping checkpoint {newest}: unreadable: it holds more than tensors" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="unreadable"):
+        checkpoint.load(newest)
+    assert not ran.exists()
+
+
 def test_a_sharded_checkpoint_naming_shard_files_outside_its_folder_is_refused(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 

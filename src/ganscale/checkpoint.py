@@ -228,7 +228,7 @@ def _unreadable(path: Path) -> str | None:
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the one line below says it all
             warnings.simplefilter("ignore")
             if is_sharded(path):
-                _shard_reader(path).read_metadata()
+                _check_items(path)
             read = path / META if is_sharded(path) else path
             with _open_regular(read) as f:
                 if f.read(4) != ZIP_MAGIC:  # else torch's "mmap can only be used with files saved with ..."
@@ -255,7 +255,8 @@ def read_failure(error: Exception) -> str:
     if isinstance(error, pickle.UnpicklingError):
         detail = lines[0].split(". ")[0] if lines else type(error).__name__
         if "GLOBAL" in detail.upper():  # the pickle names a callable or class: refused, never called
-            return f"it holds more than tensors and plain data, refused as reading it could run code ({detail})"
+            return (f"it holds more than tensors and plain data, refused as reading it could run code ({detail}): "
+                    "it was not written by ganscale, or was altered")
         return f"not a pickle torch wrote ({detail})"
     return f"{type(error).__name__}: {lines[0].split('. ')[0] if lines else ''}"
 
@@ -628,6 +629,25 @@ def _shard_reader(folder: Path):
             return super().read_data(plan, WeightsOnlyBytes(planner))
 
     return Reader(str(folder))
+
+
+def _check_items(path: Path) -> None:
+    """Read a sharded checkpoint's .metadata and every non-tensor item it names (optimizer settings: a few small
+    pickles) as a load would, through `_shard_reader`: a crafted item is refused here, by `problem`, so that a
+    resume passes over the checkpoint instead of failing in the middle of its DCP load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    reader = _shard_reader(path)
+    items = {key: None for key, info in reader.read_metadata().state_dict_metadata.items()
+             if isinstance(info, BytesStorageMetadata)}  # by their dotted names: DCP reads a flat dict as it is
+    if items:
+        try:
+            dcp.load(items, storage_reader=reader, no_dist=True)  # this process alone: `problem` is not collective
+        except CheckpointException as e:  # a BaseException, with each rank's error inside
+            cause = next(iter((getattr(e, "failures", None) or {}).values()), None)
+            raise (cause[0] if isinstance(cause, tuple) else cause) or RuntimeError(str(e)) from None
 
 
 def load_sharded(path: Path, shards: dict) -> None:
