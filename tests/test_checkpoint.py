@@ -956,6 +956,42 @@ def test_a_sharded_checkpoint_whose_metadata_points_an_item_at_a_crafted_pickle_
     assert not ran.exists()
 
 
+def test_a_resume_whose_dcp_load_refuses_an_item_says_the_checkpoint_is_unreadable_not_that_the_networks_changed(
+        tmp_path, monkeypatch):
+    """Where rank 0's check did not see it (a file replaced after it): was 'does not fit the networks this run
+    builds ... ganscale's dcgan networks changed since (another version)'."""
+    from dist_helpers import train_in_process
+    from test_distributed import SMALL_DCGAN
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ganscale import config
+    from ganscale.runtime import start
+    from ganscale.trainer import Trainer
+
+    settings = [f"{k}={v}" for k, v in {**SMALL_DCGAN, "train.steps": 2, "checkpoint.every": 2,
+                                        "checkpoint.format": "sharded"}.items()]
+    train_in_process(config.load(None, settings), tmp_path)
+    path, ran = checkpoint.latest(tmp_path), tmp_path / "ran"
+    metadata = FileSystemReader(str(path)).read_metadata()  # written by this test: trusted
+    torch.save(_payloads(ran)[0], path / "crafted.distcp")  # pickled, never called
+    item = next(info for index, info in metadata.storage_data.items() if ".param_groups." in index.fqn)
+    item.relative_path, item.offset, item.length = "crafted.distcp", 0, (path / "crafted.distcp").stat().st_size
+    metadata.storage_meta = None
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    _remark(path)
+    monkeypatch.setattr(checkpoint, "_check_items", lambda path: None)  # as if replaced after rank 0 checked it
+    runtime = start("cpu")
+    try:
+        with pytest.raises(ConfigError) as refused:
+            Trainer(config.load(None, [*settings, "train.steps=4"]), runtime, tmp_path, path)
+    finally:
+        runtime.close()
+    assert refused.value.key == str(path) and "does not fit" not in refused.value.problem
+    assert refused.value.problem.startswith("this checkpoint cannot be used (unreadable: it holds more than tensors")
+    assert refused.value.fix.startswith("it was not written by ganscale, or was altered: resume from another")
+    assert not ran.exists()
+
+
 def test_a_sharded_checkpoint_naming_shard_files_outside_its_folder_is_refused(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -646,14 +646,17 @@ def _check_items(path: Path) -> None:
         try:
             dcp.load(items, storage_reader=reader, no_dist=True)  # this process alone: `problem` is not collective
         except CheckpointException as e:  # a BaseException, with each rank's error inside
-            cause = next(iter((getattr(e, "failures", None) or {}).values()), None)
-            raise (cause[0] if isinstance(cause, tuple) else cause) or RuntimeError(str(e)) from None
+            raise _first_cause(e) or RuntimeError(str(e)) from None
+
+
+class UnreadableCheckpoint(RuntimeError):
+    """A sharded checkpoint's .metadata or item that `_shard_reader` refused: the file's fault, not the run's config."""
 
 
 def load_sharded(path: Path, shards: dict) -> None:
     """Collective: fill this rank's `shards` (same structure as saved, any strategy and world size) from `path`.
-    A failure is a RuntimeError naming the first rank's cause: DCP's own CheckpointException is a
-    BaseException, which no `except Exception` catches."""
+    A failure is a RuntimeError naming the first rank's cause (UnreadableCheckpoint for a refused .metadata or
+    item): DCP's own CheckpointException is a BaseException, which no `except Exception` catches."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -664,17 +667,22 @@ def load_sharded(path: Path, shards: dict) -> None:
         cause = os_error_behind(e)
         if cause is not None:  # the disk's error (EIO, ESTALE): not a mismatch of the run's config
             raise cause from None
-        raise RuntimeError(_first_failure(e)) from None
+        refused = isinstance(_first_cause(e), pickle.UnpicklingError)  # a non-tensor item `_shard_reader` refused
+        raise (UnreadableCheckpoint if refused else RuntimeError)(_first_failure(e)) from None
     except (pickle.UnpicklingError, ValueError) as e:  # its .metadata, refused by `_shard_reader`
-        raise RuntimeError(read_failure(e)) from None
+        raise UnreadableCheckpoint(read_failure(e)) from None
     _swap_back_as_vectors(swapped)
+
+
+def _first_cause(error: BaseException) -> BaseException | None:
+    """The first rank's error inside a CheckpointException."""
+    first = next(iter((getattr(error, "failures", None) or {}).values()), None)
+    return first[0] if isinstance(first, tuple) else first
 
 
 def _first_failure(error: BaseException) -> str:
     """'Type: message' of the first rank's error inside a CheckpointException (its own text lists ranks)."""
-    failures = getattr(error, "failures", None) or {}
-    first = next(iter(failures.values()), None)
-    cause = first[0] if isinstance(first, tuple) else first
+    cause = _first_cause(error)
     if isinstance(cause, pickle.UnpicklingError):  # a non-tensor item `_shard_reader` refused
         return read_failure(cause)
     return f"{type(cause).__name__}: {cause}" if cause is not None else str(error)

@@ -123,6 +123,10 @@ class Checkpointer:
                 G.load_optimizer_state(training.opt_g, state["opt_g"])
                 D.load_optimizer_state(training.opt_d, state["opt_d"])
             training.configure_optimizers()  # the config's lr, betas and weight decay, not the checkpoint's
+        except checkpoint.UnreadableCheckpoint as e:  # a crafted or foreign item: no misfit of the networks
+            raise ConfigError(str(path), f"this checkpoint cannot be used (unreadable: {e})",
+                              "it was not written by ganscale, or was altered: resume from another checkpoint with "
+                              "--resume PATH, or start a new run (another --run-dir)") from None
         except (RuntimeError, ValueError, KeyError) as e:
             first = " ".join(str(e).strip().splitlines()[:2]).replace("\t", "")[:300]  # torch's headline and first tensor
             changed = changed_networks(training.cfg, state["config"])
