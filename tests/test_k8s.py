@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ganscale.config import ConfigError
+
 from test_cli import clean_env, ganscale
 
 jsonschema = pytest.importorskip("jsonschema", reason="the test extra's jsonschema validates the manifest")
@@ -119,6 +121,30 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option)
     assert not (tmp_path / "run").exists()
     if option == "train.batch_size":
         assert "(--nodes 5 x --gpus-per-node 1)" in result.stderr
+
+
+@pytest.mark.parametrize("volume, max_restarts, said", [
+    ("c:/etc/ganscale", 0, "'/etc/ganscale' would hide or clash with the config's mount /etc/ganscale"),
+    ("c:/etc/ganscale/runs", 0, "clash with the config's mount"),  # two mountPaths Kubernetes refuses, or nested
+    ("c:/", 0, "'/' would hide or clash with the container's /"),  # the claim over the image's root
+    ("c:/usr/", 0, "the container's /usr"),
+    ("PVC_Bad:/runs", 0, "'PVC_Bad' is not a PersistentVolumeClaim's name"),  # was "is not CLAIM:/path"
+    ("c:/runs", 2**31, "2147483648 is not a restart count Kubernetes takes"),  # maxRestarts is an int32
+])
+def test_a_volume_or_restart_count_kubernetes_would_refuse_is_refused_naming_why(volume, max_restarts, said):
+    """Each was written into a manifest that `kubectl apply` or the pods then refuse."""
+    from ganscale.k8s import Layout, check_layout
+
+    with pytest.raises(ConfigError) as refused:
+        check_layout(Layout(2, 1, "i", "default", volume, max_restarts))
+    assert said in refused.value.problem, refused.value
+    assert check_layout(Layout(2, 1, "i", "default", "c:/data//runs/", 2**31 - 1)).mount == "/data/runs"
+
+
+def test_the_kubectl_line_quotes_the_manifest_s_path(tmp_path):
+    result = ganscale("k8s", *TINY, *LAYOUT, "--run-dir", "it's a run", cwd=tmp_path)
+    assert result.returncode == 0 and """kubectl apply -f 'it'"'"'s a run/k8s/job.yaml'""" in result.stdout, \
+        result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("image, valid", [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import signal
 import sys
 import time
@@ -528,7 +529,7 @@ def k8s(recipe: str | None, overrides: tuple[str, ...], nodes: int, gpus_per_nod
         path = kube.write(recipe, overrides, layout, run_dir, out, force)
     except ConfigError as e:
         _fail(e)
-    click.echo(f"wrote {path}\nkubectl apply -f {path}")
+    click.echo(f"wrote {path}\nkubectl apply -f {shlex.quote(str(path))}")
 
 
 @main.group()

@@ -9,6 +9,7 @@ volume, and a failed pod restarts the whole group (failurePolicy.maxRestarts), w
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,10 @@ SCRATCH_MOUNT = "/runs"  # the run volume's mount point without --volume (one no
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # RFC 1123, as a namespace's name
 DNS_LABEL_LIMIT = 63
+DNS_SUBDOMAIN_LIMIT = 253  # RFC 1123 subdomain: a PersistentVolumeClaim's name
+INT32_MAX = 2**31 - 1
+# A run volume mounted at one of these hides what the container runs on.
+SYSTEM_FOLDERS = {"/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sbin", "/sys", "/usr"}
 # JobSet's webhook requires its longest pod name, <name>-node-0-<index>-<5 random characters>, to be a DNS label:
 # a name of at most 40 characters leaves the index 9 digits, so --nodes may reach 10**9.
 NAME_LIMIT = 40
@@ -104,22 +109,37 @@ def check_layout(layout: Layout) -> Volume:
         raise ConfigError("--namespace", f"{layout.namespace!r} is not a Kubernetes namespace name",
                           "pass at most 63 lower-case letters, digits and '-', starting and ending with a letter or "
                           "digit")
-    if layout.max_restarts < 0:
-        raise ConfigError("--max-restarts", f"{layout.max_restarts} is negative", "pass --max-restarts 0 or more")
+    if not 0 <= layout.max_restarts <= INT32_MAX:  # JobSet's failurePolicy.maxRestarts is an int32
+        raise ConfigError("--max-restarts", f"{layout.max_restarts} is not a restart count Kubernetes takes",
+                          f"pass --max-restarts from 0 to {INT32_MAX}")
     if layout.volume is None:
         if layout.nodes > 1:
             raise ConfigError("--volume", "the nodes of a multi-node run must share its run directory",
                               "pass --volume CLAIM:/path (a ReadWriteMany PersistentVolumeClaim)")
         return Volume(None, SCRATCH_MOUNT)
     refuse_control_characters("--volume", layout.volume)
-    claim, _, mount = layout.volume.partition(":")
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", claim) or not mount.startswith("/"):
+    claim, colon, mount = layout.volume.partition(":")
+    if not colon or not mount.startswith("/"):
         raise ConfigError("--volume", f"'{layout.volume}' is not CLAIM:/path",
                           "pass a PersistentVolumeClaim's name and an absolute mount path, e.g. --volume runs:/runs")
+    if not (re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", claim) and len(claim) <= DNS_SUBDOMAIN_LIMIT):
+        raise ConfigError("--volume", f"'{claim}' is not a PersistentVolumeClaim's name",
+                          f"pass the claim's name as Kubernetes has it: at most {DNS_SUBDOMAIN_LIMIT} lower-case "
+                          "letters, digits, '-' and '.', starting and ending with a letter or digit")
     if any(sequence in mount for sequence in EXPANDED):
         raise ConfigError("--volume", f"the mount path '{mount}' holds $( or $$, which Kubernetes rewrites in the "
                           "pods' command", "choose a mount path without them")
-    return Volume(claim, mount.rstrip("/") or "/")
+    mount = os.path.normpath(mount)
+    if mount in SYSTEM_FOLDERS or _nested(mount, CONFIG_MOUNT):
+        what = f"the container's {mount}" if mount in SYSTEM_FOLDERS else f"the config's mount {CONFIG_MOUNT}"
+        raise ConfigError("--volume", f"the mount path '{mount}' would hide or clash with {what}",
+                          "mount the claim at a folder of its own, e.g. --volume runs:/runs")
+    return Volume(claim, mount)
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether one of two absolute paths is the other or lies inside it."""
+    return a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")
 
 
 def run_folder(run_dir: Path) -> str:
