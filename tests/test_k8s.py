@@ -78,6 +78,10 @@ def test_the_manifest_is_a_valid_jobset_holding_everything_the_user_passed(tmp_p
     assert "--nnodes 2 --nproc-per-node 1 --node-rank $(GANSCALE_NODE_RANK) --rdzv-backend c10d" in command
     assert command.endswith("--run-dir /mnt/runs/run --resume auto")
     assert {"name": "run", "mountPath": "/mnt/runs"} in container["volumeMounts"]
+    # /dev/shm in memory, not the container's 64 MiB: DataLoader workers and NCCL pass data through it
+    assert {"name": "shared-memory", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    volumes = job["template"]["spec"]["volumes"]
+    assert {"name": "shared-memory", "emptyDir": {"medium": "Memory"}} in volumes
     assert {m["metadata"]["namespace"] for m in (config_map, jobset)} == {"gans"}
     embedded = yaml.safe_load(config_map["data"]["config.yaml"])
     assert (embedded["train"]["steps"], embedded["train"]["batch_size"], embedded["log"]["tensorboard"]) == (3, 6, False)
@@ -126,6 +130,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option)
 @pytest.mark.parametrize("volume, max_restarts, said", [
     ("c:/etc/ganscale", 0, "'/etc/ganscale' would hide or clash with the config's mount /etc/ganscale"),
     ("c:/etc/ganscale/runs", 0, "clash with the config's mount"),  # two mountPaths Kubernetes refuses, or nested
+    ("c:/dev/shm", 0, "clash with the shared memory's mount /dev/shm"),
     ("c:/", 0, "'/' would hide or clash with the container's /"),  # the claim over the image's root
     ("c:/usr/", 0, "the container's /usr"),
     ("PVC_Bad:/runs", 0, "'PVC_Bad' is not a PersistentVolumeClaim's name"),  # was "is not CLAIM:/path"
@@ -250,7 +255,7 @@ def pod_process(config_map: dict, jobset: dict, index: int, node: Path, volume: 
         (config / file).write_text(text)
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
-    local = {"run": volume, "config": config}
+    local = {"run": volume, "config": config, "shared-memory": "/dev/shm"}  # this machine's own
     mounts = {m["mountPath"]: str(local[m["name"]]) for m in container["volumeMounts"]}
 
     def in_pod(arg: str) -> str:

@@ -24,6 +24,9 @@ REPLICATED_JOB = "node"
 CONTAINER = "ganscale"
 RDZV_PORT = 29500
 CONFIG_MOUNT = "/etc/ganscale"
+# A container's /dev/shm is 64 MiB unless a volume replaces it: DataLoader workers pass batches through it and NCCL
+# its buffers between the processes of a pod.
+SHARED_MEMORY_MOUNT = "/dev/shm"
 SCRATCH_MOUNT = "/runs"  # the run volume's mount point without --volume (one node only)
 # Set by the Job controller on each pod of an Indexed Job; read through the downward API.
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -130,8 +133,11 @@ def check_layout(layout: Layout) -> Volume:
         raise ConfigError("--volume", f"the mount path '{mount}' holds $( or $$, which Kubernetes rewrites in the "
                           "pods' command", "choose a mount path without them")
     mount = os.path.normpath(mount)
-    if mount in SYSTEM_FOLDERS or _nested(mount, CONFIG_MOUNT):
-        what = f"the container's {mount}" if mount in SYSTEM_FOLDERS else f"the config's mount {CONFIG_MOUNT}"
+    ours = next((f"the {what} mount {path}" for what, path in (("config's", CONFIG_MOUNT),
+                                                                 ("shared memory's", SHARED_MEMORY_MOUNT))
+                 if _nested(mount, path)), None)
+    if mount in SYSTEM_FOLDERS or ours is not None:
+        what = f"the container's {mount}" if mount in SYSTEM_FOLDERS else ours
         raise ConfigError("--volume", f"the mount path '{mount}' would hide or clash with {what}",
                           "mount the claim at a folder of its own, e.g. --volume runs:/runs")
     return Volume(claim, mount)
@@ -195,10 +201,12 @@ def _pod_spec(layout: Layout, volume: Volume, name: str, pod_run_dir: str) -> di
             ],
             "resources": {"requests": dict(gpus), "limits": dict(gpus)},
             "volumeMounts": [{"name": "run", "mountPath": volume.mount},
-                             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
+                             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+                             {"name": "shared-memory", "mountPath": SHARED_MEMORY_MOUNT}],
         }],
         "volumes": [{"name": "run", **run_volume},
-                    {"name": "config", "configMap": {"name": f"{name}-config"}}],
+                    {"name": "config", "configMap": {"name": f"{name}-config"}},
+                    {"name": "shared-memory", "emptyDir": {"medium": "Memory"}}],
     }
 
 
