@@ -170,6 +170,24 @@ def test_sbatch_refusal_is_one_line_and_leaves_the_run_directory_as_it_was(tmp_p
     assert {p.name: p.read_text() for p in scripts.iterdir()} == before
 
 
+def test_an_sbatch_that_cannot_reach_slurm_is_told_to_run_where_it_can(tmp_path):
+    """sbatch without a configuration source was told to fix --partition, --account, --time or --nodes."""
+    from ganscale.slurm import sbatch_fix
+
+    for said in ["sbatch: fatal: Could not establish a configuration source",
+                 "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)"]:
+        assert "login node whose sbatch reaches the controller (check `sinfo`" in sbatch_fix(said), said
+    for said in ["sbatch: error: Batch job submission failed: Invalid account or account/partition combination "
+                 "specified", "sbatch: error: Batch job submission failed: Requested node configuration is not "
+                 "available", "sbatch: error: invalid partition specified: gpu"]:
+        assert sbatch_fix(said).startswith("fix the option it names (--partition"), said
+    bin_dir = tool(tmp_path / "bin", "sbatch",
+                   'echo "sbatch: fatal: Could not establish a configuration source" >&2; exit 1').parent
+    refused = slurm(*CPU_JOB, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,))
+    _refused(refused, "configuration source")
+    assert "check `sinfo`" in refused.stderr and "--partition" not in refused.stderr
+
+
 def test_the_script_stops_on_usr1_checkpoints_and_requeues(tmp_path):
     """The batch shell, given Slurm's signal, stops torchrun's workers: they checkpoint, the job exits with the
     preempted code (3) and asks scontrol to requeue it."""

@@ -27,6 +27,12 @@ from ganscale.fault import EXIT_PREEMPTED, stop_grace_s
 TASKS_PER_NODE = re.compile(r"[0-9]+(?:\(x[0-9]+\))?(?:,[0-9]+(?:\(x[0-9]+\))?)*")
 TIME = re.compile(r"^(?:(\d+)-)?(\d{1,2}):([0-5]\d):([0-5]\d)$")  # [D-]HH:MM:SS, one of sbatch's forms
 SCRIPT = "job.sbatch"
+# sbatch's lines where it never reached slurmctld (no slurm.conf or configless source, controller down, munge)...
+UNREACHED = re.compile(r"configuration source|contact slurm controller|connect|timed out|Zero Bytes|munge|"
+                       r"credential|authentication", re.IGNORECASE)
+# ...and where slurmctld refused what the job asks (src/common/slurm_errno.c's texts).
+OPTION_REFUSED = re.compile(r"partition|account|time limit|node|gres|gpu|cpu|qos|memory|association|"
+                            r"task count|processor count", re.IGNORECASE)
 SLURMCTLD_CHECK_S = 30  # slurmctld's time-limit check interval (PERIODIC_TIMEOUT): a signal may come this much early
 MIN_TRAINING_S = 30  # start-up and at least one step before the earliest signal
 # A job's rendezvous port (torchrun's) or MASTER_PORT (srun tasks) comes from its job id, so jobs sharing a node
@@ -305,14 +311,25 @@ def write_script(run_dir: Path, text: str) -> tuple[Path, Path | None]:
     return target, kept
 
 
+def sbatch_fix(said: str) -> str:
+    """The fix for sbatch's last line: an option where the controller refused the job's request, reaching the
+    controller where sbatch never got to ask, what it says otherwise."""
+    if UNREACHED.search(said):
+        return ("run this on a Slurm login node whose sbatch reaches the controller (check `sinfo`; SLURM_CONF, "
+                "munge), then submit again (--dry-run prints the script)")
+    if OPTION_REFUSED.search(said):
+        return ("fix the option it names (--partition, --account, --time, --nodes, --gpus-per-node) "
+                "and submit again (--dry-run prints the script)")
+    return "fix what sbatch names and submit again (--dry-run prints the script)"
+
+
 def submit(sbatch: str, path: Path) -> str:
     """The job id sbatch gives; sbatch's own refusal (a partition or account it rejects) is bad input."""
     done = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
-        raise ConfigError("sbatch", f"refused the job: {said[-1] if said else f'exit {done.returncode}'}",
-                          "fix the option it names (--partition, --account, --time, --nodes) and submit again "
-                          "(--dry-run prints the script)")
+        last = said[-1] if said else f"exit {done.returncode}"
+        raise ConfigError("sbatch", f"refused the job: {last}", sbatch_fix(last))
     return done.stdout.strip().split(";")[0]
 
 
