@@ -46,16 +46,18 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
                    "--run-dir", "run", "--dry-run", cwd=tmp_path)
     assert result.returncode == 0, explain(result)
     text = result.stdout
-    for line in ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --time=01:00:00",
+    for line in ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=2",
+                 "#SBATCH --time=01:00:00",
                  "#SBATCH --partition=debug", "#SBATCH --signal=B:USR1@55", "#SBATCH --requeue",
                  f"#SBATCH --output={tmp_path}/run/slurm/%j.out",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1',
                  "RDZV_PORT=$((10000 + (SLURM_JOB_ID + 7919 * ${SLURM_RESTART_COUNT:-0}) % 20000))",
                  '--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"',
                  '--nnodes "$SLURM_NNODES" --nproc-per-node 2',
-                 f"{sys.executable} -m torch.distributed.run",
+                 f'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" {sys.executable} -m '
+                 "torch.distributed.run",
                  '-m ganscale train digits --set train.steps=4 --resume auto --run-dir "$RUN_DIR" &',
-                 'scontrol requeue "$SLURM_JOB_ID"', "trap stop USR1 TERM",
+                 'scontrol requeue "$SLURM_JOB_ID"', "trap 'stop USR1' USR1", "trap 'stop TERM' TERM",
                  'scancel --signal=TERM "$SLURM_JOB_ID"']:
         assert line in text, line
     assert "--gpus-per-node" not in text
@@ -69,6 +71,18 @@ def test_gpu_job_asks_for_gpus_and_one_process_each(tmp_path):
     assert "#SBATCH --gpus-per-node=4" in result.stdout and "--nproc-per-node 4" in result.stdout
     assert "#SBATCH --no-requeue" in result.stdout and "#SBATCH --signal=B:USR1@120" in result.stdout
     assert "#SBATCH --nodes=2" in result.stdout
+
+
+def test_the_job_asks_for_cpus_for_every_process_and_loader_of_a_node(tmp_path):
+    """--ntasks-per-node=1 without --cpus-per-task was one CPU per node: under task/affinity or cgroups torchrun,
+    every worker and its loaders shared one core. Default: processes per node x (1 + data.workers)."""
+    cases = [([*CPU_JOB, "--set", "data.workers=3"], 8), ([*CPU_JOB, "--cpus-per-node", "5"], 5),
+             (["digits", "--nodes", "2", "--gpus-per-node", "4", "--set", "train.device=auto"], 4)]
+    for args, cpus in cases:
+        result = slurm(*args, "--dry-run", cwd=tmp_path)
+        assert result.returncode == 0, explain(result)
+        assert f"#SBATCH --cpus-per-task={cpus}  #" in result.stdout, result.stdout
+        assert 'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" ' in result.stdout
 
 
 def test_submits_with_sbatch_and_keeps_an_earlier_script(tmp_path):
@@ -108,6 +122,7 @@ def test_bad_input_exits_2_submits_and_writes_nothing(tmp_path):
         ([*CPU_JOB, "--time", "00:02:00", "--signal-lead", "90"], "--signal-lead"),
         ([*CPU_JOB, "--set", "train.batch_size=63"], "train.batch_size"),
         (["digits", "--nodes", "1", "--gpus-per-node", "2", "--procs-per-node", "3"], "--procs-per-node"),
+        ([*CPU_JOB, "--cpus-per-node", "1"], "--cpus-per-node 2"),  # fewer CPUs than processes
     ]
     for args, option in cases:
         _refused(slurm(*args, "--run-dir", "run", cwd=tmp_path, path_dirs=(bin_dir,)), option)
@@ -188,11 +203,20 @@ def test_an_sbatch_that_cannot_reach_slurm_is_told_to_run_where_it_can(tmp_path)
     assert "check `sinfo`" in refused.stderr and "--partition" not in refused.stderr
 
 
-def test_the_script_stops_on_usr1_checkpoints_and_requeues(tmp_path):
+def _script_env(bin_dir: Path) -> dict:
+    env = clean_env()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="localhost",
+               SLURM_NNODES="1", SLURM_CPUS_PER_TASK="2", GLOO_SOCKET_IFNAME="lo")
+    return env
+
+
+@pytest.mark.parametrize("signum, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)])
+def test_the_script_stops_on_a_signal_checkpoints_and_requeues_only_on_usr1(tmp_path, signum, requeued):
     """The batch shell, given Slurm's signal, stops torchrun's workers: they checkpoint, the job exits with the
-    preempted code (3) and asks scontrol to requeue it."""
+    preempted code (3); only USR1 (the time limit's) asks scontrol to requeue it: a SIGTERM (plain scancel) was
+    requeued too, so the job never ended."""
     bin_dir = tmp_path / "bin"
-    tool(bin_dir, "srun", 'shift; exec "$@"')  # --kill-on-bad-exit=1, then the command: one task, here
+    tool(bin_dir, "srun", 'while [[ $1 == --* ]]; do shift; done; exec "$@"')  # srun's options: one task, here
     tool(bin_dir, "scontrol", f'if [ "$1" = show ]; then echo 127.0.0.1; else echo "$@" >> {bin_dir}/scontrol.calls; fi')
     # scancel --signal=TERM JOB: SIGTERM to the job step's processes (here: this job's torchrun and its workers)
     tool(bin_dir, "scancel", f'echo "$@" >> {bin_dir}/scancel.calls; pkill -TERM -f "run-dir {tmp_path}/run"')
@@ -201,22 +225,49 @@ def test_the_script_stops_on_usr1_checkpoints_and_requeues(tmp_path):
     assert written.returncode == 0, explain(written)
     script = tmp_path / "job.sbatch"
     script.write_text(written.stdout)
-    env = clean_env()
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="localhost",
-               SLURM_NNODES="1", GLOO_SOCKET_IFNAME="lo")
-    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=_script_env(bin_dir), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 150
     while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and job.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.5)
-    job.send_signal(signal.SIGUSR1)
+    job.send_signal(signum)
     out, _ = job.communicate(timeout=120)
     assert job.returncode == 3, out
     assert list((tmp_path / "run" / "checkpoints").glob("step-*")), out
-    assert (bin_dir / "scontrol.calls").read_text().split() == ["requeue", "77"]
+    assert (bin_dir / "scontrol.calls").exists() == requeued, out
+    if requeued:
+        assert (bin_dir / "scontrol.calls").read_text().split() == ["requeue", "77"]
     assert (bin_dir / "scancel.calls").read_text().split() == ["--signal=TERM", "77"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_stop_that_wrote_no_checkpoint_exits_with_the_failure_and_is_not_requeued(tmp_path, signum):
+    """A stop whose checkpoint failed (exit 7; torchrun exits 1 for it) exited 3 and was requeued. Now only a run
+    whose summary.json, written after this start, says stopped=preempted counts as stopped with a checkpoint; an
+    earlier run's summary saying so does not."""
+    bin_dir = tmp_path / "bin"
+    # torchrun's workers, stopping: they fail to write the stop's checkpoint, so no summary; torchrun exits 1
+    tool(bin_dir, "srun", "trap 'exit 1' TERM; while :; do sleep 0.1; done")
+    tool(bin_dir, "scontrol", f'if [ "$1" = show ]; then echo 127.0.0.1; else echo "$@" >> {bin_dir}/scontrol.calls; fi')
+    tool(bin_dir, "scancel", f'echo "$@" >> {bin_dir}/scancel.calls; pkill -TERM -f "^/bin/bash {bin_dir}/srun"')
+    written = slurm(*CPU_JOB, "--run-dir", "run", "--dry-run", cwd=tmp_path)
+    assert written.returncode == 0, explain(written)
+    script = tmp_path / "job.sbatch"
+    script.write_text(written.stdout)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"stopped": "preempted"}, indent=2))  # an earlier job's
+    os.utime(run / "summary.json", (time.time() - 60, time.time() - 60))
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=_script_env(bin_dir), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    time.sleep(1)
+    job.send_signal(signum)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 1, out + err
+    assert "wrote no checkpoint of the stop (exit 1" in err and "not requeued" in err, err
+    assert not (bin_dir / "scontrol.calls").exists()
 
 
 def test_a_requeued_job_says_so_and_records_it_in_the_summary(tmp_path):

@@ -151,3 +151,27 @@ def test_a_job_near_its_time_limit_is_signalled_checkpoints_requeues_and_resumes
     assert "stopped at step 6 on request" in log, log  # the slow step ended, then every rank stopped
     _train(tmp_path, tmp_path / "local-run", settings)
     _assert_same_final_checkpoint(run, tmp_path / "local-run", steps)
+
+
+def test_a_cancelled_job_checkpoints_and_ends_without_requeueing_itself(slurm_cluster, tmp_path):  # noqa: F811
+    """Plain `scancel` (SIGTERM to the batch shell and every step): the workers stop at an agreed checkpoint and
+    the job ends, exit 3, not requeued; it requeued itself and trained on. The job asks Slurm for a CPU per
+    process (it had one CPU for the node's every process)."""
+    steps = 400
+    settings = [*TINY, "--set", f"train.steps={steps}", "--set", f"checkpoint.every={steps}"]
+    run = tmp_path / "slurm-run"
+    job = _submit(slurm_cluster, tmp_path, run, settings)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm_cluster, capture_output=True, text=True)
+    assert " NumCPUs=2 " in shown.stdout, shown.stdout
+    cancelled = subprocess.run(["scancel", job], env=slurm_cluster, capture_output=True, text=True)
+    assert cancelled.returncode == 0, cancelled.stderr
+    state = _wait_job(slurm_cluster, job, timeout_s=120)
+    log = _job_log(run)
+    assert "JobState=CANCELLED" in state and " Restarts=0 " in state and " ExitCode=3:0 " in state, f"{state}\n{log}"
+    assert re.search(r"stopped at step \d+ on request", log) and "restart 1," not in log, log
+    assert json.loads((run / "summary.json").read_text())["stopped"] == "preempted"
+    assert list((run / "checkpoints").glob("step-*")), log

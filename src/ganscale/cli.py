@@ -200,6 +200,9 @@ def leave(error: Exception) -> NoReturn:
 @click.option("--gpus-per-node", type=click.IntRange(min=0), required=True, help="GPUs per node; 0 for a CPU job.")
 @click.option("--procs-per-node", type=click.IntRange(min=1), default=None,
               help="Processes per node (default: one per GPU; required with --gpus-per-node 0).")
+@click.option("--cpus-per-node", type=click.IntRange(min=1), default=None, metavar="C",
+              help="CPUs per node for its processes and their loaders (default: processes per node x "
+                   "(1 + data.workers)).")
 @click.option("--time", "time_limit", default=None, metavar="HH:MM:SS", help="Time limit ([D-]HH:MM:SS).")
 @click.option("--partition", default=None, help="Slurm partition.")
 @click.option("--account", default=None, help="Slurm account.")
@@ -212,7 +215,8 @@ def leave(error: Exception) -> NoReturn:
 @SET
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory on storage every node sees (default: runs/<recipe>-<time>).")
-def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: int | None, time_limit: str | None,
+def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: int | None, cpus_per_node: int | None,
+          time_limit: str | None,
           partition: str | None, account: str | None, requeue: bool, signal_lead: int | None, dry_run: bool,
           overrides: tuple[str, ...], run_dir: str | None) -> None:
     """Write RUN_DIR/slurm/job.sbatch for RECIPE (a shipped recipe or a YAML file) and submit it with sbatch.
@@ -225,6 +229,8 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         slurming.check_inputs(recipe, overrides, time_limit, partition, account, run_dir)
         shape = slurming.layout(nodes, gpus_per_node, procs_per_node)
         slurming.check_time(time_limit)
+        if cpus_per_node is not None:
+            slurming.check_cpus(shape, cpus_per_node)
         cfg = config_mod.load(recipe, overrides)
         from ganscale import preflight, rundir, runlock  # torch (~2 s) only once the options and config are read
 
@@ -240,7 +246,8 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         signal_lead = signal_lead or slurming.default_signal_lead_s(cfg)
         slurming.check_signal_lead(time_limit, signal_lead)
         job = slurming.Job(shape, f"ganscale-{cfg.name}", target.resolve(), slurming.train_args(recipe, overrides),
-                           time_limit, partition, account, requeue, signal_lead)
+                           time_limit, partition, account, requeue, signal_lead,
+                           cpus_per_node or slurming.default_cpus_per_node(shape, cfg))
         slurming.check_job(job)
         text = slurming.script(job)
         if dry_run:

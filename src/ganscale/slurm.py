@@ -4,7 +4,7 @@ The script follows torchtitan's and Accelerate's convention: one task per node, 
 c10d rendezvous on the allocation's first node, the job id as rendezvous id. Before the time limit Slurm signals
 the batch shell (USR1), which forwards SIGTERM to srun: torchrun's agents pass it to the workers, which finish
 their step, write an agreed checkpoint and exit (fault.StopSignals); the job then requeues itself and resumes
-from the same run directory (`--resume auto`).
+from the same run directory (`--resume auto`). A SIGTERM (scancel, preemption) stops the job the same way, for good.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class Job:
     account: str | None
     requeue: bool
     signal_lead_s: int
+    cpus_per_node: int
 
 
 def layout(nodes: int, gpus_per_node: int, procs_per_node: int | None) -> Layout:
@@ -109,6 +110,19 @@ def check_job(job: Job, python: str = sys.executable) -> None:
         if value and "\\" in value:
             raise ConfigError(option, f"'{value}' holds a backslash, which sbatch drops from #SBATCH lines",
                               f"pass {option} without a backslash")
+
+
+def default_cpus_per_node(shape: Layout, cfg: Config) -> int:
+    """A CPU for each process and for each of its data loader workers: the node's one task holds every process
+    torchrun starts there, so Slurm's one CPU per task would bind them all (and their loaders) to one core."""
+    return shape.procs_per_node * (1 + cfg.data.workers)
+
+
+def check_cpus(shape: Layout, cpus_per_node: int) -> None:
+    if cpus_per_node < shape.procs_per_node:
+        raise ConfigError("--cpus-per-node", f"{cpus_per_node} CPUs per node for {shape.procs_per_node} processes "
+                          "per node", f"ask for at least one per process: --cpus-per-node {shape.procs_per_node} "
+                          "or more")
 
 
 def check_time(value: str | None) -> None:
@@ -164,7 +178,8 @@ def script(job: Job, python: str = sys.executable) -> str:
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={q(job.name)}",
              f"#SBATCH --nodes={job.layout.nodes}",
-             "#SBATCH --ntasks-per-node=1  # one torchrun agent per node; it starts the node's processes"]
+             "#SBATCH --ntasks-per-node=1  # one torchrun agent per node; it starts the node's processes",
+             f"#SBATCH --cpus-per-task={job.cpus_per_node}  # the node's CPUs, for all its processes and loaders"]
     if job.layout.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={job.layout.gpus_per_node}")
     if job.time:
@@ -189,11 +204,23 @@ def script(job: Job, python: str = sys.executable) -> str:
               "# USR1 (before the time limit) or SIGTERM (scancel, preemption): SIGTERM to the job's steps (torchrun and",
               "# every worker, on every node); each worker finishes its step, writes an agreed checkpoint and exits. Not",
               "# `kill srun`: srun answers SIGTERM by killing its tasks at once, before any checkpoint.",
-              "STOPPED=0",
-              'stop() { STOPPED=1; scancel --signal=TERM "$SLURM_JOB_ID"; }',
-              "trap stop USR1 TERM",
+              "# Only USR1 requeues: a SIGTERM is scancel's or a preemption's (Slurm requeues those it means to).",
+              'STOPPED=""',
+              'stop() { STOPPED=$1; scancel --signal=TERM "$SLURM_JOB_ID"; }',
+              "trap 'stop USR1' USR1",
+              "trap 'stop TERM' TERM",
               "",
-              f"srun --kill-on-bad-exit=1 {q(python)} -m torch.distributed.run \\",
+              "# Whether this run's workers stopped on request with a checkpoint: rank 0 writes summary.json with",
+              "# stopped=preempted only after the stop's checkpoint (torchrun exits 1 for a stop and a failure alike).",
+              "stopped_with_checkpoint() {",
+              '    [ -f "$RUN_DIR/summary.json" ] && [ "$(stat -c %Y "$RUN_DIR/summary.json")" -ge "$STARTED" ] &&',
+              '        grep -q \'"stopped": "preempted"\' "$RUN_DIR/summary.json"',
+              "}",
+              "",
+              "STARTED=$(date +%s)",
+              "# srun no longer takes --cpus-per-task from sbatch (Slurm 22.05): passed on, or the task gets one CPU.",
+              'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" '
+              f"{q(python)} -m torch.distributed.run \\",
               '    --nnodes "$SLURM_NNODES" '
               f"--nproc-per-node {job.layout.procs_per_node} \\",
               f'    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID" \\',
@@ -202,9 +229,13 @@ def script(job: Job, python: str = sys.executable) -> str:
               "SRUN_PID=$!",
               'while wait "$SRUN_PID"; STATUS=$?; kill -0 "$SRUN_PID" 2>/dev/null; do :; done  # wait ends at a trap',
               "",
-              'if [ "$STOPPED" = 1 ]; then',
-              '    if [ "$REQUEUE" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+              'if [ -n "$STOPPED" ] && stopped_with_checkpoint; then',
+              '    if [ "$STOPPED" = USR1 ] && [ "$REQUEUE" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
               f"    exit {EXIT_PREEMPTED}  # stopped on a signal, checkpoint written: resumes with --resume auto",
+              "fi",
+              'if [ -n "$STOPPED" ] && [ "$STATUS" != 0 ]; then',
+              '    echo "ganscale: stopped on SIG$STOPPED, but the workers wrote no checkpoint of the stop'
+              ' (exit $STATUS; their logs: $RUN_DIR/slurm/logs); not requeued" >&2',
               "fi",
               'exit "$STATUS"',
               ""]
@@ -318,7 +349,7 @@ def sbatch_fix(said: str) -> str:
         return ("run this on a Slurm login node whose sbatch reaches the controller (check `sinfo`; SLURM_CONF, "
                 "munge), then submit again (--dry-run prints the script)")
     if OPTION_REFUSED.search(said):
-        return ("fix the option it names (--partition, --account, --time, --nodes, --gpus-per-node) "
+        return ("fix the option it names (--partition, --account, --time, --nodes, --gpus-per-node, --cpus-per-node) "
                 "and submit again (--dry-run prints the script)")
     return "fix what sbatch names and submit again (--dry-run prints the script)"
 
