@@ -178,6 +178,12 @@ def test_a_config_file_is_a_failed_run_s_own_only_as_ganscale_writes_it(tmp_path
     resumed = tmp_path / "config.resumed-00000010.yaml"
     resumed.write_text("train: {steps: 20}\n")
     assert not rundir._own_file(resumed) and rundir._own_file(tmp_path / "metrics.jsonl")
+    written.unlink()
+    os.mkfifo(written)  # never read: it would block
+    assert not rundir._own_file(written)
+    written.unlink()
+    written.mkdir()
+    assert not rundir._own_file(written)
 
 
 def test_resume_auto_that_finds_no_run_says_it_starts_a_new_one(tmp_path):

@@ -131,11 +131,11 @@ def test_a_resume_that_cannot_rewrite_metrics_names_the_file_and_leaves_no_tempo
 @pytest.mark.slow
 def test_a_config_rank_0_cannot_write_stops_both_ranks_before_training(tmp_path):
     run = tmp_path / "run"
-    (run / "config.yaml").mkdir(parents=True)
-    results = train_two_ranks(run, "--set", "train.steps=20")
+    # Its run.lock (~250 bytes) fits, its config (a few KiB) does not.
+    results = train_two_ranks(run, "--set", "train.steps=20", rank0_file_limit=1024)
     assert [r.returncode for r in results] == [7, 7], explain(results)
     own, told = (one_line(r) for r in results)
-    assert own.startswith("ganscale: Is a directory: ") and "config.yaml" in own
+    assert own.startswith("ganscale: File too large: ") and "config.yaml" in own
     assert told == own.replace("ganscale: ", "ganscale: rank 0 could not write its run directory: ", 1)
     assert not (run / "metrics.jsonl").exists()
 

@@ -24,6 +24,9 @@ RUN_FILES = re.compile(r"^(checkpoints|samples|tensorboard|diagnostics|k8s|confi
                        r"|run\.lock(\.stale-[0-9a-f]+)?)$")
 
 
+CONFIG_BYTES = 1 << 20  # far above any resolved config (a few KiB)
+
+
 class AlreadyTrained(Exception):
     """The resume point is the run's last step (`train.steps`): nothing to train, nothing to write."""
 
@@ -87,7 +90,9 @@ def _own_file(path: Path) -> bool:
         return False
     if path.name != "config.yaml" and not RESUMED_CONFIG.match(path.name):
         return True
-    try:
+    try:  # only a regular file is read (a FIFO would block), and only one of a config's size
+        if not path.is_file() or path.stat().st_size > CONFIG_BYTES:
+            return False
         text = path.read_text()
         return yaml.safe_dump(yaml.safe_load(text), sort_keys=False) == text
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
