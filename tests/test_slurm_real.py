@@ -107,18 +107,24 @@ def test_ganscale_slurm_trains_as_ganscale_train_does(slurm_cluster, tmp_path): 
     _assert_same_final_checkpoint(run, tmp_path / "local-run", 3)
 
 
+def _submit_and_wait_for_training(env: dict, tmp_path: Path, settings: list[str]) -> tuple[Path, str]:
+    """(run directory, job id) of a job submitted with `settings`, once it has logged 3 steps (5 minutes at most)."""
+    run = tmp_path / "slurm-run"
+    job = _submit(env, tmp_path, run, settings)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return run, job
+
+
 def test_a_signalled_job_checkpoints_requeues_itself_and_resumes_to_the_same_result(slurm_cluster, tmp_path):  # noqa: F811
     """USR1 to the batch shell (what Slurm sends before the time limit): the workers stop at an agreed checkpoint,
     the script requeues the job, which comes back and resumes (`--resume auto`) to an uninterrupted run's result."""
     steps = 400
     # No periodic checkpoint before the end: the rerun can only resume from the one written on the signal.
     settings = [*TINY, "--set", f"train.steps={steps}", "--set", f"checkpoint.every={steps}"]
-    run = tmp_path / "slurm-run"
-    job = _submit(slurm_cluster, tmp_path, run, settings)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    run, job = _submit_and_wait_for_training(slurm_cluster, tmp_path, settings)
     signalled = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_cluster, capture_output=True,
                                text=True)
     assert signalled.returncode == 0, signalled.stderr
@@ -159,12 +165,7 @@ def test_a_cancelled_job_checkpoints_and_ends_without_requeueing_itself(slurm_cl
     process (it had one CPU for the node's every process)."""
     steps = 400
     settings = [*TINY, "--set", f"train.steps={steps}", "--set", f"checkpoint.every={steps}"]
-    run = tmp_path / "slurm-run"
-    job = _submit(slurm_cluster, tmp_path, run, settings)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    run, job = _submit_and_wait_for_training(slurm_cluster, tmp_path, settings)
     shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm_cluster, capture_output=True, text=True)
     assert " NumCPUs=2 " in shown.stdout, shown.stdout
     cancelled = subprocess.run(["scancel", job], env=slurm_cluster, capture_output=True, text=True)
