@@ -216,9 +216,8 @@ def leave(error: Exception) -> NoReturn:
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory on storage every node sees (default: runs/<recipe>-<time>).")
 def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: int | None, cpus_per_node: int | None,
-          time_limit: str | None,
-          partition: str | None, account: str | None, requeue: bool, signal_lead: int | None, dry_run: bool,
-          overrides: tuple[str, ...], run_dir: str | None) -> None:
+          time_limit: str | None, partition: str | None, account: str | None, requeue: bool, signal_lead: int | None,
+          dry_run: bool, overrides: tuple[str, ...], run_dir: str | None) -> None:
     """Write RUN_DIR/slurm/job.sbatch for RECIPE (a shipped recipe or a YAML file) and submit it with sbatch.
 
     One task per node runs torchrun (c10d rendezvous on the first node); before the time limit the job

@@ -9,8 +9,8 @@ import yaml
 from safetensors.torch import save as safetensors_bytes
 
 from ganscale import checkpoint
-from ganscale.evaluate import fitted_generator, run_config
 from ganscale.config import settings_in
+from ganscale.evaluate import fitted_generator, run_config
 from ganscale.finite import refuse_non_finite_checkpoint
 from ganscale.outputs import write_output
 from ganscale.rundir import config_at

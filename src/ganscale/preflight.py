@@ -27,7 +27,7 @@ from ganscale.data.mnist import mnist_file
 from ganscale.metrics.images import FEWEST_REFERENCES, check_reference_count
 from ganscale.models import biggan, build_networks, meta_networks, stylegan2
 from ganscale.randomness import process_draws, seeds_from
-from ganscale.scope import SCOPED_OPTIONS, setting_of
+from ganscale.scope import SCOPED_OPTIONS, not_read, setting_of
 from ganscale.parallel import CAPABILITIES
 from ganscale.tasks import build_task
 from ganscale.versions import require
@@ -162,11 +162,9 @@ def _check_data_source(cfg: Config) -> None:
 
 def _check_scoped_options(cfg: Config) -> None:
     """Each option in SCOPED_OPTIONS left at its default outside the configs that read it."""
-    for key, (where, applies, how, *setting) in SCOPED_OPTIONS.items():
-        section, name = key.split(".")
-        part = getattr(cfg, section)
-        value, default = getattr(part, name), type(part).model_fields[name].default
-        if value != default and not applies(cfg):
+    for key, value, default in not_read(cfg):
+        if value != default:
+            where, _, how, *setting = SCOPED_OPTIONS[key]
             shown = str(value).lower() if isinstance(value, bool) else value
             shown_default = str(default).lower() if isinstance(default, bool) else default
             this = setting[0](cfg) if setting else setting_of(cfg, key)

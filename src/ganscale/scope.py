@@ -97,13 +97,18 @@ def setting_of(cfg: Config, key: str) -> str:
             "data": f"data.kind={cfg.data.kind}"}[key.split(".")[0]]
 
 
-def unread(cfg: Config) -> list[str]:
-    """The options of SCOPED_OPTIONS that nothing in `cfg` reads, at their defaults (the preflight refuses any
-    other value): what a run's written config leaves out, as loading it gives them back."""
+def not_read(cfg: Config) -> list[tuple[str, object, object]]:
+    """(key, value, default) of each option of SCOPED_OPTIONS that nothing in `cfg` reads."""
     found = []
     for key, (_, applies, *_rest) in SCOPED_OPTIONS.items():
-        section, name = key.split(".")
-        part = getattr(cfg, section)
-        if not applies(cfg) and getattr(part, name) == type(part).model_fields[name].default:
-            found.append(key)
+        if not applies(cfg):
+            section, name = key.split(".")
+            part = getattr(cfg, section)
+            found.append((key, getattr(part, name), type(part).model_fields[name].default))
     return found
+
+
+def unread(cfg: Config) -> list[str]:
+    """The options nothing in `cfg` reads, at their defaults (the preflight refuses any other value): what a run's
+    written config leaves out, as loading it gives them back."""
+    return [key for key, value, default in not_read(cfg) if value == default]

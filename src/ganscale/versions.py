@@ -134,8 +134,9 @@ def bootstrap_torch(installed: str | None, wanted: str, venv: str) -> tuple[str 
         release = None
     if release is None or not in_range(installed):
         how = f" (GANSCALE_TORCH={wanted})" if wanted else " (set GANSCALE_TORCH=... to choose)"
-        return requirement, (f"ganscale: torch {installed} in {venv} is outside the supported range "
-                             f"{'.'.join(map(str, OLDEST))}-{'.'.join(map(str, NEWEST))}; installing torch {shown}{how}")
+        span = f"{'.'.join(map(str, OLDEST))}-{'.'.join(map(str, NEWEST))}"
+        return requirement, (f"ganscale: torch {installed} in {venv} is outside the supported range {span}; "
+                             f"installing torch {shown}{how}")
     if match:
         local = installed.partition("+")[2]
         same = release[:2] == (int(match[1]), int(match[2])) and (not match[3] or release[2] == int(match[3])) and \

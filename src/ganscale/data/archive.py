@@ -24,12 +24,6 @@ from ganscale.data.folder import UNDECODABLE, UnreadableImage, in_mode
 # A member that is not a readable image: PIL's errors, a broken zip, an encrypted member (RuntimeError) or one
 # compressed by a method zipfile lacks (NotImplementedError: Deflate64, for one).
 UNREADABLE_MEMBER = (*UNDECODABLE, zipfile.BadZipFile, RuntimeError, NotImplementedError)
-
-
-def _why_unreadable(error: Exception) -> str:
-    """Why a member is no image: Pillow's own text names the stream object it read from, not the member."""
-    return "Pillow does not recognise its format" if isinstance(error, UnidentifiedImageError) else str(error)
-
 LABELS_FILE = "dataset.json"
 ZIP_SUFFIXES = (".png", ".jpg", ".jpeg")
 MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}  # data.channels -> PIL mode (the config allows 1..4)
@@ -44,6 +38,11 @@ def member_name(index: int) -> str:
 
 def _problem(path: Path, problem: str, fix: str) -> ConfigError:
     return ConfigError("data.path", f"{path}: {problem}", fix)
+
+
+def _why_unreadable(error: Exception) -> str:
+    """Why a member is no image: Pillow's own text names the stream object it read from, not the member."""
+    return "Pillow does not recognise its format" if isinstance(error, UnidentifiedImageError) else str(error)
 
 
 def open_zip(path: Path) -> zipfile.ZipFile:
@@ -70,7 +69,8 @@ def image_side(archive: zipfile.ZipFile, path: Path, names: list[str]) -> int:
             with archive.open(name) as member, Image.open(member) as image:
                 sizes.setdefault(image.size, name)
         except UNREADABLE_MEMBER as e:
-            raise _problem(path, f"member {name} is not a readable image ({_why_unreadable(e)})", "remove or replace it") from None
+            raise _problem(path, f"member {name} is not a readable image ({_why_unreadable(e)})",
+                           "remove or replace it") from None
         if len(sizes) > 1:
             (first, first_name), (other, other_name) = sizes.items()
             raise _problem(path, f"images of mixed sizes: {first_name} is {first[0]}x{first[1]}, {other_name} is "
