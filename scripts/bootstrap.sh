@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create the venv (once) and install ganscale into it. Sourced by scripts/train.sh and scripts/test.sh.
+# Create the venv (once) and install ganscale into it. Sourced by scripts/train.sh and scripts/test.sh; it leaves
+# the current directory as it was (train.sh reads a config, data and --run-dir from the caller's folder).
 #
 #   GANSCALE_VENV   the venv folder (default .venv in the checkout; a relative path is from the current
 #                   directory), e.g. .venv-torch2.14 for a second environment
@@ -16,10 +17,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
 venv="${GANSCALE_VENV:-$root/.venv}"
-case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac  # the caller's directory, before the cd below
+case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac  # from the caller's directory
 wanted="${GANSCALE_TORCH:-}"
 extras="${GANSCALE_EXTRAS:-test}"
-cd "$root"
 if [ -e "$venv" ] && [ ! -x "$venv/bin/python" ] && { [ ! -d "$venv" ] || [ -n "$(ls -A "$venv")" ]; }; then
   echo "ganscale: GANSCALE_VENV=$venv is not a venv (no bin/python) and not an empty folder; set GANSCALE_VENV" \
        "to a venv or to a new folder" >&2
@@ -57,7 +57,7 @@ if [ "$requirement" != - ]; then
   "$venv/bin/pip" install --quiet "$requirement"
 fi
 # The stamp holds the extras installed: other extras install again.
-if [ "$requirement" != - ] || [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
-  "$venv/bin/pip" install --quiet -e ".[$extras]"
+if [ "$requirement" != - ] || [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
+  "$venv/bin/pip" install --quiet -e "$root[$extras]"
   echo "$extras" > "$stamp"
 fi

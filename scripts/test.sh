@@ -5,6 +5,7 @@
 # ones: one test cluster, and job timing that another test's load upsets) run after, one at a time.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
+cd "$root"  # the suite and its pytest settings are the checkout's
 workers="${GANSCALE_TEST_WORKERS:-2}"
 if [ "$workers" = 0 ]; then
   exec "$venv"/bin/python -m pytest -q "$@"

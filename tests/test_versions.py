@@ -160,7 +160,8 @@ def test_the_loopback_override_matches_this_torch_and_a_renamed_method_is_refuse
 
 
 # ------------------------------------------------------------------------------------ scripts/bootstrap.sh
-BOOTSTRAP = Path(__file__).parents[1] / "scripts" / "bootstrap.sh"
+CHECKOUT = Path(__file__).parents[1]
+BOOTSTRAP = CHECKOUT / "scripts" / "bootstrap.sh"
 FAKE_PIP = """#!/bin/sh
 echo "$*" >> "$(dirname "$0")/../pip.log"
 """
@@ -216,8 +217,8 @@ exec {sys.executable} "$@"
     python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GANSCALE_", "PIP_")) and k != "PYTHONPATH"}
     env.update(PYTHON=str(python), PIP_NO_INDEX="1", **variables)
-    return subprocess.run(["bash", "-c", 'source "$0"', str(BOOTSTRAP)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(["bash", "-c", 'source "$0" && echo "cwd=$PWD"', str(BOOTSTRAP)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 def stamped(venv: Path) -> Path:
@@ -235,7 +236,7 @@ def test_bootstrap_keeps_a_2_14_x_for_GANSCALE_TORCH_2_14_quietly(tmp_path):
     venv = stamped(fake_venv(tmp_path / "v", "2.14.1+cu130"))
     result = bootstrap(tmp_path, tmp_path, GANSCALE_VENV=str(venv), GANSCALE_TORCH="2.14")
     assert result.returncode == 0, result.stderr
-    assert result.stderr == "" and result.stdout == "" and pip_calls(venv) == []
+    assert result.stderr == "" and result.stdout == f"cwd={tmp_path}\n" and pip_calls(venv) == []
 
 
 def test_bootstrap_says_in_one_line_which_torch_it_replaces(tmp_path):
@@ -244,7 +245,7 @@ def test_bootstrap_says_in_one_line_which_torch_it_replaces(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stderr == (f"ganscale: torch 2.10.0 in {venv} is outside the supported range 2.11-2.15; "
                              "installing torch 2.13.0 (set GANSCALE_TORCH=... to choose)\n")
-    assert pip_calls(venv) == ["install --quiet torch==2.13.0", "install --quiet -e .[test]"]
+    assert pip_calls(venv) == ["install --quiet torch==2.13.0", f"install --quiet -e {CHECKOUT}[test]"]
     venv = stamped(fake_venv(tmp_path / "w", "2.13.0+cpu"))
     result = bootstrap(tmp_path, tmp_path, GANSCALE_VENV=str(venv), GANSCALE_TORCH="2.14")
     assert result.returncode == 0, result.stderr
@@ -266,8 +267,11 @@ def test_bootstrap_reads_a_relative_GANSCALE_VENV_from_the_callers_directory(tmp
     result = bootstrap(tmp_path / "x", tmp_path, GANSCALE_VENV="venv")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # a new venv's first install is the quiet, normal case
-    assert pip_calls(tmp_path / "x" / "venv") == ["install --quiet torch==2.13.0", "install --quiet -e .[test]"]
-    assert not (BOOTSTRAP.parents[1] / "venv").exists()
+    assert pip_calls(tmp_path / "x" / "venv") == ["install --quiet torch==2.13.0",
+                                                  f"install --quiet -e {CHECKOUT}[test]"]
+    assert not (CHECKOUT / "venv").exists()
+    # train.sh runs `ganscale train` where it was called: a config, data and --run-dir are the caller's paths
+    assert result.stdout == f"cwd={tmp_path / 'x'}\n"
 
 
 def test_bootstrap_refuses_a_GANSCALE_VENV_folder_that_is_not_a_venv(tmp_path):
