@@ -66,14 +66,17 @@ def test_the_config_map_keeps_file_paths_as_given_for_the_pods_to_read(tmp_path)
 
 
 def test_the_manifest_is_a_valid_jobset_holding_everything_the_user_passed(tmp_path, validator):
-    config_map, jobset = write_manifest(tmp_path, "--max-restarts", "3", "--namespace", "gans")
+    config_map, jobset = write_manifest(tmp_path, "--max-restarts", "3", "--namespace", "gans", "--set",
+                                        "data.workers=0")
     validator.validate(jobset)
     assert jobset["kind"] == "JobSet" and jobset["spec"]["failurePolicy"] == {"maxRestarts": 3}
     job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert (job["completionMode"], job["completions"], job["parallelism"], job["backoffLimit"]) == ("Indexed", 2, 2, 0)
     container = job["template"]["spec"]["containers"][0]
     assert container["image"] == "example/ganscale:1"
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert container["resources"] == {"requests": {"cpu": 1, "nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                            "seccompProfile": {"type": "RuntimeDefault"}}
     command = " ".join(container["command"])
     assert "--nnodes 2 --nproc-per-node 1 --node-rank $(GANSCALE_NODE_RANK) --rdzv-backend c10d" in command
     assert command.endswith("--run-dir /mnt/runs/run --resume auto")
@@ -85,6 +88,19 @@ def test_the_manifest_is_a_valid_jobset_holding_everything_the_user_passed(tmp_p
     assert {m["metadata"]["namespace"] for m in (config_map, jobset)} == {"gans"}
     embedded = yaml.safe_load(config_map["data"]["config.yaml"])
     assert (embedded["train"]["steps"], embedded["train"]["batch_size"], embedded["log"]["tensorboard"]) == (3, 6, False)
+
+
+@pytest.mark.parametrize("args, requests, limits", [
+    (["--set", "data.workers=3"], {"cpu": 8}, {}),  # a CPU for each of the 2 workers and each of their 3 loaders
+    (["--cpus-per-node", "5", "--memory-per-node", "64Gi"], {"cpu": 5, "memory": "64Gi"}, {"memory": "64Gi"}),
+])
+def test_each_pod_requests_cpus_for_its_workers_and_loaders_and_the_memory_asked(tmp_path, validator, args, requests,
+                                                                                  limits):
+    _, jobset = write_manifest(tmp_path, "--gpus-per-node", "2", "--set", "train.batch_size=8", *args)
+    validator.validate(jobset)
+    container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    gpus = {"nvidia.com/gpu": 2}
+    assert container["resources"] == {"requests": {**requests, **gpus}, "limits": {**limits, **gpus}}
 
 
 @pytest.mark.parametrize("break_it", [
@@ -117,6 +133,11 @@ def test_a_broken_manifest_fails_the_schema(tmp_path, validator, break_it):
     (["--nodes", "2", "--image", "i", "--volume", "c:/p\tq"], "--volume"),
     (["--nodes", "2", "--image", "i", "--volume", "c:/mnt/$(GANSCALE_NODE_RANK)"], "--volume"),
     (["--image", "i", "--out", "run/job.json"], "--out"),  # a manifest is YAML
+    (["--image", "i", "--gpus-per-node", "2", "--set", "train.batch_size=8", "--cpus-per-node", "1"],
+     "--cpus-per-node"),  # fewer CPUs than workers
+    (["--image", "i", "--memory-per-node", "64GB"], "--memory-per-node"),
+    (["--image", "i", "--memory-per-node", "0Gi"], "--memory-per-node"),
+    (["--image", "i", "--memory-per-node", "1Gi\nkind: Secret"], "--memory-per-node"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, option):
     result = ganscale("k8s", *args, "--run-dir", "run", cwd=tmp_path)

@@ -520,17 +520,21 @@ def _fit_classifier(dataset: str, out: str, force: bool, seed: int, epochs: int)
               help="PersistentVolumeClaim mounted at /path for the run directory (required for --nodes > 1).")
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="Restart the whole pod group up to K times; it resumes from the newest checkpoint.")
+@click.option("--cpus-per-node", type=int, default=None, metavar="C",
+              help="CPUs each pod requests (default: one per worker and per data loader worker of each).")
+@click.option("--memory-per-node", default=None, metavar="SIZE",
+              help="Memory each pod requests and is limited to, e.g. 64Gi (default: none asked).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory; its name names the job and its folder on the volume (default: runs/<recipe>-<time>).")
 @click.option("--out", default=None, help="Manifest to write (default: RUN_DIR/k8s/job.yaml).")
 @FORCE
 def k8s(recipe: str | None, overrides: tuple[str, ...], nodes: int, gpus_per_node: int, image: str | None,
-        namespace: str, volume: str | None, max_restarts: int, run_dir: str | None, out: str | None,
-        force: bool) -> None:
+        namespace: str, volume: str | None, max_restarts: int, cpus_per_node: int | None, memory_per_node: str | None,
+        run_dir: str | None, out: str | None, force: bool) -> None:
     """Write a Kubernetes JobSet manifest that trains RECIPE with torchrun across --nodes pods."""
     from ganscale import k8s as kube
 
-    layout = kube.Layout(nodes, gpus_per_node, image, namespace, volume, max_restarts)
+    layout = kube.Layout(nodes, gpus_per_node, image, namespace, volume, max_restarts, cpus_per_node, memory_per_node)
     try:
         path = kube.write(recipe, overrides, layout, run_dir, out, force)
     except ConfigError as e:

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ganscale import config as config_mod
+from ganscale import slurm
 from ganscale.config import Config, ConfigError, refuse_control_characters
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -54,6 +55,11 @@ IMAGE_NAME_LIMIT = 255
 # Kubernetes rewrites these in a container's command: $(VAR) becomes the variable's value (GANSCALE_NODE_RANK
 # differs per pod, so would the run directory), and $$ becomes $.
 EXPANDED = ("$(", "$$")
+# A memory quantity as Kubernetes reads one (resource.Quantity), above zero, in bytes: 64Gi, 500M, 1.5Ti.
+MEMORY = re.compile(r"(?=[0-9.]*[1-9])[0-9]+(?:\.[0-9]+)?(?:[KMGTPE]i|[kMGTPE])?")
+# No privilege the training needs: no setuid gain, the runtime's default syscall filter (Pod Security's baseline
+# and part of restricted; runAsNonRoot and dropped capabilities depend on the image, so they are the user's to add).
+SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 class _Manifest(yaml.SafeDumper):
@@ -77,6 +83,12 @@ class Layout:
     namespace: str
     volume: str | None
     max_restarts: int
+    cpus_per_node: int | None = None  # None: slurm.default_cpus_per_node
+    memory_per_node: str | None = None  # a Kubernetes quantity; None: no memory request
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.gpus_per_node
 
     @property
     def world_size(self) -> int:
@@ -99,6 +111,11 @@ def check_layout(layout: Layout) -> Volume:
     if layout.gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", f"{layout.gpus_per_node} GPUs per node start no worker",
                           "pass --gpus-per-node 1 or more")
+    if layout.cpus_per_node is not None:
+        slurm.check_cpus(layout, layout.cpus_per_node)
+    if layout.memory_per_node is not None and not MEMORY.fullmatch(layout.memory_per_node):
+        raise ConfigError("--memory-per-node", f"{layout.memory_per_node!r} is not a memory size Kubernetes reads",
+                          "pass a size such as 64Gi or 500M")
     if not layout.image:
         raise ConfigError("--image", "the pods need a container image with ganscale installed",
                           "pass --image REGISTRY/IMAGE:TAG")
@@ -185,8 +202,15 @@ def worker_command(layout: Layout, name: str, pod_run_dir: str) -> list[str]:
             "-m", "ganscale", "train", f"{CONFIG_MOUNT}/config.yaml", "--run-dir", pod_run_dir, "--resume", "auto"]
 
 
-def _pod_spec(layout: Layout, volume: Volume, name: str, pod_run_dir: str) -> dict:
+def _resources(layout: Layout, cpus: int) -> dict:
+    """GPUs as request and limit; CPUs requested (no limit: a limit throttles the loaders and the CPU side of each
+    step); memory, when given, as request and limit (a pod over its limit is killed, not the node's other pods)."""
+    memory = {"memory": layout.memory_per_node} if layout.memory_per_node else {}
     gpus = {"nvidia.com/gpu": layout.gpus_per_node}
+    return {"requests": {"cpu": cpus, **memory, **gpus}, "limits": {**memory, **gpus}}
+
+
+def _pod_spec(layout: Layout, volume: Volume, name: str, pod_run_dir: str, cpus: int) -> dict:
     run_volume = ({"persistentVolumeClaim": {"claimName": volume.claim}} if volume.claim else {"emptyDir": {}})
     return {
         "restartPolicy": "Never",  # a failed pod fails its Job, and JobSet restarts the whole group
@@ -199,7 +223,8 @@ def _pod_spec(layout: Layout, volume: Volume, name: str, pod_run_dir: str) -> di
                 # Pod 0's name under the JobSet's headless service (its subdomain is the JobSet's name).
                 {"name": "GANSCALE_RDZV_HOST", "value": f"{name}-{REPLICATED_JOB}-0-0.{name}"},
             ],
-            "resources": {"requests": dict(gpus), "limits": dict(gpus)},
+            "resources": _resources(layout, cpus),
+            "securityContext": SECURITY_CONTEXT,
             "volumeMounts": [{"name": "run", "mountPath": volume.mount},
                              {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
                              {"name": "shared-memory", "mountPath": SHARED_MEMORY_MOUNT}],
@@ -216,13 +241,14 @@ def manifest(cfg: Config, layout: Layout, run_dir: Path) -> list[dict]:
     folder = run_folder(run_dir)
     name = job_name(folder)
     pod_run_dir = f"{volume.mount.rstrip('/')}/{folder}"
+    cpus = layout.cpus_per_node or slurm.default_cpus_per_node(layout, cfg)
     meta = {"name": name, "namespace": layout.namespace, "labels": {"app.kubernetes.io/name": "ganscale"}}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{name}-config"},
                   "data": {"config.yaml": config_mod.to_yaml(cfg)}}
     job = {
         "parallelism": layout.nodes, "completions": layout.nodes, "completionMode": "Indexed",
         "backoffLimit": 0,  # restarts are the group's (failurePolicy), never one pod's alone
-        "template": {"metadata": {"labels": meta["labels"]}, "spec": _pod_spec(layout, volume, name, pod_run_dir)},
+        "template": {"metadata": {"labels": meta["labels"]}, "spec": _pod_spec(layout, volume, name, pod_run_dir, cpus)},
     }
     jobset = {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": meta,
               "spec": {"failurePolicy": {"maxRestarts": layout.max_restarts},
