@@ -55,7 +55,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
                  '--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"',
                  '--nnodes "$SLURM_NNODES" --nproc-per-node 2',
                  f'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" {sys.executable} -m '
-                 "torch.distributed.run",
+                 "ganscale.torchrun",
                  '-m ganscale train digits --set train.steps=4 --resume auto --run-dir "$RUN_DIR" &',
                  'scontrol requeue "$SLURM_JOB_ID"', "trap 'stop USR1' USR1", "trap 'stop TERM' TERM",
                  'scancel --signal=TERM "$SLURM_JOB_ID"']:
@@ -234,12 +234,24 @@ def test_the_script_stops_on_a_signal_checkpoints_and_requeues_only_on_usr1(tmp_
         time.sleep(0.5)
     job.send_signal(signum)
     out, _ = job.communicate(timeout=120)
-    assert job.returncode == 3, out
+    assert job.returncode == 3 and "Traceback" not in out, out  # torchrun's SignalException was one
     assert list((tmp_path / "run" / "checkpoints").glob("step-*")), out
     assert (bin_dir / "scontrol.calls").exists() == requeued, out
     if requeued:
         assert (bin_dir / "scontrol.calls").read_text().split() == ["requeue", "77"]
     assert (bin_dir / "scancel.calls").read_text().split() == ["--signal=TERM", "77"]
+
+
+def test_the_job_s_torchrun_ends_a_worker_failure_with_one_line_and_the_worker_s_exit_code(tmp_path):
+    """torch.distributed.run printed its ChildFailedError traceback after the worker's line, and exited 1 for any
+    failure; ganscale.torchrun is the same agent, ended as `ganscale train --nproc` ends."""
+    result = subprocess.run([sys.executable, "-m", "ganscale.torchrun", "--standalone", "--nproc-per-node", "2",
+                             "-m", "ganscale", "train", "ring8", "--set", "train.steps=2", "--set", "data.kind=folder",
+                             "--set", "data.path=missing", "--run-dir", "run"], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
+    assert "config error at 'data.path'" in result.stderr, explain(result)
+    assert result.stderr.splitlines()[-1].startswith("ganscale: worker rank"), explain(result)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])

@@ -195,7 +195,7 @@ def job_name(folder: str) -> str:
 
 def worker_command(layout: Layout, name: str, pod_run_dir: str) -> list[str]:
     """torchrun on one pod: rendezvous at pod 0, node rank from the pod's index, the run resumed if there is one."""
-    return ["python", "-m", "torch.distributed.run",
+    return ["python", "-m", "ganscale.torchrun",  # torchrun, its failures one line and the workers' exit code
             "--nnodes", str(layout.nodes), "--nproc-per-node", str(layout.gpus_per_node),
             "--node-rank", "$(GANSCALE_NODE_RANK)",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"$(GANSCALE_RDZV_HOST):{RDZV_PORT}", "--rdzv-id", name,

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch.distributed as dist
@@ -282,15 +282,23 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, max_restarts
 def _launch_once(nproc: int, worker_args: list[str], run_dir: Path, stop_grace_s: float) -> tuple[int, bool]:
     """One start of the worker group: (exit code, whether a worker failed). The code is the root cause's where
     a worker failed; a signal to this process (the job is being stopped) is not a worker's failure."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     _quiet_agent_logs()
+    return agent_outcome(lambda: elastic_launch(local_agent(nproc, stop_grace_s), sys.executable)(
+        "-m", "ganscale", *worker_args), run_dir)
+
+
+def agent_outcome(run_agent: Callable[[], object], run_dir: Path) -> tuple[int, bool]:
+    """Run torch's elastic agent (`run_agent`) to its end: (exit code, whether a worker failed), the failure or
+    the stop said in one line, not the agent's traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     started = time.time()
     try:
         with _worker_exit_codes() as codes:
-            elastic_launch(local_agent(nproc, stop_grace_s), sys.executable)("-m", "ganscale", *worker_args)
+            run_agent()
     except SignalException as e:
         # The agent forwarded the signal; workers finish their step and checkpoint before exiting (exit 3), unless
         # a rank could not within fault.exit_timeout_s: it then wrote diagnostics. Their exit codes say the rest.

@@ -211,7 +211,7 @@ def script(job: Job, python: str = sys.executable) -> str:
               "trap 'stop TERM' TERM",
               "",
               "# Whether this run's workers stopped on request with a checkpoint: rank 0 writes summary.json with",
-              "# stopped=preempted only after the stop's checkpoint (torchrun exits 1 for a stop and a failure alike).",
+              "# stopped=preempted only after the stop's checkpoint.",
               "stopped_with_checkpoint() {",
               '    [ -f "$RUN_DIR/summary.json" ] && [ "$(stat -c %Y "$RUN_DIR/summary.json")" -ge "$STARTED" ] &&',
               '        grep -q \'"stopped": "preempted"\' "$RUN_DIR/summary.json"',
@@ -219,8 +219,9 @@ def script(job: Job, python: str = sys.executable) -> str:
               "",
               "STARTED=$(date +%s)",
               "# srun no longer takes --cpus-per-task from sbatch (Slurm 22.05): passed on, or the task gets one CPU.",
+              "# ganscale.torchrun: torchrun, which ends a failure with one line and the failed workers' exit code.",
               'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" '
-              f"{q(python)} -m torch.distributed.run \\",
+              f"{q(python)} -m ganscale.torchrun \\",
               '    --nnodes "$SLURM_NNODES" '
               f"--nproc-per-node {job.layout.procs_per_node} \\",
               f'    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID" \\',
