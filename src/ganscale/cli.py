@@ -229,7 +229,7 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         shape = slurming.layout(nodes, gpus_per_node, procs_per_node)
         slurming.check_time(time_limit)
         if cpus_per_node is not None:
-            slurming.check_cpus(shape, cpus_per_node)
+            slurming.check_cpus(shape.procs_per_node, cpus_per_node)
         cfg = config_mod.load(recipe, overrides)
         from ganscale import preflight, rundir, runlock  # torch (~2 s) only once the options and config are read
 
@@ -246,7 +246,7 @@ def slurm(recipe: str | None, nodes: int, gpus_per_node: int, procs_per_node: in
         slurming.check_signal_lead(time_limit, signal_lead)
         job = slurming.Job(shape, f"ganscale-{cfg.name}", target.resolve(), slurming.train_args(recipe, overrides),
                            time_limit, partition, account, requeue, signal_lead,
-                           cpus_per_node or slurming.default_cpus_per_node(shape, cfg))
+                           cpus_per_node or slurming.default_cpus_per_node(shape.procs_per_node, cfg))
         slurming.check_job(job)
         text = slurming.script(job)
         if dry_run:

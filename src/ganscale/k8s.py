@@ -87,10 +87,6 @@ class Layout:
     memory_per_node: str | None = None  # a Kubernetes quantity; None: no memory request
 
     @property
-    def procs_per_node(self) -> int:
-        return self.gpus_per_node
-
-    @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
@@ -112,7 +108,7 @@ def check_layout(layout: Layout) -> Volume:
         raise ConfigError("--gpus-per-node", f"{layout.gpus_per_node} GPUs per node start no worker",
                           "pass --gpus-per-node 1 or more")
     if layout.cpus_per_node is not None:
-        slurm.check_cpus(layout, layout.cpus_per_node)
+        slurm.check_cpus(layout.gpus_per_node, layout.cpus_per_node)
     if layout.memory_per_node is not None and not MEMORY.fullmatch(layout.memory_per_node):
         raise ConfigError("--memory-per-node", f"{layout.memory_per_node!r} is not a memory size Kubernetes reads",
                           "pass a size such as 64Gi or 500M")
@@ -241,7 +237,7 @@ def manifest(cfg: Config, layout: Layout, run_dir: Path) -> list[dict]:
     folder = run_folder(run_dir)
     name = job_name(folder)
     pod_run_dir = f"{volume.mount.rstrip('/')}/{folder}"
-    cpus = layout.cpus_per_node or slurm.default_cpus_per_node(layout, cfg)
+    cpus = layout.cpus_per_node or slurm.default_cpus_per_node(layout.gpus_per_node, cfg)
     meta = {"name": name, "namespace": layout.namespace, "labels": {"app.kubernetes.io/name": "ganscale"}}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{name}-config"},
                   "data": {"config.yaml": config_mod.to_yaml(cfg)}}

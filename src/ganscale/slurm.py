@@ -112,16 +112,17 @@ def check_job(job: Job, python: str = sys.executable) -> None:
                               f"pass {option} without a backslash")
 
 
-def default_cpus_per_node(shape: Layout, cfg: Config) -> int:
+def default_cpus_per_node(procs_per_node: int, cfg: Config) -> int:
     """A CPU for each process and for each of its data loader workers: the node's one task holds every process
-    torchrun starts there, so Slurm's one CPU per task would bind them all (and their loaders) to one core."""
-    return shape.procs_per_node * (1 + cfg.data.workers)
+    torchrun starts there, so Slurm's one CPU per task would bind them all (and their loaders) to one core (a
+    Kubernetes pod, likewise, holds all of its node's processes)."""
+    return procs_per_node * (1 + cfg.data.workers)
 
 
-def check_cpus(shape: Layout, cpus_per_node: int) -> None:
-    if cpus_per_node < shape.procs_per_node:
-        raise ConfigError("--cpus-per-node", f"{cpus_per_node} CPUs per node for {shape.procs_per_node} processes "
-                          "per node", f"ask for at least one per process: --cpus-per-node {shape.procs_per_node} "
+def check_cpus(procs_per_node: int, cpus_per_node: int) -> None:
+    if cpus_per_node < procs_per_node:
+        raise ConfigError("--cpus-per-node", f"{cpus_per_node} CPUs per node for {procs_per_node} processes "
+                          "per node", f"ask for at least one per process: --cpus-per-node {procs_per_node} "
                           "or more")
 
 

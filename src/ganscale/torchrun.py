@@ -1,9 +1,8 @@
-"""`python -m ganscale.torchrun ARGS`: torchrun (torch.distributed.run) itself, given ARGS, whose end is ganscale's.
+"""`python -m ganscale.torchrun ARGS`: torchrun (torch.distributed.run) given ARGS, ended as ganscale ends a launch.
 
-A job script's torchrun (`ganscale slurm`'s) ended a worker's failure with torch's ChildFailedError traceback after
-the worker's own line, and exited 1 for every failure and for a stop whose checkpoint failed alike. Here the agent
-is torchrun's, started from its parsed options; its end is said as `ganscale train --nproc` says it: one line
-naming the failed ranks, and the root cause's exit code (7 for a refused file, 3 for a stop with its checkpoint).
+The job scripts' launcher (`ganscale slurm`'s and `ganscale k8s`'s): torchrun's own options and agent, whose end
+is said as `ganscale train --nproc` says it (launch.agent_outcome): one line naming the failed ranks and the root
+cause's exit code (7 for a refused file; 3 for a stop whose checkpoint was written), no traceback.
 """
 
 from __future__ import annotations
