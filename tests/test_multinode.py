@@ -129,3 +129,25 @@ def test_tensorflow_workers_on_two_nodes_train_as_one_replica(tf, tmp_path, two_
     assert [r["step"] for r in records] == [1, 2, 3]
     worst = max(abs(r[k] - s[k]) / max(abs(s[k]), 1e-12) for r, s in zip(records, stats) for k in keys)
     assert worst <= STEP_TOLERANCE, worst
+
+
+def test_data_missing_on_one_node_ends_both_nodes_at_once_naming_that_rank(tmp_path, two_nodes):
+    """data.path is node 0's folder of images, absent on node 1 (node-local data, copied to one node only). Node 1
+    refused it before joining the group, and node 0's rank waited parallel.timeout_s in init_process_group for it,
+    then exited 5 ("stuck or gone"). Now every rank hears the refusal at the start's check-in: exit 2 on both nodes,
+    node 0 naming rank 1 and its folder."""
+    from image_helpers import write_noise_pngs
+
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for cwd in cwds:
+        cwd.mkdir()
+    write_noise_pngs(cwds[0] / "images", 8, 8)
+    errors = _train_on_two_nodes(two_nodes, ["--set", "train.steps=3", "--set", "data.kind=folder", "--set",
+                                             "data.path=images", "--set", "parallel.timeout_s=120",
+                                             "--run-dir", str(tmp_path / "run")], cwds, "nodata",
+                                 exit_code=1)  # torchrun's own code when a worker failed
+    missing = f"'{cwds[1] / 'images'}' is not a directory"
+    assert f"config error at 'data.path': rank 1 could not start: {missing}" in errors[0], errors[0][-3000:]
+    assert f"config error at 'data.path': {missing}" in errors[1], errors[1][-3000:]
+    for err in errors:
+        assert "exitcode  : 2" in err, err[-3000:]

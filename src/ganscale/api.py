@@ -139,11 +139,27 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
         note: str | None = None) -> tuple[Path, dict] | None:
     """`ganscale train`: (run directory, summary), or None where the run is already trained (said on rank 0).
     Raises ConfigError before anything is written, WorkersFailed when `nproc` workers fail, or a training's error.
-    `note`: which config a resume without a recipe continues with, where the caller found it (`own_config`)."""
+    `note`: which config a resume without a recipe continues with, where the caller found it (`own_config`).
+    A rank of a launched group refused before it joined the group (its config, data or code) tells every rank,
+    which all raise it (fault.refused_before_start)."""
+    from ganscale.fault import check_ins, refused_before_start
+
+    before = check_ins()
+    try:
+        return _run(recipe, overrides, nproc, run_dir, resume, max_restarts, say, workers, note)
+    except Exception as e:  # noqa: BLE001 - raised as every rank agreed on it
+        agreed = refused_before_start(e, before)
+        if agreed is e:
+            raise
+        raise agreed from None
+
+
+def _run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir: str | None, resume: str | None,
+         max_restarts: int, say: Callable[[str], None], workers: int | None, note: str | None
+         ) -> tuple[Path, dict] | None:
     # A config refused before torch is imported (~2 s). Unless this resumes without a recipe: then the run
     # directory (own_config) says which config to load.
-    with _refused_alike_on_every_rank():
-        cfg = config_mod.load(recipe, overrides) if recipe is not None or resume is None else None
+    cfg = config_mod.load(recipe, overrides) if recipe is not None or resume is None else None
     import torch
 
     from ganscale import launch, memory, preflight, rundir
@@ -163,8 +179,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     recipe, found = own_config(recipe, run_dir, resume, worker)
     note = note or found or (os.environ.get(RESUME_NOTE_ENV) if worker else None)
     try:
-        with _refused_alike_on_every_rank():
-            cfg = cfg or config_mod.load(recipe, overrides)
+        cfg = cfg or config_mod.load(recipe, overrides)
         if cfg.train.engine == "tensorflow":
             trained = _train_tensorflow(cfg, recipe, overrides, nproc, workers, run_dir, resume, max_restarts, worker,
                                         lambda: say(note) if note else None)
@@ -176,8 +191,7 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
             raise ConfigError("--workers", "starts the tensorflow engine's worker processes",
                               "use --nproc N for N processes on the torch engine")
         world = environment_world_size() if worker else (nproc or 1)
-        with _refused_alike_on_every_rank():
-            warnings = preflight.check(cfg, world, torch.cuda.is_available())
+        warnings = preflight.check(cfg, world, torch.cuda.is_available())
         if not launching and launch.rank_from_environment() == 0:  # said once: by rank 0, not also by its launcher
             for warning in warnings:
                 print(f"ganscale: warning: {warning}", file=sys.stderr, flush=True)
@@ -196,18 +210,6 @@ def run(recipe: str | None, overrides: Sequence[str], nproc: int | None, run_dir
     if launch.rank_from_environment() == 0:
         say(f"done: {summary['steps']} steps, {summary['img_per_s']:.0f} img/s, run directory {resolved_dir}")
     return resolved_dir, summary
-
-
-@contextlib.contextmanager
-def _refused_alike_on_every_rank() -> Iterator[None]:
-    """A refusal of the config itself, which every rank of a launched group reaches alike: said once a node, by
-    its first rank (fault.told_elsewhere), as the README promises."""
-    from ganscale.fault import has_peers, told_by
-
-    try:
-        yield
-    except ConfigError as e:
-        raise told_by(0, e) if has_peers() and getattr(e, "told_by", None) is None else e
 
 
 def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str], nproc: int | None,

@@ -192,6 +192,61 @@ def every_rank_or_none(doing: str, mark: Callable[[str], None] = lambda where: N
     raise error_of_rank(first, doing, reports[first])
 
 
+_check_ins = 0  # the start check-ins this process has made: every rank of a group makes as many
+
+
+def check_ins() -> int:
+    return _check_ins
+
+
+def check_in(store, rank: int, world: int, refusal: Exception | None = None) -> Exception | None:
+    """Before the process group, on the launcher's store: each rank says whether it can start (None, or the error
+    that refused its config, data or code on this node) and hears every other rank. Returns what every rank then
+    raises if any was refused (a refused rank its own error, the others the first refused rank's, named:
+    error_of_rank), else None. A rank refused on one node only (data.path missing there) left its peers on the
+    other nodes waiting parallel.timeout_s in init_process_group, where its own node's agent had stopped it."""
+    import json
+
+    global _check_ins
+    start = f"ganscale/start{_check_ins}"
+    _check_ins += 1
+    store.set(f"{start}/rank{rank}", json.dumps(None if refusal is None else report_of(refusal)))
+    store.wait([f"{start}/rank{r}" for r in range(world)])  # every rank comes: a refused one at once
+    reports = [json.loads(store.get(f"{start}/rank{r}")) for r in range(world)]
+    refused = [r for r, report in enumerate(reports) if report is not None]
+    if not refused:
+        return None
+    # Rank 0 may serve the store (srun's tasks, no agent): nobody leaves before every rank has read it.
+    store.set(f"{start}/read{rank}", "")
+    store.wait([f"{start}/read{r}" for r in range(world)])
+    first = refused[0]
+    if refusal is None:
+        return error_of_rank(first, "start", reports[first])
+    return told_by(first, refusal) if rank != first and reports[rank] == reports[first] else refusal
+
+
+def refused_before_start(refusal: Exception, check_ins_before: int) -> Exception:
+    """`refusal`, raised in a rank of a launched group before it checked in (runtime.start), as it must be
+    raised: told to every rank at a check-in made for it; marked as said by rank 0 where the group has no store
+    yet (srun's tasks before ganscale adopted them, which every task reads alike: the config); unchanged in a
+    process without peers."""
+    from ganscale.config import ConfigError
+
+    if check_ins() != check_ins_before or not has_peers():
+        return refusal
+    from ganscale import runtime
+    from ganscale.launch import environment_errors
+
+    if not runtime.in_launched_group():
+        return told_by(0, refusal) if isinstance(refusal, ConfigError) else refusal
+    if environment_errors(os.environ):  # the launcher's variables are what is refused: they name no store to tell
+        return refusal
+    try:
+        return check_in(*runtime.launcher_store(runtime.DEFAULT_TIMEOUT_S), refusal) or refusal
+    except Exception:  # noqa: BLE001 - the store unreachable, or a peer that never came: this rank's refusal stands
+        return refusal
+
+
 def _flag(value: bool):
     """A one-element tensor for a flag collective, on the device the default group's backend sends from."""
     import torch

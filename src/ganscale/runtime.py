@@ -19,10 +19,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ganscale.config import ConfigError
+from ganscale.config import ConfigError, ParallelConfig
+from ganscale.fault import check_in
 
 
 FLIGHT_RECORDER_ENTRIES = 2000
+# How long a rank refused before it read its config waits for its peers at the check-in.
+DEFAULT_TIMEOUT_S = ParallelConfig.model_fields["timeout_s"].default
 
 
 @dataclass
@@ -94,7 +97,21 @@ def uses_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
+def in_launched_group() -> bool:
+    """Whether the environment names a group to join (torchrun's, srun's adopted, `--nproc`'s variables)."""
+    return "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def launcher_store(timeout_s: float) -> tuple[dist.Store, int, int]:
+    """(store, rank, world size) of the group the environment names, found as init_process_group finds it: the
+    store of torchrun's agent, or one that rank 0 serves."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return store, rank, world
+
+
+def start(device: str = "auto", backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
           cpu_collectives: bool = False) -> Runtime:
     use_cuda = uses_cuda(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -112,8 +129,12 @@ def start(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
     if owns:
         chosen = backend_for(backend, use_cuda, cpu_collectives)
         timeout = datetime.timedelta(seconds=timeout_s)
-        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(chosen, timeout=timeout, device_id=dev if use_cuda else None)
+        if in_launched_group():
+            store, rank, world = launcher_store(timeout_s)
+            if (refused := check_in(store, rank, world)) is not None:
+                raise refused  # another rank could not start: every rank leaves now, named
+            dist.init_process_group(chosen, store=store, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=dev if use_cuda else None)
         else:
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns, excepthook,
