@@ -8,6 +8,7 @@ a short test's time.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -38,6 +39,10 @@ def _entry(rank: int, world: int, port: int, out_dir: str, environ: dict, fn: Ca
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
+        # fn's DDP reducers, freed by a later collection (torch.save's imports), took the last reference to gloo's
+        # group: ~ProcessGroupGloo joined a work thread that waited for the GIL the collector held (hung for good).
+        gc.collect()
+        gc.disable()
         dist.barrier()  # nobody tears down its connections while a peer still uses them
     finally:
         dist.destroy_process_group()
