@@ -131,20 +131,26 @@ def test_tensorflow_workers_on_two_nodes_train_as_one_replica(tf, tmp_path, two_
     assert worst <= STEP_TOLERANCE, worst
 
 
-def test_data_missing_on_one_node_ends_both_nodes_at_once_naming_that_rank(tmp_path, two_nodes):
+@pytest.mark.parametrize("engine", ["torch", "tensorflow"])
+def test_data_missing_on_one_node_ends_both_nodes_at_once_naming_that_rank(tmp_path, two_nodes, engine):
     """data.path is node 0's folder of images, absent on node 1 (node-local data, copied to one node only). Node 1
     refused it before joining the group, and node 0's rank waited parallel.timeout_s in init_process_group for it,
     then exited 5 ("stuck or gone"). Now every rank hears the refusal at the start's check-in: exit 2 on both nodes,
-    node 0 naming rank 1 and its folder."""
+    node 0 naming rank 1 and its folder. The tensorflow engine's workers check their config once their gloo group
+    exists: node 0 said only "stopped because another rank failed first" (exit 6)."""
     from image_helpers import write_noise_pngs
+
+    if engine == "tensorflow":
+        pytest.importorskip("tensorflow")
+    engine_sets = _sets(*TINY_DCGAN, "parallel.tf_open_servers=true") if engine == "tensorflow" else []
 
     cwds = [tmp_path / "node0", tmp_path / "node1"]
     for cwd in cwds:
         cwd.mkdir()
     write_noise_pngs(cwds[0] / "images", 8, 8)
-    errors = _train_on_two_nodes(two_nodes, ["--set", "train.steps=3", "--set", "data.kind=folder", "--set",
+    errors = _train_on_two_nodes(two_nodes, [*engine_sets, "--set", "train.steps=3", "--set", "data.kind=folder", "--set",
                                              "data.path=images", "--set", "parallel.timeout_s=120",
-                                             "--run-dir", str(tmp_path / "run")], cwds, "nodata",
+                                             "--run-dir", str(tmp_path / "run")], cwds, f"nodata-{engine}",
                                  exit_code=1)  # torchrun's own code when a worker failed
     missing = f"'{cwds[1] / 'images'}' is not a directory"
     assert f"config error at 'data.path': rank 1 could not start: {missing}" in errors[0], errors[0][-3000:]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ganscale import preflight, runlock
 from ganscale import runtime as rt
 from ganscale.config import Config, ConfigError
+from ganscale.fault import every_rank_or_none
 from ganscale.rundir import decide_run
 
 
@@ -62,7 +63,8 @@ def join(cfg: Config, run_dir: str | None, resume: str | None):
     control = rt.start("cpu", "gloo", cfg.parallel.timeout_s)
     rt.calm_gloo_polling()
     gpus = devices.worker_gpus(cfg.train.device)
-    preflight.check(cfg, control.world * max(gpus, 1), gpus > 0)  # the same verdict on every worker
+    with every_rank_or_none("start"):  # a refusal on one node only (its data.path) ends every worker, named
+        preflight.check(cfg, control.world * max(gpus, 1), gpus > 0)
     path, source, held = decide_run(cfg, run_dir, resume)
     if held is None and control.rank == 0:  # the `--workers` launcher holds it: the chief watches its hold
         held = runlock.watch_parent_hold(Path(path))
