@@ -185,11 +185,16 @@ def every_rank_or_none(doing: str, mark: Callable[[str], None] = lambda where: N
         return
     reports: list = [None] * dist.get_world_size()  # only on failure: who failed, and at what
     dist.all_gather_object(reports, report_of(failure) if failure is not None else None)
-    first = next(rank for rank, report in enumerate(reports) if report is not None)
-    if failure is not None:
-        same = dist.get_rank() != first and reports[dist.get_rank()] == reports[first]
-        raise told_by(first, failure) if same else failure  # the same error found by several ranks: said once
-    raise error_of_rank(first, doing, reports[first])
+    raise agreed_error(dist.get_rank(), failure, reports, doing)
+
+
+def agreed_error(rank: int, failure: Exception | None, reports: list, doing: str) -> Exception:
+    """What rank `rank` raises once every rank's report (None where it did not fail) is known: a failed rank its
+    own error, said once where several found the same; the others the first failed rank's, named."""
+    first = next(r for r, report in enumerate(reports) if report is not None)
+    if failure is None:
+        return error_of_rank(first, doing, reports[first])
+    return told_by(first, failure) if rank != first and reports[rank] == reports[first] else failure
 
 
 _check_ins = 0  # the start check-ins this process has made: every rank of a group makes as many
@@ -201,10 +206,9 @@ def check_ins() -> int:
 
 def check_in(store, rank: int, world: int, refusal: Exception | None = None) -> Exception | None:
     """Before the process group, on the launcher's store: each rank says whether it can start (None, or the error
-    that refused its config, data or code on this node) and hears every other rank. Returns what every rank then
-    raises if any was refused (a refused rank its own error, the others the first refused rank's, named:
-    error_of_rank), else None. A rank refused on one node only (data.path missing there) left its peers on the
-    other nodes waiting parallel.timeout_s in init_process_group, where its own node's agent had stopped it."""
+    that refused its config, data or code on this node) and hears every other rank, so a rank refused on one node
+    only (data.path missing there) ends every node at once. Returns what this rank then raises (agreed_error), or
+    None where no rank was refused."""
     import json
 
     global _check_ins
@@ -213,16 +217,12 @@ def check_in(store, rank: int, world: int, refusal: Exception | None = None) -> 
     store.set(f"{start}/rank{rank}", json.dumps(None if refusal is None else report_of(refusal)))
     store.wait([f"{start}/rank{r}" for r in range(world)])  # every rank comes: a refused one at once
     reports = [json.loads(store.get(f"{start}/rank{r}")) for r in range(world)]
-    refused = [r for r, report in enumerate(reports) if report is not None]
-    if not refused:
+    if all(report is None for report in reports):
         return None
     # Rank 0 may serve the store (srun's tasks, no agent): nobody leaves before every rank has read it.
     store.set(f"{start}/read{rank}", "")
     store.wait([f"{start}/read{r}" for r in range(world)])
-    first = refused[0]
-    if refusal is None:
-        return error_of_rank(first, "start", reports[first])
-    return told_by(first, refusal) if rank != first and reports[rank] == reports[first] else refusal
+    return agreed_error(rank, refusal, reports, "start")
 
 
 def refused_before_start(refusal: Exception, check_ins_before: int) -> Exception:
