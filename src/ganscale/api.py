@@ -243,9 +243,9 @@ def _train_tensorflow(cfg: Config, recipe: str | None, overrides: Sequence[str],
     if worker:
         from ganscale.tf import workers as tf_workers
 
-        strategy, path, source, held, chief = tf_workers.join(cfg, run_dir, resume)
+        strategy, path, source, held, rank, workers = tf_workers.join(cfg, run_dir, resume)
         try:
-            return path, loop.train(cfg, strategy, path, source, chief, held)
+            return path, loop.train(cfg, strategy, path, source, held, rank, workers)
         finally:
             if held is not None:
                 held.release()

@@ -88,20 +88,7 @@ REFUSALS = (
             "the step profile (torch.profiler) is a torch engine feature", "set log.profile_steps=0"),
     Refusal("eval.every", lambda c: c.eval.every > 0,
             "the tensorflow engine does not score images during training yet", f"set eval.every=0, or {TORCH}"),
-    # Their defaults stand for features the engine does not have (README): only a value chosen is refused.
-    Refusal("fault.hang_timeout_s", lambda c: _chosen(c.fault, "hang_timeout_s"),
-            "the tensorflow engine has no hang watchdog (a worker waits in TensorFlow's collectives)",
-            f"leave fault.hang_timeout_s unset, or {TORCH}"),
-    Refusal("fault.exit_timeout_s", lambda c: _chosen(c.fault, "exit_timeout_s"),
-            "the tensorflow engine has no exit deadline after a stop signal (it checkpoints at its step's end)",
-            f"leave fault.exit_timeout_s unset, or {TORCH}"),
 )
-
-
-def _chosen(section, field: str) -> bool:
-    """Whether `field` of a config section holds another value than its default."""
-    return getattr(section, field) != type(section).model_fields[field].default
-
 
 
 def check(cfg: Config) -> None:

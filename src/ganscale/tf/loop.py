@@ -21,7 +21,7 @@ import tensorflow as tf
 from ganscale import checkpoint
 from ganscale.config import Config, ConfigError, to_yaml
 from ganscale.ema import ema_beta
-from ganscale.fault import NonFiniteTraining, Preempted, RunDirectoryTakenOver, StopSignals, told_by
+from ganscale.fault import NonFiniteTraining, Preempted, RunDirectoryTakenOver, StopSignals, injected_fault, told_by
 from ganscale.models import meta_networks
 from ganscale.observe import RunLog
 from ganscale.outputs import write_output
@@ -32,16 +32,19 @@ from ganscale.tf.feed import Feed, training_data
 from ganscale.tf.models import build_discriminator, build_generator
 from ganscale.tf.step import Steps, adam
 from ganscale.trainer import PHASE_D, PHASE_G, PHASE_SAMPLES, lr_factor, per_rank_batchnorm
+from ganscale.watchdog import Watchdog
 
 CHECKPOINT_PREFIX = "ckpt"  # inside step-N.tf: ckpt.index and ckpt.data-*
 
 
 class Training:
-    """G, D, G_ema and their optimizers on the replicas of `strategy`, at `self.step`."""
+    """G, D, G_ema and their optimizers on the replicas of `strategy`, at `self.step`. `rank` and `workers`: this
+    process among the worker processes (tf.workers; rank 0 is the chief), or the only one."""
 
     def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, run_dir: Path, resume: Path | None = None,
-                 chief: bool = True, run_lock: LockWatch | None = None):
-        self.cfg, self.strategy, self.run_dir, self.chief = cfg, strategy, Path(run_dir), chief
+                 run_lock: LockWatch | None = None, rank: int = 0, workers: int = 1):
+        self.cfg, self.strategy, self.run_dir = cfg, strategy, Path(run_dir)
+        self.rank, self.chief = rank, rank == 0
         self.run_lock = run_lock  # the chief's hold on the run directory (or its watch of the launcher's)
         if run_lock is not None:
             run_lock.stops_run = True  # the stop says it: the lock's own warning would say it twice
@@ -50,7 +53,7 @@ class Training:
         self.global_batch = cfg.train.batch_size
         sync_bn = cross_rank_batchnorm(cfg, self.replicas)
         # The torch engine's rule, on its networks (this engine's have the same layers; a replica is a rank there).
-        warning = per_rank_batchnorm(cfg, self.replicas, *meta_networks(cfg)) if chief else None
+        warning = per_rank_batchnorm(cfg, self.replicas, *meta_networks(cfg)) if self.chief else None
         if warning:
             print(f"ganscale: warning: {warning}", file=sys.stderr, flush=True)
         tf.config.experimental.enable_tensor_float_32_execution(cfg.train.tf32)
@@ -78,19 +81,29 @@ class Training:
         self.feed = Feed(cfg, strategy, training_data(cfg))
         self.stats: dict[str, float] = {}
         self.stop_signal: str | None = None
+        # The torch engine's: a worker without progress for fault.hang_timeout_s (or, after a stop signal, that has
+        # not left within fault.exit_timeout_s) writes its stacks to RUN_DIR/diagnostics/, names the workers behind
+        # and exits 5; the others wait in TensorFlow's collectives, which have no deadline of their own.
+        self.watchdog = Watchdog(rank, workers, cfg.fault.hang_timeout_s, self.run_dir / "diagnostics",
+                                 cfg.fault.exit_timeout_s)
+        self.inject_fault = injected_fault(stopping=lambda: self.stop_signal is not None)
 
     # ------------------------------------------------------------------------------------------- one iteration
     def iteration(self) -> None:
         """D's loss.n_critic steps, then G's, then G_ema; the step counters move."""
         cfg, step = self.cfg, self.step
+        self.watchdog.mark(f"step {step}: start")
+        self.inject_fault(step, self.rank)
         factor = lr_factor(step, cfg.train.steps, cfg.optim.decay_start)
         self.opt_d.learning_rate.assign(cfg.optim.d.lr * factor)
         self.opt_g.learning_rate.assign(cfg.optim.g.lr * factor)
         skipped_before = self.skipped_steps
         for critic in range(cfg.loss.n_critic):
+            self.watchdog.mark(f"step {step}: D step {critic + 1} of {cfg.loss.n_critic}")
             d = self.steps.discriminator(self.feed.reals(step * cfg.loss.n_critic + critic),
                                          self.feed.latents(step, PHASE_D + critic))
             self.skipped_steps += not d.applied
+        self.watchdog.mark(f"step {step}: G step")
         g = self.steps.generator(self.feed.latents(step, PHASE_G))
         self.skipped_steps += not g.applied
         self.step = step + 1
@@ -117,6 +130,7 @@ class Training:
         lost = self.run_lock is not None and self.run_lock.is_lost(read_now=writes)
         flags = [float(self.stop_signal is not None), float(lost)]
         if self.multi_worker:
+            self.watchdog.mark(f"step {self.step}: all-reduce of the stop flags")
             flags = self._agree(tf.constant(flags)).numpy().tolist()
         return flags[0] > 0, flags[1] > 0
 
@@ -128,6 +142,7 @@ class Training:
     def save(self) -> Path | None:
         """The chief's checkpoint folder. Every worker writes (TensorFlow requires it of MultiWorkerMirroredStrategy),
         the others into a temporary folder they then remove: the run directory is the chief's alone."""
+        self.watchdog.mark(f"step {self.step}: checkpoint")
         self.counters.assign([self.step, self.skipped_steps, self.consecutive_skips])
         if not self.chief:
             with tempfile.TemporaryDirectory(prefix="ganscale-tf-worker-") as scratch:
@@ -153,15 +168,16 @@ class Training:
 
 
 def train(cfg: Config, strategy: tf.distribute.Strategy, run_dir: Path, resume: Path | None,
-          chief: bool = True, run_lock: LockWatch | None = None) -> dict:
+          run_lock: LockWatch | None = None, rank: int = 0, workers: int = 1) -> dict:
     """Train to train.steps on the replicas of `strategy`: this process's (`devices.strategy`), or every worker's
-    (`devices.multi_worker`, where only the chief writes the run directory); the summary. `run_lock`: the chief's
-    hold on the run directory: once another run holds it, every worker stops (RunDirectoryTakenOver)."""
-    training = Training(cfg, strategy, run_dir, resume, chief, run_lock)
-    if chief:
+    (`devices.multi_worker`, where only the chief, rank 0, writes the run directory); the summary. `run_lock`: the
+    chief's hold on the run directory: once another run holds it, every worker stops (RunDirectoryTakenOver)."""
+    training = Training(cfg, strategy, run_dir, resume, run_lock, rank, workers)
+    if training.chief:
         _write_config(training)
     outputs = Outputs(training)
-    with StopSignals(lambda name: setattr(training, "stop_signal", name)):
+    stop = StopSignals(lambda name: setattr(training, "stop_signal", name))
+    with stop as signals, training.watchdog.watching(signals.wakeup):
         return _fit(training, outputs)
 
 

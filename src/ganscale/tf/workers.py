@@ -57,7 +57,7 @@ def check_workers(cfg: Config, nproc: int | None) -> None:
 
 def join(cfg: Config, run_dir: str | None, resume: str | None):
     """In a launcher worker: (strategy, run directory, resume point, rank 0's hold on the run directory or None,
-    whether this worker is the chief). Raises on every worker alike what rank 0 refused."""
+    this worker's rank (0: the chief), the number of workers). Raises on every worker alike what rank 0 refused."""
     from ganscale.tf import devices
 
     control = rt.start("cpu", "gloo", cfg.parallel.timeout_s)
@@ -71,4 +71,4 @@ def join(cfg: Config, run_dir: str | None, resume: str | None):
     addresses: list = [None] * control.world
     dist.all_gather_object(addresses, own_address())  # one collective: every worker's server, in rank order
     os.environ["TF_CONFIG"] = json.dumps(tf_config(addresses, control.rank))
-    return devices.multi_worker(), Path(path), source, held, control.rank == 0
+    return devices.multi_worker(), Path(path), source, held, control.rank, control.world
