@@ -51,8 +51,9 @@ def test_per_rank_batchnorm_is_different_and_named(tmp_path):
     result = verify("digits", "--steps", "2", "--set", "parallel.sync_bn=false", cwd=tmp_path)
     assert result.returncode == 1, explain(result)
     assert "DIFFERENT: 2 processes do not train as 1 process" in result.stdout
-    assert "first divergence: step 1, D's update" in result.stdout  # G's per-rank statistics reach D's first loss
-    assert "first tensor that differs: D.net.0.weight (gradient)" in result.stdout
+    # G's per-rank statistics change G's samples, which D's first step judges: what differs first is G's output
+    assert "first divergence: step 1, D's update: G's output (the samples D judges) differs" in result.stdout
+    assert "first tensor that differs: G's output (the samples D judges)" in result.stdout
     assert "probable cause: BatchNorm statistics per rank" in result.stdout
     assert "Fix: --set parallel.sync_bn=true" in result.stdout
     assert not list(tmp_path.iterdir())  # without --run-dir: a temporary folder, removed
@@ -93,7 +94,8 @@ def test_a_user_g_drawing_noise_from_the_rank_s_rng_is_different_and_named(tmp_p
     assert result.returncode == (0 if verdict == "EQUAL" else 1), explain(result)
     assert f"{verdict}: 2 processes" in result.stdout, explain(result)
     if verdict == "DIFFERENT":
-        assert "first divergence: step 1, D's update" in result.stdout, explain(result)  # G's noise, from the start
+        # G's noise, from the start: named in G's samples, not in the gradients of D that judged them
+        assert "first divergence: step 1, D's update: G's output (the samples D judges)" in result.stdout, explain(result)
         assert "probable cause: randomness drawn from the per-rank RNG inside a network" in result.stdout, explain(result)
         assert "own RNG stream in step 1 " in result.stdout, explain(result)  # the step the divergence names
 
@@ -434,6 +436,39 @@ def test_a_resume_keeps_the_fingerprints_of_the_steps_before_its_checkpoint(tmp_
     records = read(tmp_path / "run")
     assert [r["step"] for r in records if r["net"] == "after"] == [1, 2, 3, 4, 5, 6]
     assert all(r["parameters"] for r in records if r["net"] == "after")  # the step-5 stand-in was replaced
+
+
+def test_the_samples_d_judged_are_recorded_over_the_global_batch_in_d_steps_only(tmp_path):
+    """G's samples of a D step, summed over its micro-batches (and, under N processes, over every rank's share by one
+    all-reduce): their norm and sum are the whole batch's; G's steps record none; the next D step starts afresh."""
+    from ganscale.observe import fingerprints
+
+    net = torch.nn.Linear(2, 1)
+    net.weight.grad, net.bias.grad = torch.ones(1, 2), torch.ones(1)
+    recorder = fingerprints.StepFingerprints(tmp_path, True, torch.device("cpu"), {"D": net})
+    batch = torch.randn(6, 3)
+    for micro in batch.split(2):
+        recorder.judged(micro)
+    recorder.optimizer_step(0, "D", net, [0.5, 0.0])
+    recorder.optimizer_step(0, "G", net, [0.5, 0.0])
+    recorder.judged(batch[:1])
+    recorder.optimizer_step(1, "D", net, [0.5, 0.0])
+    recorder.file.close()
+    d1, g1, d2 = fingerprints.read(tmp_path)
+    whole = batch.double()
+    assert d1["fakes"] == pytest.approx([float(whole.norm()), float(whole.sum())], rel=1e-12)
+    assert "fakes" not in g1
+    assert d2["fakes"] == pytest.approx([float(whole[:1].norm()), float(whole[:1].sum())], rel=1e-12)
+
+
+def test_g_s_output_differing_is_the_first_difference_of_its_d_step():
+    from ganscale.verify import TOLERANCES, compare_steps
+
+    record = {"step": 1, "net": "D", "losses": [0.5, 0.0], "grads": {"net.0.weight": [2.0, 0.1]}, "fakes": [3.0, 1.0]}
+    other = {**record, "losses": [0.6, 0.0], "grads": {"net.0.weight": [2.5, 0.1]}, "fakes": [3.3, 1.0]}
+    exceeding = [(d.kind, d.what) for d in compare_steps([record], [other], TOLERANCES["fp32"]) if d.exceeds]
+    assert exceeding == [("fakes", "G's output (the samples D judges)"), ("loss", "D's loss_d"),
+                         ("gradient", "D.net.0.weight (gradient)")]
 
 
 def test_a_non_finite_fingerprint_is_strict_json_and_still_differs_from_a_finite_one(tmp_path):

@@ -466,6 +466,7 @@ class Trainer:
                   seeds_from(z)):  # the networks' own randomness, per sample (ganscale.randomness)
                 with torch.set_grad_enabled(self.reuse_fake), self.precision.autocast():
                     fake = self.task.generate(self.G, real, z, labels)
+                self.fingerprints.judged(fake)  # log.fingerprints: what verify names when G's output differs
                 self._fake_for_g = (fake, labels, z) if self.reuse_fake else None
                 adversarial, penalty, real_sign = self._d_objective(real, fake.detach(), labels, with_r1,
                                                                     self._take(alpha_all, micro))
@@ -687,6 +688,7 @@ class Trainer:
         self.taken_over = self.taken_over or lost > 0
         present_sums = iter(sums)  # in the order of the terms the step has
         means = [0.0 if t is None else next(present_sums) / self.runtime.world for t in terms]
+        # log.fingerprints: a collective in a D step (G's samples over every rank) and for sharded gradients
         self.fingerprints.optimizer_step(self.step, "G" if net is self.G else "D", net.module, means)
         with self.phase(part="optimizer"):
             if skip:  # every rank alike: the parameters stay, and the buffers its forwards moved go back

@@ -3,7 +3,8 @@ one process with the same global batch, compares the two trainings, and gives on
 with the first step at which they part, the first tensor that differs and the probable cause.
 
 What is compared is what rounding cannot move and a real difference does: every optimizer step's losses and
-gradients before the optimizer (per-tensor L2 norms and sums, from log.fingerprints), the floating buffers after
+gradients before the optimizer (per-tensor L2 norms and sums, from log.fingerprints), G's samples in each D step
+(the first place a difference in G shows: D's gradients differ only because of them), the floating buffers after
 every step, and what G, G_ema and D compute on fixed inputs after the last step. Not the parameters one by one: a
 parameter whose gradient is pure rounding noise (a bias feeding a normalisation) moves by about one Adam step
 either way on any hardware, while the function the network computes does not change.
@@ -54,7 +55,8 @@ TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": Tolerance(1e-4, 1e-1,
               "fp16": Tolerance(1e-4, 1e-1, 2e-2)}
 FIXED_INPUTS = 64  # samples G, G_ema and D are run on after the last step
 RESULTS = {"one": "one", "many": "n{}"}  # run folders under the verify folder
-KINDS = {"loss": "losses", "gradient": "gradients", "buffer": "buffers", "output": "outputs"}  # in reporting order
+KINDS = {"fakes": "G's samples in D's steps", "loss": "losses", "gradient": "gradients", "buffer": "buffers",
+         "output": "outputs"}  # in reporting order
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Difference:
 
     step: int
     phase: str  # "D" / "G" (that network's update), "after" (the state after the step), "outputs"
-    kind: str  # "loss", "gradient", "buffer" or "output"
+    kind: str  # one of KINDS
     what: str
     relative: float
     tolerance: float
@@ -86,9 +88,10 @@ def relative(a: float, b: float, scale: float) -> float:
 
 
 def compare_steps(one: list[dict], many: list[dict], tolerance: Tolerance) -> list[Difference]:
-    """Every quantity of the per-step fingerprints, in training order: each optimizer step's losses (relative to
-    the loss) and gradients (norm and sum per tensor, relative to the network's largest gradient norm), then the
-    floating buffers after the step (relative to the buffer's norm)."""
+    """Every quantity of the per-step fingerprints, in training order: each optimizer step's inputs from G (a D
+    step's samples, norm and sum relative to their norm), losses (relative to the loss) and gradients (norm and sum
+    per tensor, relative to the network's largest gradient norm), then the floating buffers after the step
+    (relative to the buffer's norm)."""
     found = []
     for a, b in zip(one, many, strict=True):
         step, phase = a["step"], a["net"]
@@ -99,6 +102,11 @@ def compare_steps(one: list[dict], many: list[dict], tolerance: Tolerance) -> li
                                                                          relative(total, other[1], norm)),
                                         tolerance.state))
             continue
+        if "fakes" in a and "fakes" in b:
+            (norm, total), other = a["fakes"], b["fakes"]
+            found.append(Difference(step, phase, "fakes", "G's output (the samples D judges)",
+                                    max(relative(norm, other[0], norm), relative(total, other[1], norm)),
+                                    tolerance.state))
         for term, (x, y) in zip(("loss_d", "penalty_d") if phase == "D" else ("loss_g", "l1_g"),
                                 zip(a["losses"], b["losses"])):
             found.append(Difference(step, phase, "loss", f"{phase}'s {term}", relative(x, y, max(abs(x), abs(y))),
@@ -500,9 +508,9 @@ def run(recipe: str | None, overrides: tuple[str, ...], nproc: int, steps: int, 
 
 
 CRITERION = ("every optimizer step's losses within {t.loss:.0e} and gradients (before the optimizer) within "
-             "{t.gradient:.0e}, buffers after every step and what G, G_ema and D compute on fixed inputs after the "
-             "last within {t.state:.0e}, each relative to the largest value compared ({precision}, no TF32); parameters "
-             "are not compared one by one")
+             "{t.gradient:.0e}, G's samples in every D step, buffers after every step and what G, G_ema and D "
+             "compute on fixed inputs after the last within {t.state:.0e}, each relative to the largest value "
+             "compared ({precision}, no TF32); parameters are not compared one by one")
 
 
 def report(differences: list[Difference], evidence: Evidence, cfg: Config, nproc: int,

@@ -1,8 +1,9 @@
 """Per-step fingerprints of a training (log.fingerprints): what `ganscale verify` compares between a run on N
 processes and one on a single process.
 
-Rank 0 appends one JSON record per optimizer step (its global mean losses, and the L2 norm and sum of each
-gradient as the optimizer gets it) and one per iteration (the same of every parameter and floating buffer of G,
+Rank 0 appends one JSON record per optimizer step (its global mean losses, the L2 norm and sum of each
+gradient as the optimizer gets it, and in D's steps those of G's samples D judged, over the global batch) and one
+per iteration (the same of every parameter and floating buffer of G,
 D and G_ema after the step) to RUN_DIR/fingerprints.jsonl. Steps are counted from 1, as the logs count them.
 """
 
@@ -13,6 +14,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ganscale.observe import drop_records_after
@@ -63,7 +65,14 @@ class StepFingerprints:
         self.path, self.is_main, self.device, self.networks = Path(run_dir) / FILE, is_main, device, networks
         self.start_step = start_step
         self.rng = _drawn_state(device)
+        self.fakes: Tensor | None = None  # [sum of squares, sum] of the samples G made for this D step, this rank's
         self.file = None
+
+    def judged(self, fake: Tensor) -> None:
+        """In a D step: G's samples of one micro-batch, before D judges them (summed on their device; no sync)."""
+        values = fake.detach().double()
+        part = torch.stack([values.square().sum(), values.sum()])
+        self.fakes = part if self.fakes is None else self.fakes + part
 
     def optimizer_step(self, step: int, net: str, gradients: nn.Module, losses: list[float]) -> None:
         """Before the optimizer steps `net` in iteration `step` (0-based): its losses and gradients, and whether
@@ -72,8 +81,15 @@ class StepFingerprints:
         drawn = any(not torch.equal(a, b) for a, b in zip(rng, self.rng))
         full = {name: _full(p.grad) for name, p in gradients.named_parameters() if p.grad is not None}
         grads = {name: summary(g) for name, g in full.items()}
-        self._write({"step": step + 1, "net": net, "losses": losses, "rng_drawn": drawn, "grads": grads,
-                     "rounding_noise": rounding_noise(full)})
+        record = {"step": step + 1, "net": net, "losses": losses, "rng_drawn": drawn, "grads": grads,
+                  "rounding_noise": rounding_noise(full)}
+        if self.fakes is not None:  # a D step (the pipeline's makes its samples inside its stages: none there)
+            fakes, self.fakes = self.fakes, None
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(fakes)  # collective: every rank's share of the global batch
+            squares, total = fakes.tolist()
+            record["fakes"] = [math.sqrt(squares), total]
+        self._write(record)
 
     def after_step(self, step: int) -> None:
         """After iteration `step` (0-based), its EMA update included: every parameter and floating buffer."""
@@ -95,6 +111,9 @@ class StepFingerprints:
 
 class NoFingerprints:
     """log.fingerprints off: nothing is measured or written."""
+
+    def judged(self, fake: Tensor) -> None:
+        pass
 
     def optimizer_step(self, step: int, net: str, gradients: nn.Module, losses: list[float]) -> None:
         pass
