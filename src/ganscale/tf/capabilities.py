@@ -86,8 +86,6 @@ REFUSALS = (
             "fingerprints (`ganscale verify`) are a torch engine feature", "set log.fingerprints=false"),
     Refusal("log.profile_steps", lambda c: c.log.profile_steps > 0,
             "the step profile (torch.profiler) is a torch engine feature", "set log.profile_steps=0"),
-    Refusal("eval.every", lambda c: c.eval.every > 0,
-            "the tensorflow engine does not score images during training yet", f"set eval.every=0, or {TORCH}"),
 )
 
 

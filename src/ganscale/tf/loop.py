@@ -1,5 +1,6 @@
 """The tensorflow engine's training loop and run directory: the torch trainer's order (D step(s), G step, EMA, logs,
-samples, checkpoints) and its files (config.yaml, metrics.jsonl, tensorboard/, samples/, checkpoints/, summary.json).
+samples, image metrics, checkpoints) and its files (config.yaml, metrics.jsonl, tensorboard/, samples/, checkpoints/,
+summary.json).
 
 One process drives every replica, so every decision (skip a step, stop after a signal, write an output) is taken
 once, on the host. A checkpoint is a tf.train.Checkpoint folder `checkpoints/step-N.tf` (written in a staging folder
@@ -162,8 +163,11 @@ class Training:
     # ------------------------------------------------------------------------------------------- samples
     def samples(self, n: int) -> np.ndarray:
         """G_ema's samples of the fixed sample latents: images channels-first (N, C, H, W), or 2D points."""
-        z = self.feed.global_latents(0, PHASE_SAMPLES, n)
-        drawn = self.G_ema(tf.constant(z), training=False).numpy()
+        return self.draw(self.feed.global_latents(0, PHASE_SAMPLES, n))
+
+    def draw(self, z: np.ndarray) -> np.ndarray:
+        """G_ema's samples of latents `z` (eval mode): images channels-first, as the torch engine's, or 2D points."""
+        drawn = self.G_ema(tf.constant(z, tf.float32), training=False).numpy()
         return drawn if drawn.ndim == 2 else drawn.transpose(0, 3, 1, 2)
 
 
@@ -197,7 +201,7 @@ def _fit(training: Training, outputs: Outputs) -> dict:
         final = training.step == cfg.train.steps
         checkpoint_due = bool(cfg.checkpoint.every and training.step % cfg.checkpoint.every == 0)
         writes = (final or checkpoint_due or outputs.log_due(final) or outputs.sample_due(final)
-                  or training.stop_signal is not None)
+                  or outputs.score_due(final) or training.stop_signal is not None)
         # Agreed before anything of the step is written: a run whose directory another run took writes nothing more.
         stopping, taken_over = training.stops_agreed(writes)
         if taken_over:
@@ -210,6 +214,8 @@ def _fit(training: Training, outputs: Outputs) -> dict:
                                     f"gradients (last: {training.stats}); lower optim.*.lr or set train.grad_clip")
         if outputs.sample_due(final) and training.chief:
             outputs.write_samples()
+        if outputs.score_due(final):
+            outputs.score_images()  # collective: every worker scores its share
         if final or stopping or checkpoint_due:
             training.save()
         if stopping and not final:
@@ -228,6 +234,22 @@ class Outputs:
                               training.chief)
         self.record: dict[str, float] = {}
         self.quality: dict[str, float] = {}
+        self.image_scorer = self._image_scorer() if self.cfg.eval.every else None  # collective (the reference)
+
+    def _image_scorer(self):
+        """The torch engine's image metrics (ganscale.metrics.images), on the CPU: every worker featurises its share
+        of the data set once, here, and of G_ema's samples at each evaluation, in the workers' gloo group."""
+        import torch
+
+        from ganscale.data import build_dataset
+        from ganscale.metrics.images import ImageScorer
+
+        training = self.training
+        training.watchdog.mark(f"step {training.step}: image metrics of the data set")
+        # The whole data source, also when data.max_images trains on a subset (ADA's protocol).
+        return ImageScorer(self.cfg, build_dataset(self.cfg, whole=True), torch.device("cpu"),
+                           progress=lambda: training.watchdog.mark(
+                               f"step {training.step}: image metrics (local batches and distances)"))
 
     def begin(self) -> None:
         self.start_step, self.started = self.training.step, time.perf_counter()
@@ -266,6 +288,21 @@ class Outputs:
         write_output(training.run_dir / "samples" / f"step-{training.step:08d}.png",
                      lambda tmp: write_png(picture, tmp), "--run-dir")
         self.run_log.add_image("samples", picture, training.step)
+
+    def score_due(self, final: bool) -> bool:
+        return self.image_scorer is not None and (self.training.step % self.cfg.eval.every == 0 or final)
+
+    def score_images(self) -> None:
+        """Collective: image metrics of G_ema (fd and kid on eval.features, precision/recall, density/coverage), as
+        the torch engine scores them; the chief logs them (metrics.jsonl's eval_*, TensorBoard's quality/)."""
+        import torch
+
+        training = self.training
+        training.watchdog.mark(f"step {training.step}: image metrics (features all-gathered)")
+        scores = self.image_scorer.score(lambda z: torch.from_numpy(training.draw(z.numpy())))
+        self.run_log.add_scalars("quality", scores, training.step)  # the chief's log alone writes
+        self.run_log.log_extra(training.step, {f"eval_{k}": v for k, v in scores.items()})
+        self.quality = {**self.quality, **scores}
 
     def close(self, stopped: str | None = None) -> dict:
         training = self.training
