@@ -165,6 +165,55 @@ def test_sigterm_to_the_launcher_whose_workers_write_no_checkpoint_is_not_exit_3
     assert "asked to checkpoint" not in stderr, stderr[-3000:]
 
 
+SMALL_RING8 = ["--set", "model.g_width=32", "--set", "model.d_width=32", "--set", "log.tensorboard=false"]
+
+
+@pytest.mark.parametrize("launch, ignored", [([], False), (["--nproc", "2"], False), ([], True),
+                                             (["--nproc", "2"], True)],
+                         ids=["one-process", "nproc-2", "one-process-under-nohup", "nproc-2-under-nohup"])
+def test_a_closing_terminal_s_sighup_stops_with_a_checkpoint_unless_nohup_ignores_it(tmp_path, launch, ignored):
+    """SIGHUP (the terminal closed: an ssh session lost, a window shut) killed the run with no checkpoint and left
+    its run.lock; it now stops as SIGTERM does (exit 3, a checkpoint), on one process and through the launcher. A run
+    started under nohup (SIGHUP ignored) trains on through it, its launcher's agent told not to handle SIGHUP."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "ganscale", "train", "ring8", *launch, "--run-dir", str(run), "--set",
+               "train.steps=100000", "--set", "log.every=10", "--set", "checkpoint.every=100000", *SMALL_RING8]
+    nohup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored else None
+    trainer = start_training(command, run, preexec_fn=nohup)
+    trainer.send_signal(signal.SIGHUP)
+    if ignored:
+        time.sleep(3)
+        assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+        trainer.send_signal(signal.SIGTERM)
+    _, stderr = trainer.communicate(timeout=90)
+    stopped_by = "SIGTERM" if ignored else "SIGHUP"
+    assert trainer.returncode == 3 and "Traceback" not in stderr, stderr[-3000:]
+    assert f"on request ({stopped_by}); checkpoint written" in stderr, stderr[-3000:]
+    assert len(list((run / "checkpoints").glob("step-*.pt"))) == 1 and not (run / "run.lock").exists()
+
+
+@pytest.mark.parametrize("launch", [[], ["--nproc", "2"]], ids=["one-process", "nproc-2"])
+def test_a_console_whose_reader_left_drops_its_output_and_training_goes_on(tmp_path, launch):
+    """`ganscale train ... | head -2`: the first write after head left raised BrokenPipeError, and the run ended
+    there (exit 1, nothing said; under --nproc a worker's traceback), without a checkpoint. Now its output is
+    dropped, said once on stderr, and the run trains to its end."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "ganscale", "train", "ring8", *launch, "--run-dir", str(run), "--set",
+               "train.steps=40", "--set", "log.every=1", *SMALL_RING8]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        trainer = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=err,
+                                   text=True)
+        seen = [trainer.stdout.readline() for _ in range(2)]  # `| head -2`
+        trainer.stdout.close()
+        trainer.wait(timeout=120)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert all(seen) and trainer.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.count("ganscale: stdout has no reader any more (Broken pipe): its output is dropped from here; "
+                        "training goes on") == 1, stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 40
+    assert [p.name for p in (run / "checkpoints").glob("step-*.pt")] == ["step-00000040.pt"]
+
+
 def test_sigterm_to_the_launcher_checkpoints_and_exits_3_then_resumes(tmp_path):
     run = tmp_path / "run"
     base = [sys.executable, "-m", "ganscale", "train", "ring8", "--nproc", "2", "--run-dir", str(run),
@@ -759,7 +808,7 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120) -> N
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_stop_signal_before_training_began_is_one_line_exit_3_and_frees_the_run_directory(tmp_path, sig):
     """Stopped while it starts (here: building its data set, after taking run.lock), a one-process run leaves at
     once with one line and exit 3, its lock released; it was killed silently (exit 143, or a KeyboardInterrupt

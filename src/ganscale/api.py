@@ -30,6 +30,7 @@ from pydantic_core import to_jsonable_python
 
 from ganscale import config as config_mod
 from ganscale.config import Config, ConfigError
+from ganscale.fault import StopSignals
 
 # The option each Python object fills in; the kinds it switches to custom.
 OPTIONS = {"generator": "model.generator", "discriminator": "model.discriminator", "dataset": "data.dataset",
@@ -412,14 +413,11 @@ def _import_folder(module_name: str, file: str | None) -> str | None:
     return None if folder in {Path(p).resolve() for p in installed} else str(folder)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
 @contextlib.contextmanager
 def _launcher_state_kept() -> Iterator[None]:
     """This process as it was after launching workers: their environment variables (a plain run in this process
     would take itself for a worker of its own launcher) and the agent's signal handlers."""
-    environment, handlers = dict(os.environ), {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    environment, handlers = dict(os.environ), {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS}
     try:
         yield
     finally:

@@ -318,6 +318,13 @@ def has_peers(environ=os.environ) -> bool:
     return under_launcher(environ) or ("SLURM_STEP_ID" in environ and environ.get("SLURM_NTASKS", "1") != "1")
 
 
+def handled_stop_signals() -> list[signal.Signals]:
+    """StopSignals.SIGNALS, but a SIGHUP this process ignores: started under nohup, its run is to outlive the
+    terminal."""
+    return [sig for sig in StopSignals.SIGNALS
+            if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN)]
+
+
 class StoppedBeforeTraining(BaseException):
     """A stop signal before training began in a process with no peers to agree with (one process, or the `--nproc`
     launcher before its workers start): raised where it lands, so `finally` blocks release the run directory's lock
@@ -354,7 +361,7 @@ class StartupStops:
         if _starting is self:  # entered already: its handlers are in place
             return self
         try:
-            for sig in StopSignals.SIGNALS:
+            for sig in handled_stop_signals():
                 self.originals[sig] = signal.signal(sig, self._handle)
         except ValueError:  # not the main thread: leave signals alone
             self.__exit__()
@@ -405,7 +412,7 @@ class StopSignals:
     """While active, SIGTERM and SIGINT only set a flag; the trainer agrees on it with the other ranks. A signal
     kept while the run started (StartupStops) sets it at once."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal closed (ssh lost, window shut)
 
     def __init__(self, on_signal: Callable[[str], None]):
         self.on_signal = on_signal
@@ -417,7 +424,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         try:
-            for sig in self.SIGNALS:
+            for sig in handled_stop_signals():
                 self.previous[sig] = signal.signal(sig, self._handle)
         except ValueError:  # not the main thread (e.g. embedded use): leave signals alone
             self.previous.clear()

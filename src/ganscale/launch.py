@@ -6,6 +6,7 @@ it trains in is decided before (rundir.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -196,7 +197,18 @@ def local_agent(nproc: int, stop_grace_s: float = 0.0, **options):
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
                         rdzv_backend=loopback.RENDEZVOUS, rdzv_endpoint=f"{loopback.ADDRESS}:0",
                         local_addr=loopback.ADDRESS, max_restarts=0, monitor_interval=0.5,
-                        **agent_grace(stop_grace_s), **options)
+                        **agent_grace(stop_grace_s), **agent_signals(LaunchConfig), **options)
+
+
+def agent_signals(launch_config: type) -> dict[str, str]:
+    """LaunchConfig's keyword for the signals torch's agent stops its workers on: its own but SIGHUP where this
+    process ignores SIGHUP (started under nohup: the run is to outlive the terminal); {} otherwise, and where a
+    torch has no such keyword (its agent then stops the workers on SIGHUP, with their checkpoint)."""
+    fields = {field.name: field for field in dataclasses.fields(launch_config)}
+    if "signals_to_handle" not in fields or signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        return {}
+    handled = [name for name in fields["signals_to_handle"].default.split(",") if name.strip() != "SIGHUP"]
+    return {"signals_to_handle": ",".join(handled)}
 
 
 def agent_grace(stop_grace_s: float) -> dict[str, int]:
@@ -310,7 +322,7 @@ def agent_outcome(run_agent: Callable[[], object], run_dir: Path) -> tuple[int, 
                   "checkpoint is kept", file=sys.stderr)
             return EXIT_HANG, False
         failed = {rank: code for rank, code in codes.items() if code not in (0, EXIT_PREEMPTED)}
-        if failed and not all(-code in (signal.SIGTERM, signal.SIGINT) for code in failed.values()):
+        if failed and not all(-code in fault.StopSignals.SIGNALS for code in failed.values()):
             return _name_root_cause({rank: (code, 0.0) for rank, code in failed.items()},
                                     f"{e.sigval.name} received; "), False
         if failed or not codes:

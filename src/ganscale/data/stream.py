@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from ganscale.fault import StopSignals
+
 
 @dataclass(frozen=True)
 class Slicing:
@@ -95,11 +97,11 @@ Sample = tuple[torch.Tensor, ...]  # one micro-batch: (images,), (images, labels
 
 
 def _leave_stops_to_trainer(worker_id: int) -> None:
-    """In each DataLoader worker: ignore SIGTERM and SIGINT. A job scheduler signals the whole process group;
-    a worker killed by it made the trainer's next batch raise ("DataLoader worker ... is killed by signal")
-    before the agreed stop could checkpoint, and the run was lost. The trainer stops its workers itself, and a
+    """In each DataLoader worker: ignore the stop signals (SIGTERM, SIGINT, SIGHUP). A job scheduler signals the
+    whole process group, as a closing terminal does; a worker killed by it made the trainer's next batch raise
+    ("DataLoader worker ... is killed by signal") before the agreed stop could checkpoint, and the run was lost. The trainer stops its workers itself, and a
     worker whose trainer died exits on its own (DataLoader's watchdog of the parent)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in StopSignals.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
