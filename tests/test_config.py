@@ -547,6 +547,20 @@ def test_file_paths_are_recorded_absolute_and_a_run_s_own_config_loads_back_unch
     assert config.load(str(user_yaml)).code_path == [str(project)]
 
 
+def test_a_leading_tilde_in_a_path_is_the_user_s_home_as_a_shell_makes_it(tmp_path, monkeypatch):
+    """`data.path: ~/faces` in a YAML file (or a quoted --set) has no shell to expand it: it was read as the folder
+    './~/faces'. The data path, the Inception weights and code_path expand it; a k8s manifest's config keeps it as
+    written (the pods' home is theirs)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "nets").mkdir()
+    monkeypatch.chdir(tmp_path / "nets")
+    cfg = config.load(None, ["data.kind=folder", "data.path=~/faces", "eval.inception_weights=~/w.pt",
+                             "code_path=['~/nets']"])
+    assert (cfg.data.path, cfg.eval.inception_weights) == (str(tmp_path / "faces"), str(tmp_path / "w.pt"))
+    assert cfg.code_path[0] == str(tmp_path / "nets")
+    assert config.load(None, ["data.kind=folder", "data.path=~/faces"], files_here=False).data.path == "~/faces"
+
+
 def test_a_code_path_folder_that_does_not_exist_is_refused_naming_it(tmp_path):
     """A mistyped folder was skipped silently: the user's modules then came from another folder on the path."""
     (tmp_path / "nets").mkdir()

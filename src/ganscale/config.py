@@ -657,11 +657,12 @@ def load(source: str | None, overrides: list[str] | tuple[str, ...] = (), files_
         if missing:
             raise ConfigError("code_path", f"{missing} is not a folder",
                               "fix the folder's path in code_path, or remove it")
-    # Recorded as read from where the run started: a resume or eval from another folder reads the same files.
+    # Recorded as read from where the run started: a resume or eval from another folder reads the same files. A
+    # leading ~ is the user's home, as a shell would have made it (a YAML file or a quoted --set has no shell).
     if files_here and cfg.data.path:  # empty: refused where the data is read
-        cfg.data.path = os.path.abspath(cfg.data.path)
+        cfg.data.path = os.path.abspath(os.path.expanduser(cfg.data.path))
     if files_here and cfg.eval.inception_weights:
-        cfg.eval.inception_weights = os.path.abspath(cfg.eval.inception_weights)
+        cfg.eval.inception_weights = os.path.abspath(os.path.expanduser(cfg.eval.inception_weights))
     return cfg
 
 
@@ -670,7 +671,7 @@ def _absolute_folders(folders: list[str], yaml_folder: Path | None, cwd: bool) -
     YAML file's folder, then (`cwd`) the current one: what every worker, on any node, and every resume searches for
     the user's modules, before PYTHONPATH."""
     base = yaml_folder or Path.cwd()
-    absolute = [str((base / folder).resolve()) for folder in folders]
+    absolute = [str((base / os.path.expanduser(folder)).resolve()) for folder in folders]
     if yaml_folder is not None:
         absolute.append(str(yaml_folder))
     if cwd:
