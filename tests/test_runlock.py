@@ -414,3 +414,23 @@ def test_a_run_whose_lock_another_run_took_over_stops_and_writes_nothing_more(tm
         assert "not restarting the workers: another run holding the run directory would stop them again" in err, err
     assert everything_but_the_lock(run) == written and (run / runlock.LOCK_NAME).read_bytes() == theirs
     assert checkpoint_steps(run)[-1] == 4 and not (run / "summary.json").exists()
+
+
+@pytest.mark.parametrize("launch", [[], ["--nproc", "2"]], ids=["one-process", "nproc-2"])
+def test_a_run_refused_after_taking_its_new_folder_leaves_no_folder_behind(tmp_path, launch):
+    """Refused once it held its new run directory (a resume from a checkpoint that does not fit; an image folder
+    with no images, found as the data set is built): it left the empty folder, and the parents it made, behind."""
+    from test_cli import ganscale
+
+    first = ganscale("train", "ring8", "--set", "train.steps=2", "--set", "log.tensorboard=false", "--run-dir", "r1",
+                     cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "empty").mkdir()
+    for refused in (["digits", "--resume", "r1"], ["digits", "--set", "data.kind=folder", "--set", "data.path=empty"]):
+        result = ganscale("train", *refused, *launch, "--run-dir", "new/run", cwd=tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert not (tmp_path / "new").exists(), sorted(p.name for p in (tmp_path / "new").rglob("*"))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    result = ganscale("train", "digits", "--resume", "r1", *launch, "--run-dir", "kept", cwd=tmp_path)
+    assert result.returncode == 2 and kept.is_dir()  # a folder that was there before stays

@@ -409,7 +409,7 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None, note: str |
 
     follow_launcher()
     runtime = rt.start(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
-    held = None
+    held, trained = None, False
     try:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         room = torch.tensor([memory.available(runtime.device, local_ranks)], device=runtime.device)
@@ -427,6 +427,7 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None, note: str |
         if runtime.is_main and note:
             print(note, flush=True)
         summary = trainer.fit()
+        trained = True
         dist.barrier()  # no rank tears down its connections while a peer still uses them
     except (ConfigError, AlreadyTrained, Preempted, NonFiniteTraining, ReplicaDivergence, RunDirectoryTakenOver):
         runtime.close()  # decisions every rank reached together: leave together
@@ -437,7 +438,7 @@ def run_worker(cfg: Config, run_dir: str | None, resume: str | None, note: str |
         raise
     finally:
         if held is not None:  # rank 0's hold on the run directory (or watch): free once this run has left it
-            held.release()
+            held.release(abandon=not trained)  # refused before writing anything: no empty folder left behind
     # Any other error is this rank's own: the group stays open until the process exits, so the peers'
     # collectives break only then and the launcher sees this rank fail first.
     runtime.close()

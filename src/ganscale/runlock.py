@@ -95,8 +95,8 @@ class LockWatch:
     def __enter__(self) -> LockWatch:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.release(abandon=exc_type is not None)  # failed: the folders made for it go, where still empty
 
 
 class RunLock(LockWatch):
@@ -109,8 +109,8 @@ class RunLock(LockWatch):
         super().__init__(path, token)
 
     def release(self, abandon: bool = False) -> None:
-        """Stop renewing and remove the lock (if still ours); `abandon`: the run wrote nothing, so the folders
-        `hold` made for it are removed too."""
+        """Stop renewing and remove the lock (if still ours); `abandon`: the run failed, so the folders `hold` made
+        for it are removed too where it left them empty."""
         self._stop.set()
         if (_owner(self.path) or {}).get("token") == self.token:
             self.path.unlink(missing_ok=True)
