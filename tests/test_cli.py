@@ -818,3 +818,22 @@ def test_a_short_training_imports_nothing_it_does_not_use(tmp_path):
     assert result.returncode == 0, explain(result)
     assert result.stdout.splitlines()[-1] == "[]", explain(result)
     assert checkpoint_steps(tmp_path / "run") == [1]
+
+
+def test_a_refused_file_operation_names_the_command_s_own_locations(tmp_path):
+    """The fix of a refused file operation named --run-dir and --out whatever the command: eval has neither (it
+    writes RUN_DIR/eval.json), make-facades writes FOLDER. A folder where a file goes, and a file where a folder goes,
+    are said as such."""
+    (tmp_path / "a-file").write_text("")
+    made = ganscale("make-facades", "a-file/sub", "--n", "2", cwd=tmp_path)
+    assert made.returncode == 7 and made.stderr.strip() == (
+        "ganscale: File exists: a-file. Fix: a file is where that folder goes: rename or move it, or choose another "
+        "location (FOLDER)"), explain(made)
+    trained = ganscale("train", "ring8", "--set", "train.steps=2", "--set", "log.tensorboard=false", "--run-dir", "run",
+                       cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    (tmp_path / "run" / "eval.json").mkdir()
+    scored = ganscale("eval", "run", cwd=tmp_path)
+    assert scored.returncode == 7 and scored.stderr.strip().endswith(
+        "Is a directory: run/eval.json. Fix: a folder is where that file is written: rename or move it, or choose "
+        "another location (RUN_DIR)"), explain(scored)

@@ -58,7 +58,7 @@ def test_a_sample_picture_rank_0_cannot_write_stops_both_ranks_with_its_message(
     assert [r.returncode for r in results] == [7, 7], explain(results)
     own, told = (one_line(r) for r in results)
     assert own.startswith("ganscale: Is a directory: ") and own.endswith(
-        "Fix: check that path's permissions and free space, or choose another location (--run-dir, --out)")
+        "Fix: a folder is where that file is written: rename or move it, or choose another location (--run-dir)")
     assert "step-00000010.png" in own
     assert told == own.replace("ganscale: ", "ganscale: rank 0 could not write its samples: ", 1)
     assert intact_checkpoints(run) == ["step-00000005.pt"]  # the step-10 checkpoint comes after the samples

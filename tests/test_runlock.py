@@ -225,7 +225,7 @@ def test_train_whose_lock_cannot_be_written_exits_7_naming_it(tmp_path, monkeypa
     assert result.exit_code == 7, result.output
     assert result.output.splitlines() == [f"ganscale: No space left on device: {Path('full/run') / 'run.lock'}. Fix: "
                                           "check that path's permissions and free space, or choose another location "
-                                          "(--run-dir, --out)"], result.output
+                                          "(--run-dir)"], result.output
     assert list(tmp_path.iterdir()) == []
     import torch.distributed as dist
 

@@ -57,11 +57,11 @@ def _fail(error: Exception) -> None:
     sys.exit(EXIT_CONFIG)
 
 
-def _known_failure(error: BaseException) -> tuple[str, int] | None:
+def _known_failure(error: BaseException, locations: str = "--run-dir") -> tuple[str, int] | None:
     """(one-line message, exit code) for failures a user can fix without a traceback: an item of the data set found
     bad while training reads it (an image that does not decode, a label outside the classes: bad input, exit 2), a
-    checkpoint write or another file operation the system refused (permissions, a full or read-only disk: exit 7).
-    None for anything else."""
+    checkpoint write or another file operation the system refused (permissions, a full or read-only disk: exit 7;
+    its fix names `locations`, the command's own path options). None for anything else."""
     from ganscale.checkpoint import CheckpointWriteError
     from ganscale.data.folder import BadItem
 
@@ -71,9 +71,11 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
         return f"ganscale: {error}", error.exit_code
     if isinstance(error, OSError) and error.errno in REFUSED_FILE_OPERATION:
         where = f": {error.filename}" if error.filename else ""
-        check = ("a folder on that path is a file: rename or move it" if error.errno == errno.ENOTDIR
-                 else "check that path's permissions and free space")
-        return f"ganscale: {error.strerror}{where}. Fix: {check}, or choose another location (--run-dir, --out)", \
+        check = {errno.ENOTDIR: "a folder on that path is a file: rename or move it",
+                 errno.EISDIR: "a folder is where that file is written: rename or move it",
+                 errno.EEXIST: "a file is where that folder goes: rename or move it"}.get(
+            error.errno, "check that path's permissions and free space")
+        return f"ganscale: {error.strerror}{where}. Fix: {check}, or choose another location ({locations})", \
             EXIT_FILE_REFUSED
     return None
 
@@ -85,11 +87,24 @@ class _Commands(click.Group):
         try:
             return super().invoke(ctx)
         except Exception as e:  # noqa: BLE001 - re-raised unless known
-            known = _known_failure(e)
+            known = _known_failure(e, _path_options(self.get_command(ctx, ctx.invoked_subcommand or "")))
             if known is None:
                 raise
             click.echo(one_line(known[0]), err=True)
             sys.exit(known[1])
+
+
+WRITTEN_PATHS = {"out", "out_dir", "dest", "run_dir", "folder"}  # the parameters of the places commands write to
+
+
+def _path_options(command: click.Command | None) -> str:
+    """The options and arguments of `command` that name where it writes, as its usage writes them (RUN_DIR, --out);
+    a phrase for them where it is a group of commands."""
+    if not isinstance(command, click.Command) or isinstance(command, click.Group):
+        return "the command's path options"
+    named = [param.human_readable_name if isinstance(param, click.Argument) else param.opts[0]
+             for param in command.params if param.name in WRITTEN_PATHS]
+    return ", ".join(named) or "the command's path options"
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})

@@ -271,6 +271,7 @@ def write(recipe: str | None, overrides: tuple[str, ...], layout: Layout, run_di
                           f"{e.fix}, or change --nodes or --gpus-per-node") from None
     run = Path(run_dir) if run_dir else rundir.resolve_run(cfg, None, None)[0]
     run_folder(run)  # refused before check_output makes the manifest's folder
-    path = outputs.check_output(out or str(run / "k8s" / "job.yaml"), force, suffixes=(".yaml", ".yml"))
+    path = outputs.check_output(out or str(run / "k8s" / "job.yaml"), force, "--out" if out else "--run-dir",
+                                (".yaml", ".yml"))
     text = yaml.dump_all(manifest(cfg, layout, run), Dumper=_Manifest, sort_keys=False)
     return outputs.write_output(path, lambda tmp: tmp.write_text(text))
