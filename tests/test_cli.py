@@ -628,7 +628,7 @@ def test_a_refused_resume_without_a_recipe_says_only_its_refusal(tmp_path):
                           "train.steps=3", *nproc, cwd=tmp_path)
         said = misfit.stderr.splitlines()  # with --nproc, the launcher's line naming the workers follows
         assert misfit.returncode == 2 and misfit.stdout == "" and len(said) == 1 + bool(nproc), explain(misfit)
-        assert "does not fit this run's model/optimizer config" in said[0], explain(misfit)
+        assert "does not fit this run's model/optimizer config (model.g_width is 32 here, " in said[0], explain(misfit)
     resumed = ganscale("train", "--run-dir", "RUN", "--resume", "auto", "--set", "train.steps=3", "--nproc", "2",
                        cwd=tmp_path)
     assert resumed.returncode == 0 and resumed.stdout.count("resuming with the run's own config") == 1, explain(resumed)
@@ -837,3 +837,20 @@ def test_a_refused_file_operation_names_the_command_s_own_locations(tmp_path):
     assert scored.returncode == 7 and scored.stderr.strip().endswith(
         "Is a directory: run/eval.json. Fix: a folder is where that file is written: rename or move it, or choose "
         "another location (RUN_DIR)"), explain(scored)
+
+
+def test_sampling_a_run_whose_config_file_was_edited_names_the_settings_that_changed(tmp_path):
+    """The run's config.yaml edited after training (model.g_width): `sample` said the checkpoint 'was written by a
+    'ring8' run, this one is 'ring8''; it now names the setting, both values and the file to put it back in."""
+    trained = ganscale("train", "ring8", "--set", "train.steps=2", "--set", "log.tensorboard=false", "--run-dir", "run",
+                       cwd=tmp_path)
+    assert trained.returncode == 0, explain(trained)
+    written = (tmp_path / "run" / "config.yaml").read_text()
+    width = config.load(str(tmp_path / "run" / "config.yaml")).model.g_width
+    edited = written.replace(f"g_width: {width}\n", f"g_width: {width * 2}\n")
+    assert edited != written
+    (tmp_path / "run" / "config.yaml").write_text(edited)
+    result = ganscale("sample", "run", "--out", "s.png", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, explain(result)
+    assert f"model.g_width is {width * 2} here, {width} in the checkpoint's config" in result.stderr, explain(result)
+    assert "set those back in" in result.stderr and "config.yaml" in result.stderr, explain(result)

@@ -16,7 +16,7 @@ from torch import Tensor
 from ganscale import checkpoint
 from ganscale.config import CheckpointConfig, ConfigError, to_yaml
 from ganscale.fault import ReplicaDivergence, every_rank_or_none, told_by
-from ganscale.models import changed_networks
+from ganscale.models import changed_networks, changed_settings
 from ganscale.runtime import seed_rank_streams
 from ganscale.seeds import derive_seed
 
@@ -134,7 +134,9 @@ class Checkpointer:
                 raise ConfigError(str(path), f"does not fit the networks this run builds ({first}): {changed}",
                                   "restore the code the run was trained with, or start a new run (another "
                                   "--run-dir)") from None
-            raise ConfigError(str(path), f"does not fit this run's model/optimizer config ({first})",
+            settings = changed_settings(training.cfg, state["config"])  # what to set back, before torch's words
+            raise ConfigError(str(path), f"does not fit this run's model/optimizer config ("
+                              + (f"{settings}: {first})" if settings else f"{first})"),
                               f"resume with the config the checkpoint was written with ({written_with(path)})") from None
 
     def restore_rank_streams(self, saved: list) -> None:

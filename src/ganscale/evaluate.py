@@ -24,7 +24,7 @@ from ganscale.metrics.features import build_extractor
 from ganscale.metrics.images import (FEWEST_REFERENCES, REFERENCE_LIMIT, check_reference_count, image_metrics,
                                      reference_features)
 from ganscale.metrics.modes2d import PROTOCOL_SAMPLES, score_named
-from ganscale.models import build_networks, changed_networks
+from ganscale.models import build_networks, changed_networks, changed_settings
 from ganscale.observe.samples import image_grid, scatter, write_png
 from ganscale.outputs import to_json, write_output
 from ganscale.rundir import config_at
@@ -59,11 +59,13 @@ def fitted_generator(run_dir: Path, source: Path, state: dict, nets: tuple[str, 
             if changed:
                 raise ConfigError(str(source), f"its {net} does not fit the generator this run builds: {changed}",
                                   "restore the code the run was trained with") from None
-            written = yaml.safe_load(state["config"])
-            by = f"a '{written.get('name')}' run" if isinstance(written, dict) else "another run"
-            raise ConfigError(str(source), f"its {net} does not fit the generator of {configured} (it was written by "
-                              f"{by}, this one is '{cfg.name}')" if configured else
-                              f"its {net} does not fit the generator its own config describes",
+            if configured:  # the run's config file edited since, or another run's checkpoint copied in
+                settings = changed_settings(cfg, state["config"])
+                raise ConfigError(str(source), f"its {net} does not fit the generator of {configured}"
+                                  + (f": {settings}" if settings else ""),
+                                  (f"set those back in {configured} as the checkpoint's config has them, or " if
+                                   settings else "") + "give the run directory that wrote it") from None
+            raise ConfigError(str(source), f"its {net} does not fit the generator its own config describes",
                               "give the run directory that wrote it (a resume of this run refuses it too)") from None
     return cfg, generator
 

@@ -45,6 +45,26 @@ def build_networks(cfg: Config) -> tuple[nn.Module, nn.Module]:
     return G, D
 
 
+NETWORK_SHAPE = ("resolution", "channels")  # the data settings the networks are built from
+
+
+def changed_settings(cfg: Config, written_config: str) -> str | None:
+    """The model settings (and data resolution and channels) in which `cfg` differs from the config a checkpoint was
+    written with (its YAML), the first three: "model.g_width is 64 here, 32 in the checkpoint's config"; None where
+    they are alike or that config is unreadable."""
+    written = settings_in(written_config)
+    if not isinstance(written, dict):
+        return None
+    now = cfg.model_dump(mode="json")
+    was_model, was_data = written.get("model") or {}, written.get("data") or {}
+    differ = [(f"model.{key}", now["model"].get(key), value) for key, value in was_model.items()
+              if now["model"].get(key) != value]
+    differ += [(f"data.{key}", now["data"][key], was_data.get(key)) for key in NETWORK_SHAPE
+               if key in was_data and was_data[key] != now["data"][key]]
+    return "; ".join(f"{key} is {here!r} here, {there!r} in the checkpoint's config"
+                     for key, here, there in differ[:3]) or None
+
+
 def changed_networks(cfg: Config, written_config: str, networks: tuple[str, ...] = ("generator", "discriminator")
                      ) -> str | None:
     """Why a checkpoint written with `written_config` (its YAML) no longer fits the networks `cfg` builds although
@@ -54,8 +74,8 @@ def changed_networks(cfg: Config, written_config: str, networks: tuple[str, ...]
     if not isinstance(written, dict):
         return None
     now = cfg.model_dump(mode="json")
-    shape = ("resolution", "channels")
-    if written.get("model") != now["model"] or any(written.get("data", {}).get(k) != now["data"][k] for k in shape):
+    if written.get("model") != now["model"] or any(written.get("data", {}).get(k) != now["data"][k]
+                                                   for k in NETWORK_SHAPE):
         return None
     m = cfg.model
     if m.kind == "custom":  # `networks`: the ones that were loaded
