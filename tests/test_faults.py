@@ -178,8 +178,9 @@ def test_a_closing_terminal_s_sighup_stops_with_a_checkpoint_unless_nohup_ignore
     run = tmp_path / "run"
     command = [sys.executable, "-m", "ganscale", "train", "ring8", *launch, "--run-dir", str(run), "--set",
                "train.steps=100000", "--set", "log.every=10", "--set", "checkpoint.every=100000", *SMALL_RING8]
-    nohup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored else None
-    trainer = start_training(command, run, preexec_fn=nohup)
+    # Set either way: a suite itself run under nohup hands its SIGHUP-ignoring disposition to every child.
+    hangup = signal.SIG_IGN if ignored else signal.SIG_DFL
+    trainer = start_training(command, run, preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
     trainer.send_signal(signal.SIGHUP)
     if ignored:
         time.sleep(3)
@@ -815,7 +816,8 @@ def test_a_stop_signal_before_training_began_is_one_line_exit_3_and_frees_the_ru
     traceback) and left run.lock behind. The same command then trains in that directory."""
     run, command = paused_start(tmp_path)
     trainer = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,  # SIGHUP handled even in a suite run under nohup
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     wait_for(tmp_path / "paused-0", trainer)
     trainer.send_signal(sig)
     _, stderr = trainer.communicate(timeout=60)

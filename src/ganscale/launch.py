@@ -6,7 +6,7 @@ it trains in is decided before (rundir.py).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import inspect
 import logging
 import math
 import os
@@ -204,10 +204,10 @@ def agent_signals(launch_config: type) -> dict[str, str]:
     """LaunchConfig's keyword for the signals torch's agent stops its workers on: its own but SIGHUP where this
     process ignores SIGHUP (started under nohup: the run is to outlive the terminal); {} otherwise, and where a
     torch has no such keyword (its agent then stops the workers on SIGHUP, with their checkpoint)."""
-    fields = {field.name: field for field in dataclasses.fields(launch_config)}
-    if "signals_to_handle" not in fields or signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+    keyword = inspect.signature(launch_config).parameters.get("signals_to_handle")
+    if keyword is None or not isinstance(keyword.default, str) or signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
         return {}
-    handled = [name for name in fields["signals_to_handle"].default.split(",") if name.strip() != "SIGHUP"]
+    handled = [name for name in keyword.default.split(",") if name.strip() != "SIGHUP"]
     return {"signals_to_handle": ",".join(handled)}
 
 
