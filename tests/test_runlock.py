@@ -434,3 +434,15 @@ def test_a_run_refused_after_taking_its_new_folder_leaves_no_folder_behind(tmp_p
     kept.mkdir()
     result = ganscale("train", "digits", "--resume", "r1", *launch, "--run-dir", "kept", cwd=tmp_path)
     assert result.returncode == 2 and kept.is_dir()  # a folder that was there before stays
+
+
+def test_a_lock_without_its_owner_says_when_another_run_takes_it_over(tmp_path):
+    """An empty or unreadable run.lock (a start in progress, or one that failed): its refusal said only 'wait for it
+    to end', though it clears itself: it says after how long another run takes it over."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / runlock.LOCK_NAME).write_text("")
+    with pytest.raises(ConfigError) as refused:
+        runlock.refuse_if_held(run)
+    assert "a run that is starting" in refused.value.problem
+    assert f"another run takes it over {runlock.LEASE_S:.0f} s after it was written" in refused.value.fix

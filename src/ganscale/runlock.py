@@ -199,8 +199,10 @@ def refuse_if_held(run_dir: Path, here_only: bool = False) -> None:
         return
     holder = (f"the run started {owner.get('started')} on host {owner.get('host')} (pid {owner.get('pid')})"
               if owner else f"a run that is starting (see {lock})")
-    raise ConfigError("--run-dir", f"'{run_dir}' is in use by {holder}", "wait for it to end, or choose another "
-                      "--run-dir")
+    # A lock with no owner written is a start in progress, or one that failed: say when it stops counting.
+    clears = "" if owner else f" (unless it is renewed, another run takes it over {LEASE_S:.0f} s after it was written)"
+    raise ConfigError("--run-dir", f"'{run_dir}' is in use by {holder}", f"wait for it to end{clears}, or choose "
+                      "another --run-dir")
 
 
 def _take_over_if_stale(run_dir: Path) -> None:
