@@ -99,8 +99,9 @@ Sample = tuple[torch.Tensor, ...]  # one micro-batch: (images,), (images, labels
 def _leave_stops_to_trainer(worker_id: int) -> None:
     """In each DataLoader worker: ignore the stop signals (SIGTERM, SIGINT, SIGHUP). A job scheduler signals the
     whole process group, as a closing terminal does; a worker killed by it made the trainer's next batch raise
-    ("DataLoader worker ... is killed by signal") before the agreed stop could checkpoint, and the run was lost. The trainer stops its workers itself, and a
-    worker whose trainer died exits on its own (DataLoader's watchdog of the parent)."""
+    ("DataLoader worker ... is killed by signal") before the agreed stop could checkpoint, and the run was lost.
+    The trainer stops its workers itself, and a worker whose trainer died exits on its own (DataLoader's watchdog
+    of the parent)."""
     for sig in StopSignals.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 

@@ -1,10 +1,10 @@
 """Per-step fingerprints of a training (log.fingerprints): what `ganscale verify` compares between a run on N
 processes and one on a single process.
 
-Rank 0 appends one JSON record per optimizer step (its global mean losses, the L2 norm and sum of each
-gradient as the optimizer gets it, and in D's steps those of G's samples D judged, over the global batch) and one
-per iteration (the same of every parameter and floating buffer of G,
-D and G_ema after the step) to RUN_DIR/fingerprints.jsonl. Steps are counted from 1, as the logs count them.
+Rank 0 appends one JSON record per optimizer step (its global mean losses, the L2 norm and sum of each gradient as
+the optimizer gets it, and in D's steps those of G's samples D judged, over the global batch) and one per iteration
+(the same of every parameter and floating buffer of G, D and G_ema after the step) to RUN_DIR/fingerprints.jsonl.
+Steps are counted from 1, as the logs count them.
 """
 
 from __future__ import annotations
